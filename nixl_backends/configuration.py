@@ -1,0 +1,64 @@
+"""Strict construction of config dataclasses from plain dicts (JSON, YAML, vLLM extra_config).
+
+Every component keeps one dataclass for its configuration; this module turns
+a user's dict into it and names the exact offending key on any mistake.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, missing or has a bad value; the message names it."""
+
+
+def _accepts(annotation: Any, value: Any) -> bool:
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(arg, value) for arg in typing.get_args(annotation))
+    if origin is typing.Literal:
+        return value in typing.get_args(annotation)
+    if annotation is type(None):
+        return value is None
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if origin is not None:
+        return isinstance(value, origin)
+    return isinstance(value, annotation)
+
+
+def from_dict(cls: type[T], data: dict[str, Any] | None, where: str) -> T:
+    """Build dataclass ``cls`` from ``data``; ``where`` prefixes key names in errors.
+
+    The dataclass may define ``validate(self)`` raising :class:`ConfigError`
+    for cross-field rules; it is called once here.
+    """
+    data = dict(data or {})
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise ConfigError(
+            f"unknown key {where}{unknown[0]!r}; valid keys: {', '.join(sorted(fields))}"
+        )
+    for name, field in fields.items():
+        if name not in data:
+            if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                raise ConfigError(f"missing required key {where}{name!r}")
+            continue
+        if not _accepts(hints[name], data[name]):
+            shown = "<redacted>" if "secret" in name else repr(data[name])
+            raise ConfigError(f"bad value for {where}{name!r}: {shown} is not {hints[name]}")
+    obj = cls(**data)
+    validate = getattr(obj, "validate", None)
+    if validate is not None:
+        validate()
+    return obj

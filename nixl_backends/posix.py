@@ -1,0 +1,132 @@
+"""POSIX backend: Full Blocks as files under a root directory, moved by NIXL's POSIX plugin.
+
+The root may be local disk or a mounted shared file system (3FS, NFS,
+Lustre). Files are written under a temporary name and renamed into place, so
+a reader never sees a half-written chunk under its final name.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from nixl_backends.configuration import ConfigError
+from nixl_backends.layout import BlockLayout
+from nixl_backends.store import KVStore, StoreCapabilities, descriptors, run_nixl_transfers
+
+logger = logging.getLogger(__name__)
+
+_IO_ENGINE_PARAMS = {
+    "aio": {"use_aio": "true"},
+    "uring": {"use_uring": "true"},
+    "posix_aio": {"use_posix_aio": "true"},
+}
+
+
+@dataclass
+class PosixStoreConfig:
+    """``{"backend": "posix", ...}``."""
+
+    root: str
+    io_engine: Literal["aio", "uring", "posix_aio"] = "aio"
+    io_timeout_s: float = 30.0
+
+    def validate(self) -> None:
+        if not self.root:
+            raise ConfigError("store.root must name a directory")
+        if self.io_timeout_s <= 0:
+            raise ConfigError(f"store.io_timeout_s must be positive, got {self.io_timeout_s}")
+
+
+class PosixStore(KVStore):
+    capabilities = StoreCapabilities(ranged_reads=True, shared_across_nodes=True)
+
+    def __init__(self, config: PosixStoreConfig, layout: BlockLayout, agent=None) -> None:
+        super().__init__(layout)
+        self.config = config
+        self.root = os.path.abspath(config.root)
+        os.makedirs(self.root, exist_ok=True)
+        self._agent = agent
+        if agent is not None:
+            agent.create_backend("POSIX", _IO_ENGINE_PARAMS[config.io_engine])
+
+    def path(self, key: str) -> str:
+        return os.path.join(self.root, key)
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        expected = self.layout.full_block_bytes
+        for count, key in enumerate(keys):
+            try:
+                if os.stat(self.path(key)).st_size != expected:
+                    return count
+            except FileNotFoundError:
+                return count
+        return len(keys)
+
+    def _transfer_files(self, op: str, fds: list[int | None], addrs: Sequence[int]) -> list[bool]:
+        size = self.layout.full_block_bytes
+        live = [i for i, fd in enumerate(fds) if fd is not None]
+        ok = [False] * len(fds)
+        if not live:
+            return ok
+        registration = self._agent.register_memory([(0, size, fds[i], "") for i in live], "FILE")
+        try:
+            results = run_nixl_transfers(
+                self._agent,
+                op,
+                [(descriptors([(addrs[i], size, 0)]), descriptors([(0, size, fds[i])])) for i in live],
+                "FILE",
+                self.config.io_timeout_s,
+            )
+        finally:
+            self._agent.deregister_memory(registration)
+        for i, result in zip(live, results):
+            ok[i] = result
+        return ok
+
+    def read(self, keys: Sequence[str], dst_addrs: Sequence[int]) -> list[bool]:
+        if self._agent is None:
+            raise RuntimeError("PosixStore was opened without a NIXL agent: lookup only")
+        fds: list[int | None] = []
+        for key in keys:
+            try:
+                fds.append(os.open(self.path(key), os.O_RDONLY))
+            except OSError:
+                fds.append(None)
+        try:
+            # NIXL reports a file shorter than the Full Block as a failed read.
+            return self._transfer_files("READ", fds, dst_addrs)
+        finally:
+            for fd in fds:
+                if fd is not None:
+                    os.close(fd)
+
+    def write(self, keys: Sequence[str], src_addrs: Sequence[int]) -> list[bool]:
+        if self._agent is None:
+            raise RuntimeError("PosixStore was opened without a NIXL agent: lookup only")
+        done = [os.path.exists(self.path(key)) for key in keys]
+        todo = [i for i, present in enumerate(done) if not present]
+        temps: dict[int, str] = {}
+        fds: list[int | None] = []
+        for i in todo:
+            final = self.path(keys[i])
+            os.makedirs(os.path.dirname(final), exist_ok=True)
+            temps[i] = f"{final}.{uuid.uuid4().hex}.tmp"
+            fds.append(os.open(temps[i], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
+        try:
+            results = self._transfer_files("WRITE", fds, [src_addrs[i] for i in todo])
+        finally:
+            for fd in fds:
+                os.close(fd)
+        for i, result in zip(todo, results):
+            if result:
+                os.replace(temps[i], self.path(keys[i]))
+                done[i] = True
+            else:
+                os.unlink(temps[i])
+                logger.warning("posix store: write of %s failed", keys[i])
+        return done
