@@ -1,0 +1,486 @@
+"""Full Block round trips through NIXL for every store backend (POSIX files, S3 on SeaweedFS)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import boto3
+import numpy as np
+import pytest
+from botocore.config import Config as BotoConfig
+from botocore.exceptions import ClientError
+
+from nixl_backends.buffers import HostBufferPool, PoolExhausted
+from nixl_backends.layout import BlockLayout, KVNamespace, chunk_hashes, chunk_key
+from nixl_backends.posix import PosixStore
+from nixl_backends.s3 import S3Store
+from nixl_backends.store import make_store, parse_store_config
+
+LAYOUT = BlockLayout(num_layers=4, layer_block_bytes=16384)
+FULL = LAYOUT.full_block_bytes
+CHUNK_TOKENS = 16
+POOL_SLOTS = 48
+NAMESPACE = KVNamespace(
+    model="test-model",
+    dtype="bfloat16",
+    block_size=16,
+    chunk_tokens=CHUNK_TOKENS,
+    num_layers=LAYOUT.num_layers,
+    num_kv_heads=2,
+    head_size=64,
+    kv_layout="NHD",
+    layer_block_bytes=LAYOUT.layer_block_bytes,
+).digest()
+
+
+# --- fixtures ------------------------------------------------------------------------------------
+
+
+@pytest.fixture(params=["posix", "s3"])
+def backend(request) -> str:
+    return request.param
+
+
+@pytest.fixture
+def s3_client(request):
+    seaweedfs = request.getfixturevalue("seaweedfs")
+    return boto3.client(
+        "s3",
+        endpoint_url=seaweedfs.endpoint,
+        aws_access_key_id=seaweedfs.access_key,
+        aws_secret_access_key=seaweedfs.secret_key,
+        region_name="us-east-1",
+        config=BotoConfig(s3={"addressing_style": "path"}),
+    )
+
+
+@pytest.fixture
+def bucket(s3_bucket, s3_client):
+    """``s3_bucket``, emptied and deleted afterwards.
+
+    Every bucket is a SeaweedFS collection that takes several volumes, and the
+    dev server has only about ten buckets' worth; without the cleanup the
+    eleventh test bucket cannot be written to.
+    """
+    yield s3_bucket
+    try:
+        listed = s3_client.list_objects_v2(Bucket=s3_bucket).get("Contents", [])
+    except ClientError:
+        return  # never created
+    for obj in listed:
+        s3_client.delete_object(Bucket=s3_bucket, Key=obj["Key"])
+    s3_client.delete_bucket(Bucket=s3_bucket)
+
+
+@pytest.fixture
+def store_config(backend, tmp_path, request):
+    if backend == "posix":
+        return parse_store_config({"backend": "posix", "root": str(tmp_path / "store")})
+    # Only S3 tests start SeaweedFS.
+    seaweedfs = request.getfixturevalue("seaweedfs")
+    return parse_store_config(seaweedfs.store_config(request.getfixturevalue("bucket")))
+
+
+@pytest.fixture
+def store(store_config, nixl_agent):
+    # The backend must exist on the agent before the pool registers memory.
+    opened = make_store(store_config, LAYOUT, nixl_agent)
+    yield opened
+    opened.close()
+
+
+@pytest.fixture
+def pool(store, nixl_agent):
+    opened = HostBufferPool(nixl_agent, FULL, POOL_SLOTS)
+    yield opened
+    opened.close()
+
+
+@pytest.fixture
+def stored_bytes(store, request):
+    """Read a key's stored bytes without NIXL, straight from the file or object."""
+    if isinstance(store, PosixStore):
+        return lambda key: Path(store.path(key)).read_bytes()
+    client = request.getfixturevalue("s3_client")
+    return lambda key: client.get_object(Bucket=store.config.bucket, Key=key)["Body"].read()
+
+
+@pytest.fixture
+def truncate(store, request):
+    """Cut a stored chunk down to ``keep`` bytes behind the store's back."""
+    if isinstance(store, PosixStore):
+
+        def cut(key: str, keep: int) -> None:
+            os.truncate(store.path(key), keep)
+            assert os.stat(store.path(key)).st_size == keep
+
+        return cut
+    client = request.getfixturevalue("s3_client")
+
+    def cut(key: str, keep: int) -> None:
+        body = client.get_object(Bucket=store.config.bucket, Key=key)["Body"].read()
+        assert len(body) == FULL
+        client.put_object(Bucket=store.config.bucket, Key=key, Body=body[:keep])
+        assert client.head_object(Bucket=store.config.bucket, Key=key)["ContentLength"] == keep
+
+    return cut
+
+
+# --- helpers -------------------------------------------------------------------------------------
+
+
+def make_keys(rng: np.random.Generator, count: int) -> list[str]:
+    tokens = rng.integers(0, 32000, size=count * CHUNK_TOKENS).tolist()
+    hashes = chunk_hashes(NAMESPACE, tokens, CHUNK_TOKENS)
+    assert len(hashes) == count
+    return [chunk_key("kv-test", NAMESPACE, h) for h in hashes]
+
+
+def fill_random(pool: HostBufferPool, slots: list[int], rng: np.random.Generator) -> None:
+    for slot in slots:
+        pool.slot_view(slot)[:] = rng.integers(0, 256, size=FULL, dtype=np.uint8)
+
+
+def poison(pool: HostBufferPool, slots: list[int]) -> None:
+    for slot in slots:
+        pool.slot_view(slot)[:] = 0xA5
+
+
+def addrs(pool: HostBufferPool, slots: list[int]) -> list[int]:
+    return [pool.slot_addr(slot) for slot in slots]
+
+
+def assert_slots_equal(pool: HostBufferPool, src: list[int], dst: list[int]) -> None:
+    for s, d in zip(src, dst, strict=True):
+        assert np.array_equal(pool.slot_view(s), pool.slot_view(d)), (s, d)
+
+
+def write_all(store, pool: HostBufferPool, keys: list[str], slots: list[int]) -> None:
+    assert store.write(keys, addrs(pool, slots)) == [True] * len(keys)
+
+
+# --- round trips ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("count", [1, 6])
+def test_round_trip(store, pool, count):
+    rng = np.random.default_rng(1000 + count)
+    keys = make_keys(rng, count)
+    src = list(range(count))
+    dst = list(range(count, 2 * count))
+    fill_random(pool, src, rng)
+    poison(pool, dst)
+    assert not np.array_equal(pool.slot_view(src[0]), pool.slot_view(dst[0]))
+
+    assert store.lookup(keys) == 0
+    write_all(store, pool, keys, src)
+    assert store.lookup(keys) == count
+
+    assert store.read(keys, addrs(pool, dst)) == [True] * count
+    assert_slots_equal(pool, src, dst)
+
+
+def test_round_trip_in_permuted_order(store, pool):
+    """Each key lands at its own address, whatever the order of the batch."""
+    rng = np.random.default_rng(7)
+    keys = make_keys(rng, 5)
+    src = [0, 1, 2, 3, 4]
+    fill_random(pool, src, rng)
+    write_all(store, pool, keys, src)
+
+    order = [3, 0, 4, 2, 1]
+    dst = [10 + i for i in range(5)]
+    poison(pool, dst)
+    assert store.read([keys[i] for i in order], addrs(pool, dst)) == [True] * 5
+    assert_slots_equal(pool, [src[i] for i in order], dst)
+
+
+def test_written_bytes_are_the_slot_bytes(store, pool, stored_bytes):
+    """Checked outside NIXL, so a symmetric write/read mistake cannot hide."""
+    rng = np.random.default_rng(11)
+    keys = make_keys(rng, 3)
+    src = [5, 6, 7]
+    fill_random(pool, src, rng)
+    write_all(store, pool, keys, src)
+    for key, slot in zip(keys, src):
+        data = stored_bytes(key)
+        assert len(data) == FULL
+        assert data == pool.slot_view(slot).tobytes()
+        # Layer l is at [l*S, (l+1)*S) of the stored Full Block.
+        for layer in range(LAYOUT.num_layers):
+            lo, hi = LAYOUT.layer_range(layer)
+            assert data[lo:hi] == pool.slot_view(slot)[lo:hi].tobytes()
+
+
+def test_many_chunks_cross_the_lookup_window(store, pool):
+    rng = np.random.default_rng(20)
+    keys = make_keys(rng, 20)
+    src = list(range(20))
+    fill_random(pool, src, rng)
+    present = [i for i in range(20) if i != 17]
+    write_all(store, pool, [keys[i] for i in present], [src[i] for i in present])
+    assert store.lookup(keys) == 17
+    assert store.lookup(keys[:17]) == 17
+    assert store.lookup(keys[18:]) == 2
+
+    dst = list(range(20, 40))
+    poison(pool, dst)
+    flags = store.read(keys, addrs(pool, dst))
+    assert flags == [i != 17 for i in range(20)]
+    assert_slots_equal(pool, [src[i] for i in present], [dst[i] for i in present])
+
+
+def test_empty_batches(store, pool):
+    assert store.lookup([]) == 0
+    assert store.read([], []) == []
+    assert store.write([], []) == []
+
+
+# --- lookup, missing and damaged chunks ----------------------------------------------------------
+
+
+def test_lookup_returns_leading_run(store, pool):
+    rng = np.random.default_rng(30)
+    keys = make_keys(rng, 5)
+    src = list(range(5))
+    fill_random(pool, src, rng)
+    written = [0, 1, 3, 4]
+    write_all(store, pool, [keys[i] for i in written], [src[i] for i in written])
+
+    assert store.lookup(keys) == 2
+    assert store.lookup(keys[:2]) == 2
+    assert store.lookup(keys[2:]) == 0
+    assert store.lookup(keys[3:]) == 2
+    assert store.lookup([keys[2], keys[0]]) == 0
+
+    # Filling the hole completes the run.
+    write_all(store, pool, [keys[2]], [src[2]])
+    assert store.lookup(keys) == 5
+
+
+def test_missing_key_fails_alone_on_read(store, pool):
+    rng = np.random.default_rng(40)
+    keys = make_keys(rng, 4)
+    src = [0, 1, 2, 3]
+    fill_random(pool, src, rng)
+    written = [0, 1, 3]
+    write_all(store, pool, [keys[i] for i in written], [src[i] for i in written])
+
+    dst = [4, 5, 6, 7]
+    poison(pool, dst)
+    assert store.read(keys, addrs(pool, dst)) == [True, True, False, True]
+    assert_slots_equal(pool, [src[i] for i in written], [dst[i] for i in written])
+
+
+@pytest.mark.parametrize("keep", [FULL - 1, FULL // 2, 1, 0], ids=["minus-1", "half", "one-byte", "empty"])
+def test_truncated_chunk_stops_lookup_and_fails_read(store, pool, truncate, keep):
+    rng = np.random.default_rng(50 + keep)
+    keys = make_keys(rng, 4)
+    src = [0, 1, 2, 3]
+    fill_random(pool, src, rng)
+    write_all(store, pool, keys, src)
+    assert store.lookup(keys) == 4
+
+    truncate(keys[2], keep)
+    assert store.lookup(keys) == 2
+    assert store.lookup(keys[3:]) == 1
+
+    dst = [4, 5, 6, 7]
+    poison(pool, dst)
+    assert store.read(keys, addrs(pool, dst)) == [True, True, False, True]
+    intact = [0, 1, 3]
+    assert_slots_equal(pool, [src[i] for i in intact], [dst[i] for i in intact])
+
+
+def test_lookup_only_store(store_config, store, pool):
+    rng = np.random.default_rng(60)
+    keys = make_keys(rng, 3)
+    fill_random(pool, [0, 1], rng)
+    write_all(store, pool, keys[:2], [0, 1])
+
+    lookup_only = make_store(store_config, LAYOUT, None)
+    try:
+        assert type(lookup_only) is type(store)
+        assert lookup_only.lookup(keys) == 2
+        assert lookup_only.lookup(keys[:1]) == 1
+        with pytest.raises(RuntimeError):
+            lookup_only.read(keys[:1], addrs(pool, [2]))
+        with pytest.raises(RuntimeError):
+            lookup_only.write(keys[2:], addrs(pool, [0]))
+    finally:
+        lookup_only.close()
+    # Nothing was written through the lookup-only store.
+    assert store.lookup(keys[2:]) == 0
+
+
+def test_lookup_only_store_without_chunks(store_config):
+    lookup_only = make_store(store_config, LAYOUT, None)
+    try:
+        rng = np.random.default_rng(61)
+        assert lookup_only.lookup(make_keys(rng, 3)) == 0
+    finally:
+        lookup_only.close()
+
+
+def test_rewriting_a_key_counts_as_written(store, pool):
+    rng = np.random.default_rng(70)
+    keys = make_keys(rng, 2)
+    fill_random(pool, [0, 1], rng)
+    write_all(store, pool, keys, [0, 1])
+    # Same key, same content (content addressing): written again or skipped, never an error.
+    assert store.write(keys, addrs(pool, [0, 1])) == [True, True]
+    assert store.lookup(keys) == 2
+    poison(pool, [2, 3])
+    assert store.read(keys, addrs(pool, [2, 3])) == [True, True]
+    assert_slots_equal(pool, [0, 1], [2, 3])
+
+
+# --- backend specifics ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def posix_store(tmp_path, nixl_agent):
+    opened = make_store(parse_store_config({"backend": "posix", "root": str(tmp_path / "posix")}), LAYOUT, nixl_agent)
+    yield opened
+    opened.close()
+
+
+@pytest.fixture
+def posix_pool(posix_store, nixl_agent):
+    opened = HostBufferPool(nixl_agent, FULL, 8)
+    yield opened
+    opened.close()
+
+
+def test_make_store_picks_the_backend(backend, store):
+    assert isinstance(store, PosixStore if backend == "posix" else S3Store)
+
+
+def test_posix_keys_are_files_under_the_root(posix_store, posix_pool, tmp_path):
+    rng = np.random.default_rng(80)
+    (key,) = make_keys(rng, 1)
+    fill_random(posix_pool, [0], rng)
+    write_all(posix_store, posix_pool, [key], [0])
+    path = Path(posix_store.path(key))
+    assert path == tmp_path / "posix" / key
+    assert path.is_file() and path.stat().st_size == FULL
+    # Written under a temporary name and renamed: nothing else is left behind.
+    assert [p for p in (tmp_path / "posix").rglob("*") if p.is_file()] == [path]
+
+
+def test_posix_write_of_existing_key_keeps_the_file(posix_store, posix_pool):
+    rng = np.random.default_rng(90)
+    (key,) = make_keys(rng, 1)
+    fill_random(posix_pool, [0, 1], rng)
+    assert not np.array_equal(posix_pool.slot_view(0), posix_pool.slot_view(1))
+    write_all(posix_store, posix_pool, [key], [0])
+    path = Path(posix_store.path(key))
+    before = path.stat()
+    original = path.read_bytes()
+
+    # Different bytes under the same key: the existing file is kept, not replaced.
+    assert posix_store.write([key], addrs(posix_pool, [1])) == [True]
+    after = path.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert path.read_bytes() == original == posix_pool.slot_view(0).tobytes()
+    assert [p.name for p in path.parent.iterdir()] == [path.name]
+
+    poison(posix_pool, [2])
+    assert posix_store.read([key], addrs(posix_pool, [2])) == [True]
+    assert_slots_equal(posix_pool, [0], [2])
+
+
+def test_posix_write_mixes_existing_and_new_keys(posix_store, posix_pool):
+    rng = np.random.default_rng(91)
+    keys = make_keys(rng, 3)
+    fill_random(posix_pool, [0, 1, 2], rng)
+    write_all(posix_store, posix_pool, [keys[1]], [1])
+    assert posix_store.write(keys, addrs(posix_pool, [0, 1, 2])) == [True, True, True]
+    assert posix_store.lookup(keys) == 3
+    for key, slot in zip(keys, [0, 1, 2]):
+        assert Path(posix_store.path(key)).read_bytes() == posix_pool.slot_view(slot).tobytes()
+
+
+def test_s3_store_creates_its_bucket(seaweedfs, bucket, s3_client):
+    assert bucket not in {b["Name"] for b in s3_client.list_buckets()["Buckets"]}
+    opened = make_store(parse_store_config(seaweedfs.store_config(bucket)), LAYOUT, None)
+    try:
+        assert bucket in {b["Name"] for b in s3_client.list_buckets()["Buckets"]}
+        # Opening again on an existing bucket is fine.
+        make_store(parse_store_config(seaweedfs.store_config(bucket)), LAYOUT, None).close()
+    finally:
+        opened.close()
+
+
+# --- host buffer pool ----------------------------------------------------------------------------
+
+
+def test_pool_slots_are_aligned_and_disjoint(posix_pool):
+    assert posix_pool.base_addr % 4096 == 0
+    assert posix_pool.array.nbytes == FULL * posix_pool.num_slots
+    for slot in range(posix_pool.num_slots):
+        assert posix_pool.slot_addr(slot) == posix_pool.base_addr + slot * FULL
+        assert posix_pool.slot_view(slot).nbytes == FULL
+        assert posix_pool.slot_view(slot).ctypes.data == posix_pool.slot_addr(slot)
+        posix_pool.slot_view(slot)[:] = slot + 1
+    for slot in range(posix_pool.num_slots):
+        assert (posix_pool.slot_view(slot) == slot + 1).all()
+
+
+def test_pool_acquire_beyond_capacity_and_release(posix_pool):
+    n = posix_pool.num_slots
+    assert posix_pool.free_slots == n
+    first = posix_pool.acquire(3)
+    second = posix_pool.acquire(n - 4)
+    assert len(first) == 3 and len(second) == n - 4
+    assert len(set(first) | set(second)) == n - 1
+    assert set(first) | set(second) <= set(range(n))
+    assert posix_pool.free_slots == 1
+
+    with pytest.raises(PoolExhausted):
+        posix_pool.acquire(2)
+    assert posix_pool.free_slots == 1  # a failed acquire takes nothing
+
+    last = posix_pool.acquire(1)
+    assert posix_pool.free_slots == 0
+    assert set(last).isdisjoint(set(first) | set(second))
+    with pytest.raises(PoolExhausted):
+        posix_pool.acquire(1)
+    assert posix_pool.acquire(0) == []
+
+    posix_pool.release(first)
+    assert posix_pool.free_slots == 3
+    again = posix_pool.acquire(3)
+    assert sorted(again) == sorted(first)
+    with pytest.raises(PoolExhausted):
+        posix_pool.acquire(1)
+
+    posix_pool.release(again + second + last)
+    assert posix_pool.free_slots == n
+    assert sorted(posix_pool.acquire(n)) == list(range(n))
+
+
+def test_pool_exhausted_is_a_runtime_error():
+    assert issubclass(PoolExhausted, RuntimeError)
+
+
+@pytest.mark.parametrize("slot_bytes,num_slots", [(0, 4), (FULL, 0), (-1, 4)])
+def test_pool_rejects_non_positive_sizes(nixl_agent, slot_bytes, num_slots):
+    with pytest.raises(ValueError):
+        HostBufferPool(nixl_agent, slot_bytes, num_slots)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="buffers.HostBufferPool.acquire does not reject a negative count: acquire(-1) "
+    "returns all but one free slot without removing them from the free list",
+)
+def test_pool_acquire_negative_count_is_rejected(posix_pool):
+    n = posix_pool.num_slots
+    try:
+        taken = posix_pool.acquire(-1)
+    except (ValueError, PoolExhausted):
+        return
+    # Whatever it returned must not be handed out a second time.
+    assert set(taken).isdisjoint(posix_pool.acquire(posix_pool.free_slots)), (taken, n)
