@@ -125,8 +125,10 @@ class SeaweedFS:
             f"-master.port={master}",
             f"-volume.port={volume}",
             f"-filer.port={filer}",
-            "-master.volumeSizeLimitMB=1024",
-            "-volume.max=0",
+            # Every bucket takes several volumes; a fixed, generous count keeps
+            # many test buckets possible whatever the free disk space.
+            "-master.volumeSizeLimitMB=256",
+            "-volume.max=2000",
             "-s3",
             f"-s3.port={self.s3_port}",
             f"-s3.config={s3_config}",

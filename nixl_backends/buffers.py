@@ -42,6 +42,8 @@ class HostBufferPool:
 
     def acquire(self, count: int) -> list[int]:
         """Borrow ``count`` slots at once, or raise :class:`PoolExhausted` (never blocks)."""
+        if count < 0:
+            raise ValueError(f"cannot acquire {count} slots")
         with self._lock:
             if count > len(self._free):
                 raise PoolExhausted(f"need {count} slots, {len(self._free)} of {self.num_slots} free")
@@ -51,6 +53,9 @@ class HostBufferPool:
 
     def release(self, slots: list[int]) -> None:
         with self._lock:
+            # A slot freed twice would later be handed to two borrowers at once.
+            if len(set(slots)) != len(slots) or not set(slots).isdisjoint(self._free):
+                raise ValueError(f"releasing slots that are already free: {sorted(slots)}")
             self._free.extend(slots)
 
     @property

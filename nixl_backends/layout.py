@@ -91,7 +91,7 @@ def chunk_hashes(
     """
     if chunk_tokens <= 0:
         raise ValueError(f"chunk_tokens must be positive, got {chunk_tokens}")
-    if start_chunk > 0 and previous_hash is None:
+    if start_chunk > 0 and not previous_hash:
         raise ValueError("previous_hash is required when start_chunk > 0")
     num_chunks = len(token_ids) // chunk_tokens
     if start_chunk >= num_chunks:
@@ -100,7 +100,7 @@ def chunk_hashes(
         token_ids[start_chunk * chunk_tokens : num_chunks * chunk_tokens], dtype=_TOKEN_DTYPE
     ).tobytes()
     chunk_bytes = chunk_tokens * _TOKEN_DTYPE.itemsize
-    prev = bytes.fromhex(previous_hash) if previous_hash else hashlib.sha256(namespace_digest.encode()).digest()
+    prev = bytes.fromhex(previous_hash) if previous_hash is not None else hashlib.sha256(namespace_digest.encode()).digest()
     out: list[str] = []
     for offset in range(0, len(tokens), chunk_bytes):
         prev = hashlib.sha256(prev + tokens[offset : offset + chunk_bytes]).digest()
@@ -113,7 +113,7 @@ def chunk_key(prefix: str, namespace_digest: str, chunk_hash: str) -> str:
 
     The two-character fan-out keeps directories small on file systems.
     """
-    if len(chunk_hash) != HASH_HEX_CHARS:
+    if len(chunk_hash) != HASH_HEX_CHARS or chunk_hash.strip("0123456789abcdef"):
         raise ValueError(f"chunk hash must be {HASH_HEX_CHARS} hex characters, got {chunk_hash!r}")
     parts = [p for p in (prefix.strip("/"), namespace_digest, chunk_hash[:2], chunk_hash) if p]
     return "/".join(parts)

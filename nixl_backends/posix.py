@@ -7,6 +7,7 @@ a reader never sees a half-written chunk under its final name.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import uuid
@@ -108,17 +109,23 @@ class PosixStore(KVStore):
     def write(self, keys: Sequence[str], src_addrs: Sequence[int]) -> list[bool]:
         if self._agent is None:
             raise RuntimeError("PosixStore was opened without a NIXL agent: lookup only")
-        done = [os.path.exists(self.path(key)) for key in keys]
+        # A complete file stays; a truncated one (a crash, a full disk) is replaced.
+        done = [self.lookup([key]) == 1 for key in keys]
         todo = [i for i, present in enumerate(done) if not present]
         temps: dict[int, str] = {}
         fds: list[int | None] = []
-        for i in todo:
-            final = self.path(keys[i])
-            os.makedirs(os.path.dirname(final), exist_ok=True)
-            temps[i] = f"{final}.{uuid.uuid4().hex}.tmp"
-            fds.append(os.open(temps[i], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
         try:
+            for i in todo:
+                final = self.path(keys[i])
+                os.makedirs(os.path.dirname(final), exist_ok=True)
+                temps[i] = f"{final}.{uuid.uuid4().hex}.tmp"
+                fds.append(os.open(temps[i], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
             results = self._transfer_files("WRITE", fds, [src_addrs[i] for i in todo])
+        except BaseException:
+            for path in temps.values():
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
+            raise
         finally:
             for fd in fds:
                 os.close(fd)

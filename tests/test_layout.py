@@ -256,14 +256,9 @@ def test_chunk_key_differs_per_chunk_and_namespace():
     assert chunk_key("kv", NS, hashes[0]) != chunk_key("kv", other, hashes[0])
 
 
-# --- known library bugs (strict xfail: these flip to failures once the library is fixed) ----------
+# --- inputs that once slipped through ----------------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="layout.chunk_key checks only the length of the hash, not that it is hex: "
-    "'../'*21+'x' is accepted and the key escapes a POSIX store root",
-)
 @pytest.mark.parametrize("bad", ["g" * 64, "../" * 21 + "x"], ids=["non-hex", "path-traversal"])
 def test_chunk_key_rejects_non_hex_hash_of_right_length(bad):
     assert len(bad) == HASH_HEX_CHARS
@@ -271,11 +266,6 @@ def test_chunk_key_rejects_non_hex_hash_of_right_length(bad):
         chunk_key("kv", NS, bad)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="layout.chunk_hashes tests 'previous_hash is None' but then treats '' as absent: "
-    "start_chunk>0 with previous_hash='' silently re-seeds from the namespace",
-)
 def test_start_chunk_with_empty_previous_hash_raises():
     with pytest.raises(ValueError):
         chunk_hashes(NS, TOKENS, CHUNK, start_chunk=1, previous_hash="")

@@ -471,11 +471,6 @@ def test_pool_rejects_non_positive_sizes(nixl_agent, slot_bytes, num_slots):
         HostBufferPool(nixl_agent, slot_bytes, num_slots)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="buffers.HostBufferPool.acquire does not reject a negative count: acquire(-1) "
-    "returns all but one free slot without removing them from the free list",
-)
 def test_pool_acquire_negative_count_is_rejected(posix_pool):
     n = posix_pool.num_slots
     try:

@@ -1,0 +1,97 @@
+"""The connector's configuration (``kv_connector_extra_config``), validated once at start-up.
+
+Unknown or bad keys fail engine start-up with a message naming the key, e.g.
+``kv_connector_extra_config: unknown key 'chunk_token'``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from nixl_backends.configuration import ConfigError, from_dict
+from nixl_backends.layout import KVNamespace
+from nixl_backends.store import parse_store_config
+
+_WHERE = "kv_connector_extra_config."
+
+
+@dataclass
+class DualPathConfig:
+    # The store section, e.g. {"backend": "s3", "endpoint": ..., "bucket": ...}.
+    store: dict[str, Any]
+    # First path component of every key: <key_prefix>/<namespace>/<hh>/<hash>.
+    key_prefix: str = "dualpath"
+    # Tokens per stored chunk; a multiple of vLLM's block_size (default: one block).
+    chunk_tokens: int | None = None
+    # Host buffer slots (one Full Block each) for loads; also caps one request's hit.
+    load_buffer_chunks: int = 1024
+    # Host buffer slots for chunks copied out of the KV cache and waiting to be written.
+    save_buffer_chunks: int = 256
+    # Chunks remembered as present in the store (they are immutable, so a
+    # positive answer stays true); saves a store round trip per lookup.
+    lookup_cache_chunks: int = 1_000_000
+    # Names the model in the namespace; set it when engines load the same
+    # weights from different paths (default: vLLM's --model value).
+    model_id: str | None = None
+    # Bulk only for now: all hit layers land before the request's first forward.
+    load_mode: str = "bulk"
+    # Parsed from `store` by validate(); not a user key.
+    store_config: Any = field(default=None, init=False, repr=False)
+
+    def validate(self) -> None:
+        self.store_config = parse_store_config(self.store, f"{_WHERE}store.")
+        if self.chunk_tokens is not None and self.chunk_tokens <= 0:
+            raise ConfigError(f"{_WHERE}chunk_tokens must be positive, got {self.chunk_tokens}")
+        for name in ("load_buffer_chunks", "save_buffer_chunks", "lookup_cache_chunks"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{_WHERE}{name} must be positive, got {getattr(self, name)}")
+        if self.load_mode != "bulk":
+            raise ConfigError(f"bad value for {_WHERE}'load_mode': {self.load_mode!r}; supported: 'bulk'")
+
+
+def parse_config(extra_config: dict[str, Any] | None) -> DualPathConfig:
+    if not extra_config or "store" not in (extra_config or {}):
+        raise ConfigError(f"missing required key {_WHERE}'store' (e.g. {{\"backend\": \"posix\", \"root\": ...}})")
+    return from_dict(DualPathConfig, extra_config, _WHERE)
+
+
+def resolve_chunk_tokens(config: DualPathConfig, block_size: int) -> int:
+    chunk_tokens = config.chunk_tokens or block_size
+    if chunk_tokens % block_size:
+        raise ConfigError(
+            f"{_WHERE}chunk_tokens ({chunk_tokens}) must be a multiple of vLLM's block_size ({block_size})"
+        )
+    return chunk_tokens
+
+
+def namespace_for(vllm_config: Any, config: DualPathConfig, chunk_tokens: int, tp_rank: int) -> KVNamespace:
+    """The namespace of this engine's KV bytes; scheduler and worker derive the same one.
+
+    A Layer Block is ``chunk_tokens`` tokens of one layer: K and V for every
+    KV head of this TP rank, in the engine's cache dtype.
+    """
+    import torch
+    from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+    from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
+
+    model = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    cache = vllm_config.cache_config
+    cache_dtype = model.dtype if cache.cache_dtype == "auto" else STR_DTYPE_TO_TORCH_DTYPE[cache.cache_dtype]
+    num_kv_heads = model.get_num_kv_heads(parallel)
+    head_size = model.get_head_size()
+    element_bytes = torch.empty((), dtype=cache_dtype).element_size()
+    return KVNamespace(
+        model=config.model_id or model.model,
+        dtype=str(cache_dtype).removeprefix("torch."),
+        block_size=cache.block_size,
+        chunk_tokens=chunk_tokens,
+        num_layers=model.get_num_layers(parallel),
+        num_kv_heads=num_kv_heads,
+        head_size=head_size,
+        kv_layout=get_kv_connector_cache_layout(vllm_config),
+        layer_block_bytes=2 * num_kv_heads * head_size * chunk_tokens * element_bytes,
+        tp_size=parallel.tensor_parallel_size,
+        tp_rank=tp_rank,
+    )

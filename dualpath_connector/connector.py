@@ -1,0 +1,121 @@
+"""``DualPathConnector``: the vLLM ``KVConnectorBase_V1`` facade.
+
+It validates the configuration once and dispatches each hook to the scheduler
+half (:mod:`dualpath_connector.scheduler`) or the worker half
+(:mod:`dualpath_connector.worker`); it holds no logic of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from dualpath_connector.config import parse_config
+from dualpath_connector.metadata import DualPathMetadata
+from dualpath_connector.stats import DualPathPromMetrics, DualPathStats
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+class DualPathConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        kv_role = self._kv_transfer_config.kv_role
+        if kv_role != "kv_both":
+            raise ValueError(f"kv_role {kv_role!r} is not supported yet: DualPathConnector runs as 'kv_both'")
+        if len(kv_cache_config.kv_cache_groups) != 1:
+            raise ValueError("DualPathConnector supports models with a single KV cache group")
+        self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
+        self._scheduler = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            from dualpath_connector.scheduler import DualPathScheduler
+
+            self._scheduler = DualPathScheduler(vllm_config, self.config)
+        else:
+            from dualpath_connector.worker import DualPathWorker
+
+            self._worker = DualPathWorker(vllm_config, self.config)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        # A cache, not a hand-off: a dropped save is only a future miss.
+        return False
+
+    # -- worker side ----------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register_kv_caches(kv_caches, self._kv_cache_config.num_blocks)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self._worker.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # Bulk mode: a request's whole hit is in the cache before its first forward.
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        # Completed chunks are copied out once per step, in wait_for_save.
+        return
+
+    def wait_for_save(self) -> None:
+        self._worker.wait_for_save(self._meta())
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self._worker.get_finished()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.get_block_ids_with_load_errors()
+
+    def get_kv_connector_stats(self) -> DualPathStats | None:
+        return self._worker.get_stats() if self._worker else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+        if self._scheduler is not None:
+            self._scheduler.shutdown()
+
+    def _meta(self) -> DualPathMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, DualPathMetadata)
+        return meta
+
+    # -- scheduler side -------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self._scheduler.request_finished(request, block_ids)
+
+    # -- class-level hooks ----------------------------------------------------
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> DualPathStats:
+        return DualPathStats(data=data) if data is not None else DualPathStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> DualPathPromMetrics:
+        return DualPathPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -1,0 +1,195 @@
+"""Scheduler half: finds hits in the store, plans loads and saves, emits per-step metadata."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from nixl_backends.layout import BlockLayout, chunk_hashes, chunk_key
+from nixl_backends.store import make_store
+
+from dualpath_connector.config import DualPathConfig, namespace_for, resolve_chunk_tokens
+from dualpath_connector.metadata import ChunkLoad, DualPathMetadata, LoadSpec, SaveSpec
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    # Hashes of the request's full chunks computed so far (extended lazily).
+    hashes: list[str] = field(default_factory=list)
+    # Leading chunks known to be in the store; saving starts after them.
+    stored_chunks: int = 0
+    # Chunks handed to the worker for saving (or known stored).
+    saved_chunks: int = 0
+    block_ids: list[int] = field(default_factory=list)
+
+
+class DualPathScheduler:
+    def __init__(self, vllm_config: VllmConfig, config: DualPathConfig) -> None:
+        self.config = config
+        self.block_size = vllm_config.cache_config.block_size
+        self.chunk_tokens = resolve_chunk_tokens(config, self.block_size)
+        self.blocks_per_chunk = self.chunk_tokens // self.block_size
+        # The scheduler looks up rank 0's keys: every rank stores its own shard
+        # of the same chunks at the same time.
+        namespace = namespace_for(vllm_config, config, self.chunk_tokens, tp_rank=0)
+        self.namespace_digest = namespace.digest()
+        layout = BlockLayout(namespace.num_layers, namespace.layer_block_bytes)
+        self.store = make_store(config.store_config, layout)  # lookup only: no NIXL agent here
+        self._present: OrderedDict[str, None] = OrderedDict()
+        self._states: dict[str, _RequestState] = {}
+        # Hit found by get_num_new_matched_tokens, consumed by update_state_after_alloc.
+        self._pending_hit_chunks: dict[str, int] = {}
+        self._loads: list[LoadSpec] = []
+        logger.info(
+            "DualPath scheduler: namespace %s, chunk %d tokens, store %s",
+            self.namespace_digest,
+            self.chunk_tokens,
+            type(self.store).__name__,
+        )
+
+    # -- hashing and lookup ---------------------------------------------------
+
+    def _state(self, request: Request) -> _RequestState:
+        state = self._states.get(request.request_id)
+        if state is None:
+            state = self._states[request.request_id] = _RequestState(request)
+        return state
+
+    def _hashes(self, state: _RequestState, num_tokens: int) -> list[str]:
+        wanted = num_tokens // self.chunk_tokens
+        have = len(state.hashes)
+        if wanted > have:
+            state.hashes.extend(
+                chunk_hashes(
+                    self.namespace_digest,
+                    state.request.all_token_ids[: wanted * self.chunk_tokens],
+                    self.chunk_tokens,
+                    start_chunk=have,
+                    previous_hash=state.hashes[-1] if have else None,
+                )
+            )
+        return state.hashes[:wanted]
+
+    def key(self, chunk_hash: str) -> str:
+        return chunk_key(self.config.key_prefix, self.namespace_digest, chunk_hash)
+
+    def _leading_present(self, keys: list[str]) -> int:
+        known = 0
+        while known < len(keys) and keys[known] in self._present:
+            self._present.move_to_end(keys[known])
+            known += 1
+        if known == len(keys):
+            return known
+        found = known + self.store.lookup(keys[known:])
+        for key in keys[known:found]:
+            self._present[key] = None
+        while len(self._present) > self.config.lookup_cache_chunks:
+            self._present.popitem(last=False)
+        return found
+
+    # -- vLLM scheduler hooks -------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        state = self._state(request)
+        # Never claim the last token: vLLM must compute it to sample the next one.
+        claimable = (request.num_tokens - 1) // self.chunk_tokens
+        hashes = self._hashes(state, claimable * self.chunk_tokens)
+        present = self._leading_present([self.key(h) for h in hashes])
+        state.stored_chunks = max(state.stored_chunks, present)
+        state.saved_chunks = max(state.saved_chunks, present)
+        # One request's hit must fit the load buffer.
+        first_chunk = num_computed_tokens // self.chunk_tokens
+        hit_chunks = min(present, first_chunk + self.config.load_buffer_chunks)
+        hit_tokens = hit_chunks * self.chunk_tokens - num_computed_tokens
+        if hit_tokens <= 0:
+            self._pending_hit_chunks.pop(request.request_id, None)
+            return 0, False
+        self._pending_hit_chunks[request.request_id] = hit_chunks
+        return hit_tokens, True
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        state = self._state(request)
+        state.block_ids = list(blocks.get_block_ids()[0])
+        hit_chunks = self._pending_hit_chunks.pop(request.request_id, 0)
+        if num_external_tokens == 0 or hit_chunks == 0:
+            return
+        hit_end = hit_chunks * self.chunk_tokens
+        local_blocks = (hit_end - num_external_tokens) // self.block_size
+        chunks = []
+        for chunk in range(local_blocks // self.blocks_per_chunk, hit_chunks):
+            first_block = chunk * self.blocks_per_chunk
+            skip = max(0, local_blocks - first_block)
+            chunks.append(
+                ChunkLoad(
+                    key=self.key(state.hashes[chunk]),
+                    first_sub_block=skip,
+                    block_ids=state.block_ids[first_block + skip : first_block + self.blocks_per_chunk],
+                )
+            )
+        self._loads.append(LoadSpec(request.request_id, chunks))
+        logger.debug("request %s: loading %d tokens from the store", request.request_id, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DualPathMetadata:
+        meta = DualPathMetadata(loads=self._loads)
+        self._loads = []
+        for new in scheduler_output.scheduled_new_reqs:
+            state = self._states.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            self._plan_save(state, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id], meta)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._states.get(req_id)
+            if state is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                state.block_ids = list(new_blocks[0]) if new_blocks else []
+            elif new_blocks:
+                state.block_ids.extend(new_blocks[0])
+            computed_after = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
+            self._plan_save(state, computed_after, meta)
+        return meta
+
+    def _plan_save(self, state: _RequestState, computed_after_step: int, meta: DualPathMetadata) -> None:
+        # Only tokens that exist (not async-scheduling placeholders) are hashed.
+        complete = min(computed_after_step, len(state.request.all_token_ids)) // self.chunk_tokens
+        if complete <= state.saved_chunks:
+            return
+        bpc = self.blocks_per_chunk
+        if len(state.block_ids) < complete * bpc:
+            logger.warning("request %s: fewer blocks than computed tokens; not saving", state.request.request_id)
+            return
+        hashes = self._hashes(state, complete * self.chunk_tokens)
+        first = state.saved_chunks
+        meta.saves.append(
+            SaveSpec(
+                req_id=state.request.request_id,
+                keys=[self.key(h) for h in hashes[first:complete]],
+                block_ids=[state.block_ids[c * bpc : (c + 1) * bpc] for c in range(first, complete)],
+            )
+        )
+        state.saved_chunks = complete
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Saves copy their blocks out of the KV cache in the step that computed
+        # them, and vLLM itself keeps blocks of an in-flight load until it is
+        # reported: nothing here needs the blocks held.
+        self._states.pop(request.request_id, None)
+        self._pending_hit_chunks.pop(request.request_id, None)
+        return False, None
+
+    def shutdown(self) -> None:
+        self.store.close()

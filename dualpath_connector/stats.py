@@ -1,0 +1,115 @@
+"""Connector stats: collected by the worker half, aggregated and exported by vLLM.
+
+They reach vLLM's periodic log line through ``KVConnectorStats`` and its
+Prometheus endpoint (``/metrics``) through ``DualPathPromMetrics``.
+"""
+
+from __future__ import annotations
+
+import statistics
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+COUNTERS = {
+    "loaded_tokens": "Tokens whose KV was loaded from the store (hit tokens)",
+    "load_failed_tokens": "Hit tokens that could not be loaded and were recomputed or failed",
+    "bytes_read": "Bytes read from the store",
+    "bytes_written": "Bytes written to the store",
+    "saved_chunks": "Chunks written to the store",
+    "save_skipped_chunks": "Chunks not saved because the save buffer was full or the write failed",
+}
+TIMINGS = {
+    "load_seconds": "Time from a load's start to its KV being in the cache",
+    "save_seconds": "Time to write one step's completed chunks to the store",
+}
+
+
+def _empty() -> dict[str, Any]:
+    data: dict[str, Any] = dict.fromkeys(COUNTERS, 0)
+    data.update({name: [] for name in TIMINGS})
+    return data
+
+
+@dataclass
+class DualPathStats(KVConnectorStats):
+    data: dict[str, Any] = field(default_factory=_empty)
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def aggregate(self, other: KVConnectorStats) -> DualPathStats:
+        for name in COUNTERS:
+            self.data[name] += other.data.get(name, 0)
+        for name in TIMINGS:
+            self.data[name].extend(other.data.get(name, []))
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {name: self.data[name] for name in COUNTERS}
+        for name in TIMINGS:
+            values = self.data[name]
+            out[f"{name}_median"] = round(statistics.median(values), 4) if values else 0.0
+        return out
+
+    def is_empty(self) -> bool:
+        return not any(self.data[name] for name in COUNTERS) and not any(self.data[n] for n in TIMINGS)
+
+
+class StatsRecorder:
+    """Thread-safe accumulation on the worker; ``take`` hands over and resets."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = DualPathStats()
+
+    def add(self, **counters: int) -> None:
+        with self._lock:
+            for name, value in counters.items():
+                self._stats.data[name] += value
+
+    def time(self, name: str, seconds: float) -> None:
+        with self._lock:
+            self._stats.data[name].append(seconds)
+
+    def take(self) -> DualPathStats | None:
+        with self._lock:
+            if self._stats.is_empty():
+                return None
+            taken, self._stats = self._stats, DualPathStats()
+        return taken
+
+
+class DualPathPromMetrics(KVConnectorPromMetrics):
+    """``dualpath_kv:*`` counters and histograms on vLLM's /metrics, one label set per engine."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._counters = {
+            name: create_metric_per_engine(
+                self._counter_cls(name=f"dualpath_kv:{name}", documentation=doc, labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for name, doc in COUNTERS.items()
+        }
+        buckets = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+        self._histograms = {
+            name: create_metric_per_engine(
+                self._histogram_cls(name=f"dualpath_kv:{name}", documentation=doc, buckets=buckets, labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for name, doc in TIMINGS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, per_engine in self._counters.items():
+            value = transfer_stats_data.get(name, 0)
+            if value:
+                per_engine[engine_idx].inc(value)
+        for name, per_engine in self._histograms.items():
+            for seconds in transfer_stats_data.get(name, []):
+                per_engine[engine_idx].observe(seconds)

@@ -1,0 +1,80 @@
+"""A vLLM engine (CPU, tiny Llama) in its own process, driven by a test over stdin/stdout.
+
+Protocol, one JSON object per line:
+  runner -> test: {"ready": true, "namespace": DIGEST|null, "key_prefix": STR|null}
+  test -> runner: {"prompts": [[token ids]...], "max_tokens": N, "reset_prefix_cache": bool}
+  runner -> test: {"outputs": [{"tokens": [...], "logprobs": [...], "num_cached_tokens": N}...]}
+Closing stdin ends the engine. The runner's own log goes to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--kv-transfer-config", default=None, help="JSON, as for vllm serve")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=512)
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    args = parser.parse_args()
+
+    # vLLM logs to stdout: keep the real stdout for the protocol and send
+    # everything else written to fd 1 to stderr.
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+
+    kv_config = json.loads(args.kv_transfer_config) if args.kv_transfer_config else None
+    llm = LLM(
+        model=args.model,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        block_size=32,
+        enforce_eager=True,
+        seed=0,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=512 << 20,
+        kv_transfer_config=KVTransferConfig(**kv_config) if kv_config else None,
+    )
+    namespace = None
+    key_prefix = None
+    if kv_config:
+        from dualpath_connector.config import namespace_for, parse_config, resolve_chunk_tokens
+
+        vllm_config = llm.llm_engine.vllm_config
+        config = parse_config(kv_config.get("kv_connector_extra_config"))
+        chunk_tokens = resolve_chunk_tokens(config, vllm_config.cache_config.block_size)
+        namespace = namespace_for(vllm_config, config, chunk_tokens, tp_rank=0).digest()
+        key_prefix = config.key_prefix
+    print(json.dumps({"ready": True, "namespace": namespace, "key_prefix": key_prefix}), file=protocol)
+
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command.get("reset_prefix_cache"):
+            llm.reset_prefix_cache()
+        params = SamplingParams(temperature=0.0, max_tokens=command["max_tokens"], logprobs=0, ignore_eos=True)
+        results = llm.generate([{"prompt_token_ids": p} for p in command["prompts"]], params, use_tqdm=False)
+        outputs = []
+        for result in results:
+            completion = result.outputs[0]
+            outputs.append(
+                {
+                    "tokens": list(completion.token_ids),
+                    "logprobs": [lp[tok].logprob for tok, lp in zip(completion.token_ids, completion.logprobs)],
+                    "num_cached_tokens": result.num_cached_tokens,
+                }
+            )
+        print(json.dumps({"outputs": outputs}), file=protocol)
+
+
+if __name__ == "__main__":
+    main()
