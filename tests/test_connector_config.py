@@ -1,0 +1,68 @@
+"""kv_connector_extra_config parsing: every mistake names its key."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dualpath_connector.config import DualPathConfig, parse_config, resolve_chunk_tokens
+from nixl_backends.configuration import ConfigError
+from nixl_backends.posix import PosixStoreConfig
+from nixl_backends.s3 import S3StoreConfig
+
+POSIX = {"backend": "posix", "root": "/tmp/kv"}
+
+
+def test_defaults_and_store_section_are_parsed():
+    config = parse_config({"store": POSIX})
+    assert isinstance(config, DualPathConfig)
+    assert isinstance(config.store_config, PosixStoreConfig)
+    assert config.key_prefix == "dualpath"
+    assert config.chunk_tokens is None
+
+
+def test_shipped_single_config_parses():
+    shipped = json.loads((Path(__file__).parent.parent / "configs" / "single.json").read_text())
+    config = parse_config(shipped["kv_connector_extra_config"])
+    assert isinstance(config.store_config, S3StoreConfig)
+    assert shipped["kv_connector_module_path"] == "dualpath_connector"
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        (None, "'store'"),
+        ({}, "'store'"),
+        ({"store": POSIX, "chunk_token": 64}, "'chunk_token'"),
+        ({"store": POSIX, "chunk_tokens": "64"}, "'chunk_tokens'"),
+        ({"store": POSIX, "chunk_tokens": 0}, "chunk_tokens"),
+        ({"store": POSIX, "load_buffer_chunks": -1}, "load_buffer_chunks"),
+        ({"store": POSIX, "load_mode": "sideways"}, "'load_mode'"),
+        ({"store": {"backend": "posix"}}, "store.'root'"),
+        ({"store": {"backend": "posix", "root": "/x", "rot": 1}}, "store.'rot'"),
+        ({"store": {"backend": "tape"}}, "store.'backend'"),
+        ({"store": "s3://bucket"}, "store"),
+    ],
+)
+def test_bad_config_names_the_key(extra, named):
+    with pytest.raises(ConfigError) as error:
+        parse_config(extra)
+    assert named in str(error.value)
+
+
+def test_chunk_tokens_must_be_a_multiple_of_block_size():
+    assert resolve_chunk_tokens(parse_config({"store": POSIX}), 32) == 32
+    assert resolve_chunk_tokens(parse_config({"store": POSIX, "chunk_tokens": 64}), 32) == 64
+    with pytest.raises(ConfigError, match="chunk_tokens"):
+        resolve_chunk_tokens(parse_config({"store": POSIX, "chunk_tokens": 48}), 32)
+
+
+def test_import_is_cheap_and_lazy():
+    import subprocess
+    import sys
+
+    code = "import sys, dualpath_connector; print('vllm' in sys.modules, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]

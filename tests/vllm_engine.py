@@ -1,0 +1,100 @@
+"""Drives tests/engine_runner.py: one vLLM engine in its own process, stopped by the PID we hold."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from dualpath_connector.devstack import stop_process_group
+
+RUNNER = Path(__file__).with_name("engine_runner.py")
+ENGINE_START_TIMEOUT_S = 600
+REQUEST_TIMEOUT_S = 300
+
+
+class EngineFailed(RuntimeError):
+    pass
+
+
+class Engine:
+    def __init__(self, model: Path, kv_transfer_config: dict[str, Any] | None = None, **options: Any) -> None:
+        args = [sys.executable, str(RUNNER), "--model", str(model)]
+        if kv_transfer_config is not None:
+            args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
+        for name, value in options.items():
+            args += [f"--{name.replace('_', '-')}", str(value)]
+        self.log = tempfile.NamedTemporaryFile(prefix="engine-", suffix=".log", delete=False)
+        # vLLM's CPU build reserves one more core when any KV connector is set,
+        # which changes the OMP thread count and so the bf16 rounding of every
+        # GEMM; engines with and without the connector must compute alike.
+        env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            args,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            self.ready = self._read(ENGINE_START_TIMEOUT_S)
+        except BaseException:
+            self.stop()
+            raise
+
+    def log_text(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def _read(self, timeout_s: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise EngineFailed(f"engine gave no answer in {timeout_s}s; log tail:\n{self.log_text()[-20000:]}")
+            readable, _, _ = select.select([self.proc.stdout], [], [], remaining)
+            if readable:
+                line = self.proc.stdout.readline()
+                if not line:
+                    self.proc.wait()
+                    raise EngineFailed(f"engine exited ({self.proc.returncode}); log tail:\n{self.log_text()[-20000:]}")
+                return json.loads(line)
+
+    def generate(self, prompts: list[list[int]], max_tokens: int, reset_prefix_cache: bool = True) -> list[dict]:
+        command = {"prompts": prompts, "max_tokens": max_tokens, "reset_prefix_cache": reset_prefix_cache}
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._read(REQUEST_TIMEOUT_S)["outputs"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                self.proc.stdin.close()
+                self.proc.wait(timeout=60)
+            except (subprocess.TimeoutExpired, BrokenPipeError):
+                pass
+        stop_process_group(self.proc, grace_s=10.0)
+        Path(self.log.name).unlink(missing_ok=True)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_engine_expecting_failure(model: Path, kv_transfer_config: dict[str, Any]) -> str:
+    """Start an engine that must fail during start-up; return its log."""
+    try:
+        engine = Engine(model, kv_transfer_config)
+    except EngineFailed as failure:
+        return str(failure)
+    engine.stop()
+    raise AssertionError("engine started although its configuration is invalid")
