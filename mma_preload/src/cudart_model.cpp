@@ -15,6 +15,7 @@
 #include "cuda_min.h"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -51,6 +52,7 @@ struct Link {
   double free_at = 0;
   uint64_t bytes = 0, ops = 0;
   double busy = 0, first = -1, last = 0;
+  std::vector<std::array<double, 3>> resv;  // (start, end, bytes) since the last reset, for window accounting
 };
 
 struct Model {
@@ -113,6 +115,7 @@ struct Model {
     l.busy += dur;
     if (l.first < 0 || start < l.first) l.first = start;
     l.last = std::max(l.last, start + dur);
+    if (l.resv.size() < 1000000) l.resv.push_back({start, start + dur, (double)bytes});
     return start + dur;
   }
 };
@@ -164,7 +167,15 @@ struct Stream {
   int dev;
   std::mutex mu;
   std::condition_variable cv, idle;
-  std::deque<std::function<void()>> ops;
+  // Each op gets its enqueue time and the stream's virtual time: it starts (in the model) at
+  // max(enqueue time, end of the previous op), so back-to-back copies on one stream leave no gap on the link,
+  // as with a DMA engine's queue, however late this thread wakes up. Copies return their modelled end time.
+  struct Op {
+    double enq;
+    std::function<double(double)> run;
+  };
+  std::deque<Op> ops;
+  double v_end = 0;
   uint64_t enq = 0, done = 0;
   bool destroyed = false;
   explicit Stream(int d) : dev(d) {
@@ -175,20 +186,28 @@ struct Stream {
     for (;;) {
       cv.wait(lk, [&] { return !ops.empty() || destroyed; });
       if (ops.empty()) return;  // destroyed and drained (object leaked on purpose)
-      auto op = std::move(ops.front());
+      Op op = std::move(ops.front());
       ops.pop_front();
+      double start = std::max(op.enq, v_end);
       lk.unlock();
-      op();
+      double end = op.run(start);
       lk.lock();
+      v_end = end;
       done++;
       idle.notify_all();
     }
   }
-  uint64_t push(std::function<void()> f) {
+  uint64_t push_timed(std::function<double(double)> f) {
     std::lock_guard<std::mutex> lk(mu);
-    ops.push_back(std::move(f));
+    ops.push_back({now_s(), std::move(f)});
     cv.notify_one();
     return ++enq;
+  }
+  uint64_t push(std::function<void()> f) {  // an op that takes real time (host function, wait, event)
+    return push_timed([f = std::move(f)](double) {
+      f();
+      return now_s();
+    });
   }
   void sync_to(uint64_t seq) {
     std::unique_lock<std::mutex> lk(mu);
@@ -253,12 +272,11 @@ int where(const void* p, bool* pinned) {
 }
 
 // Moves the bytes and waits until the link model says the copy is done (runs on a stream thread).
-void timed_copy(void* dst, const void* src, size_t n, int src_loc, int dst_loc) {
+double timed_copy(double t, void* dst, const void* src, size_t n, int src_loc, int dst_loc) {
   Model& m = M();
-  double end = now_s();
+  double end;
   {
     std::lock_guard<std::mutex> lk(m.mu);
-    double t = now_s();
     if (src_loc < 0 && dst_loc >= 0) {
       end = m.reserve(m.pcie[dst_loc * 2 + 0], n, t);
     } else if (src_loc >= 0 && dst_loc < 0) {
@@ -278,6 +296,7 @@ void timed_copy(void* dst, const void* src, size_t n, int src_loc, int dst_loc) 
   }
   if (n) memmove(dst, src, n);
   sleep_until_s(end);
+  return end;
 }
 
 cudaError_t enqueue_copy(void* dst, const void* src, size_t n, int kind, cudaStream_t stream, bool sync) {
@@ -290,15 +309,16 @@ cudaError_t enqueue_copy(void* dst, const void* src, size_t n, int kind, cudaStr
   if (kind < 0 || kind > 4) return cudaErrorInvalidValue;
   bool pageable = (sl < 0 && !spin) || (dl < 0 && !dpin);
   Stream* s = S(stream);
-  uint64_t seq = s->push([=] { timed_copy(dst, src, n, sl, dl); });
+  uint64_t seq = s->push_timed([=](double t) { return timed_copy(t, dst, src, n, sl, dl); });
   if (sync || pageable) s->sync_to(seq);  // pageable host memory: returns when done, like the real runtime
   return cudaSuccess;
 }
 
 // Spin kernel / memop: waits until (int32)(*flag - value) >= 0.
 void wait_value(const volatile uint32_t* flag, uint32_t value) {
-  while ((int32_t)(__atomic_load_n(flag, __ATOMIC_ACQUIRE) - value) < 0)
-    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  // Polls with a growing pause (20 us .. 500 us) so that many waiting streams do not starve a small machine.
+  for (int us = 20; (int32_t)(__atomic_load_n(flag, __ATOMIC_ACQUIRE) - value) < 0; us = std::min(500, us * 2))
+    std::this_thread::sleep_for(std::chrono::microseconds(us));
 }
 
 struct ModelFunc {
@@ -565,6 +585,7 @@ API void mmaModelSetBackground(int link, int dir, double frac) {
   std::lock_guard<std::mutex> lk(m.mu);
   if (link >= 0 && link < m.ndev && (dir == 0 || dir == 1)) m.pcie[link * 2 + dir].bg = frac;
 }
+API double mmaModelNow(void) { return now_s(); }
 API void mmaModelResetStats(void) {
   Model& m = M();
   std::lock_guard<std::mutex> lk(m.mu);
@@ -574,6 +595,7 @@ API void mmaModelResetStats(void) {
       l.busy = 0;
       l.first = -1;
       l.last = 0;
+      l.resv.clear();
     }
   m.spin_kernels = m.memop_waits = m.host_fns = m.staged_peer = 0;
 }
@@ -594,7 +616,33 @@ API int mmaModelStatsJson(char* buf, int len) {
   for (int d = 0; d < m.ndev; d++)
     o += std::string(d ? "," : "") + "{\"h2d\":" + link(m.pcie[d * 2]) + ",\"d2h\":" + link(m.pcie[d * 2 + 1]) +
          ",\"nvlink\":" + link(m.nvl[d]) + "}";
-  o += "],\"spin_kernels\":" + std::to_string(m.spin_kernels) + ",\"memop_waits\":" + std::to_string(m.memop_waits) +
+  // Per direction: throughput over [first start, last end] of all links ("window"), and over the steady part
+  // [first start, earliest last end among the links used] ("steady": while every used link still had work).
+  for (int dir = 0; dir < 2; dir++) {
+    double first = -1, last = 0, min_last = 1e300;
+    double bytes = 0;
+    for (int d = 0; d < m.ndev; d++) {
+      const Link& l = m.pcie[d * 2 + dir];
+      if (!l.bytes) continue;
+      first = first < 0 ? l.first : std::min(first, l.first);
+      last = std::max(last, l.last);
+      min_last = std::min(min_last, l.last);
+      bytes += (double)l.bytes;
+    }
+    double steady_bytes = 0;
+    for (int d = 0; d < m.ndev && first >= 0; d++)
+      for (auto& r : m.pcie[d * 2 + dir].resv) {
+        double a = std::max(r[0], first), b = std::min(r[1], min_last);
+        if (b > a) steady_bytes += r[2] * (b - a) / (r[1] - r[0]);
+      }
+    char b[256];
+    snprintf(b, sizeof b, "%s\"%s\":{\"window_gbps\":%.6f,\"steady_gbps\":%.6f,\"window_s\":%.6f,\"steady_s\":%.6f}",
+             dir ? "," : "],", dir ? "d2h" : "h2d", first >= 0 && last > first ? bytes / (last - first) / 1e9 : 0.0,
+             first >= 0 && min_last > first ? steady_bytes / (min_last - first) / 1e9 : 0.0,
+             first >= 0 ? last - first : 0.0, first >= 0 ? min_last - first : 0.0);
+    o += b;
+  }
+  o += ",\"spin_kernels\":" + std::to_string(m.spin_kernels) + ",\"memop_waits\":" + std::to_string(m.memop_waits) +
        ",\"host_fns\":" + std::to_string(m.host_fns) + ",\"staged_peer\":" + std::to_string(m.staged_peer) +
        ",\"calls\":[" + std::to_string(g_calls[0].load()) + "," + std::to_string(g_calls[1].load()) + "," +
        std::to_string(g_calls[2].load()) + "],\"now\":" + std::to_string(now_s()) + "}";
