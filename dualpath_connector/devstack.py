@@ -100,6 +100,20 @@ class SeaweedFS:
             "secret_key": self.secret_key,
         }
 
+    def client(self, max_attempts: int = 3):
+        """A boto3 S3 client for this server (path-style, its credentials)."""
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=self.access_key,
+            aws_secret_access_key=self.secret_key,
+            region_name="us-east-1",
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": max_attempts}),
+        )
+
     def start(self, timeout_s: float = 60.0) -> SeaweedFS:
         self.data_dir.mkdir(parents=True, exist_ok=True)
         identities = {
@@ -149,17 +163,7 @@ class SeaweedFS:
         return self
 
     def _wait_ready(self, timeout_s: float) -> None:
-        import boto3
-        from botocore.config import Config
-
-        client = boto3.client(
-            "s3",
-            endpoint_url=self.endpoint,
-            aws_access_key_id=self.access_key,
-            aws_secret_access_key=self.secret_key,
-            region_name="us-east-1",
-            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}),
-        )
+        client = self.client(max_attempts=1)
         deadline = time.monotonic() + timeout_s
         last_error: Exception | None = None
         # Ready means an object can be written and read back, not merely that

@@ -5,10 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import boto3
 import numpy as np
 import pytest
-from botocore.config import Config as BotoConfig
 from botocore.exceptions import ClientError
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
@@ -44,15 +42,7 @@ def backend(request) -> str:
 
 @pytest.fixture
 def s3_client(request):
-    seaweedfs = request.getfixturevalue("seaweedfs")
-    return boto3.client(
-        "s3",
-        endpoint_url=seaweedfs.endpoint,
-        aws_access_key_id=seaweedfs.access_key,
-        aws_secret_access_key=seaweedfs.secret_key,
-        region_name="us-east-1",
-        config=BotoConfig(s3={"addressing_style": "path"}),
-    )
+    return request.getfixturevalue("seaweedfs").client()
 
 
 @pytest.fixture

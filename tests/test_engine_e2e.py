@@ -1,0 +1,150 @@
+"""End to end on vLLM's CPU build: engines in their own processes, KV in a real S3 server.
+
+The tiny Llama has a large init scale, so a wrong KV cache changes the greedy
+tokens or their logprobs; the negative control proves the comparison can fail.
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from nixl_backends.layout import chunk_hashes, chunk_key
+from tests.vllm_engine import Engine, start_engine_expecting_failure
+
+pytestmark = pytest.mark.engine
+
+CHUNK = 32  # chunk_tokens defaults to vLLM's block_size, 32 on CPU
+MAX_TOKENS = 40  # decoding crosses a chunk boundary, so decode chunks are saved too
+BUCKET = "dualpath-e2e"
+
+_rng = random.Random(1234)
+# Longer than max_num_batched_tokens (512): prefill is chunked over several steps.
+P = [_rng.randrange(1024) for _ in range(1500)]
+A = P + [_rng.randrange(1024) for _ in range(40)]
+SHARED = [_rng.randrange(1024) for _ in range(700)]
+BATCH = [SHARED + [_rng.randrange(1024) for _ in range(50)] for _ in range(3)]
+
+
+def kv_config(seaweedfs, **extra) -> dict:
+    return {
+        "kv_connector": "DualPathConnector",
+        "kv_connector_module_path": "dualpath_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": seaweedfs.store_config(BUCKET), **extra},
+    }
+
+
+# Why the baselines below replay the same history: on vLLM's CPU kernels the
+# KV of a token depends, in its last bits, on how prefill was chunked around
+# it, and the tiny model amplifies those bits. KV loaded from the store must
+# equal what vLLM's own prefix cache would hold, so each comparison is against
+# an engine without the connector that computed the same chunks in the same
+# steps: its own prefix-cache hit, or a cold run whose chunking a hit at token
+# 512 (= max_num_batched_tokens) reproduces exactly.
+BOUNDARY_CHUNK = 512 // CHUNK
+# Requests loading asynchronously may join decode batches at other steps than
+# in the baseline; batches are compared with this bound on logprobs (a wrong
+# KV cache moves them by 0.05-0.5), single requests exactly.
+BATCH_LOGPROB_TOLERANCE = 1e-2
+
+
+def same(a: dict, b: dict, tolerance: float = 0.0) -> bool:
+    if a["tokens"] != b["tokens"]:
+        return False
+    return max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) <= tolerance
+
+
+@pytest.fixture(scope="module")
+def s3(seaweedfs):
+    return seaweedfs.client()
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model):
+    """Outputs of an engine without the connector, in the histories described above."""
+    with Engine(tiny_model) as engine:
+        out = {"P": engine.generate([P], MAX_TOKENS)[0]}
+        out["A_after_P"] = engine.generate([A], MAX_TOKENS, reset_prefix_cache=False)[0]
+        assert out["A_after_P"]["num_cached_tokens"] == len(P) // CHUNK * CHUNK
+        out["A"] = engine.generate([A], MAX_TOKENS)[0]
+        out["S0"] = engine.generate([BATCH[0]], MAX_TOKENS)[0]
+        out["BATCH_after_S0"] = engine.generate(BATCH, MAX_TOKENS, reset_prefix_cache=False)
+        engine.generate([BATCH[0]], MAX_TOKENS)
+        out["S1_after_S0"] = engine.generate([BATCH[1]], MAX_TOKENS, reset_prefix_cache=False)[0]
+        out["S2"] = engine.generate([BATCH[2]], MAX_TOKENS)[0]
+        return out
+
+
+@pytest.fixture(scope="module")
+def populated(tiny_model, seaweedfs, baseline):
+    """A first engine serves P and one prompt of the batch; the connector stores their chunks."""
+    with Engine(tiny_model, kv_config(seaweedfs)) as engine:
+        outputs = {"P": engine.generate([P], MAX_TOKENS)[0], "S": engine.generate([BATCH[0]], MAX_TOKENS)[0]}
+        namespace, prefix = engine.ready["namespace"], engine.ready["key_prefix"]
+    return {"outputs": outputs, "key": lambda tokens, i: chunk_key(prefix, namespace, chunk_hashes(namespace, tokens, CHUNK)[i])}
+
+
+def test_saving_does_not_change_outputs(baseline, populated, s3):
+    assert same(populated["outputs"]["P"], baseline["P"])
+    assert same(populated["outputs"]["S"], baseline["S0"])
+    # Every full chunk of P, including the decoded ones, is in the bucket.
+    prompt_and_output = P + baseline["P"]["tokens"][:-1]
+    for i in range(len(prompt_and_output) // CHUNK):
+        s3.head_object(Bucket=BUCKET, Key=populated["key"](prompt_and_output, i))
+
+
+def test_fresh_engine_hits_stored_prefix_and_matches(tiny_model, seaweedfs, baseline, populated, s3):
+    key = populated["key"]
+    with Engine(tiny_model, kv_config(seaweedfs)) as engine:
+        # All full chunks of P are hit; the output equals the engine without
+        # the connector serving A after P from its own prefix cache.
+        out = engine.generate([A], MAX_TOKENS)[0]
+        assert out["num_cached_tokens"] == len(P) // CHUNK * CHUNK
+        assert same(out, baseline["A_after_P"])
+
+        # Several requests sharing a prefix, in one batch, each load it.
+        outs = engine.generate(BATCH, MAX_TOKENS)
+        for out, expected in zip(outs, baseline["BATCH_after_S0"]):
+            assert out["num_cached_tokens"] == expected["num_cached_tokens"] > 0
+            assert same(out, expected, BATCH_LOGPROB_TOLERANCE)
+
+        # A chunk truncated after the scheduler has seen it present: the read
+        # fails, its blocks are reported, vLLM recomputes, output unchanged.
+        s3.put_object(Bucket=BUCKET, Key=key(A, BOUNDARY_CHUNK), Body=b"\0" * 100)
+        out = engine.generate([A], MAX_TOKENS)[0]
+        assert out["num_cached_tokens"] <= BOUNDARY_CHUNK * CHUNK
+        assert same(out, baseline["A"])
+
+        # Negative control: a chunk of the right size with wrong bytes is
+        # served as a hit, and the comparison must catch it.
+        original = s3.get_object(Bucket=BUCKET, Key=key(SHARED, 5))["Body"].read()
+        noise = np.random.default_rng(0).integers(0, 256, len(original), dtype=np.uint8).tobytes()
+        s3.put_object(Bucket=BUCKET, Key=key(SHARED, 5), Body=noise)
+        try:
+            out = engine.generate([BATCH[1]], MAX_TOKENS)[0]
+        finally:
+            s3.put_object(Bucket=BUCKET, Key=key(SHARED, 5), Body=original)
+        assert out["num_cached_tokens"] == baseline["S1_after_S0"]["num_cached_tokens"]
+        assert not same(out, baseline["S1_after_S0"], BATCH_LOGPROB_TOLERANCE)
+
+
+def test_missing_or_truncated_chunk_shortens_hit(tiny_model, seaweedfs, baseline, populated, s3):
+    key = populated["key"]
+    s3.delete_object(Bucket=BUCKET, Key=key(P, BOUNDARY_CHUNK))
+    s3.put_object(Bucket=BUCKET, Key=key(SHARED, BOUNDARY_CHUNK), Body=b"\0" * 100)
+    with Engine(tiny_model, kv_config(seaweedfs)) as engine:
+        out = engine.generate([A], MAX_TOKENS)[0]
+        assert out["num_cached_tokens"] == BOUNDARY_CHUNK * CHUNK
+        assert same(out, baseline["A"])
+        out = engine.generate([BATCH[2]], MAX_TOKENS)[0]
+        assert out["num_cached_tokens"] == BOUNDARY_CHUNK * CHUNK
+        assert same(out, baseline["S2"])
+
+
+def test_bad_extra_config_key_fails_startup_naming_it(tiny_model, seaweedfs):
+    log = start_engine_expecting_failure(tiny_model, kv_config(seaweedfs, chunk_token=64))
+    assert "unknown key kv_connector_extra_config.'chunk_token'" in log
