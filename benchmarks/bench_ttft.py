@@ -17,14 +17,9 @@ token ids (``max_tokens=1``). Medians go to a markdown table and
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
-import re
-import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -38,96 +33,35 @@ from _common import (  # noqa: E402
     write_json,
 )
 
-from dualpath_connector.devstack import SeaweedFS, free_port, make_tiny_llama, stop_process_group  # noqa: E402
+from dualpath_connector.devstack import SeaweedFS, VLLMServer, cached_tokens, make_tiny_llama  # noqa: E402
 
-CONFIG = REPO_ROOT / "configs" / "single.json"
 VOCAB = 1024  # the tiny Llama's vocabulary
 PROBE_TOKENS = 8  # shorter than a chunk: a probe is never looked up and never saved
 
 
-# --- HTTP ----------------------------------------------------------------------------------------
-
-
-def stream_completion(base_url: str, model: str, prompt: list[int], timeout_s: float) -> tuple[float, dict]:
-    """One streaming completion with ``max_tokens=1``; (seconds to first token ids, usage)."""
-    body = {
-        "model": model,
-        "prompt": prompt,
-        "max_tokens": 1,
-        "temperature": 0.0,
-        "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-        "return_token_ids": True,
-    }
-    request = urllib.request.Request(
-        f"{base_url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-    )
-    started = time.perf_counter()
-    first: float | None = None
-    usage: dict = {}
-    with urllib.request.urlopen(request, timeout=timeout_s) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[len("data: ") :])
-            if first is None and any(c.get("token_ids") for c in event.get("choices", [])):
-                first = time.perf_counter() - started
-            usage = event.get("usage") or usage
-    if first is None:
-        raise RuntimeError("the stream carried no token ids")
-    return first, usage
-
-
-def cached_tokens(usage: dict) -> int:
-    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-
-
-def metric_total(base_url: str, name: str) -> float:
-    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=30).read().decode()
-    pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
-    return sum(float(v) for v in pattern.findall(text))
-
-
-def save_counters(base_url: str) -> tuple[int, int]:
+def save_counters(server: VLLMServer) -> tuple[int, int]:
     return (
-        int(metric_total(base_url, "dualpath_kv:saved_chunks_total")),
-        int(metric_total(base_url, "dualpath_kv:save_skipped_chunks_total")),
+        int(server.metric_total("dualpath_kv:saved_chunks_total")),
+        int(server.metric_total("dualpath_kv:save_skipped_chunks_total")),
     )
-
-
-def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"vLLM exited with {proc.returncode} during start-up; see {log_path}")
-        try:
-            if urllib.request.urlopen(f"{base_url}/health", timeout=5).status == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(1.0)
-    raise TimeoutError(f"vLLM not healthy after {timeout_s}s; see {log_path}")
 
 
 # --- the benchmark -------------------------------------------------------------------------------
 
 
 class Bench:
-    def __init__(self, base_url: str, model: str, chunk_tokens: int, args: argparse.Namespace) -> None:
-        self.base_url = base_url
-        self.model = model
+    def __init__(self, server: VLLMServer, chunk_tokens: int, args: argparse.Namespace) -> None:
+        self.server = server
         self.chunk_tokens = chunk_tokens
         self.args = args
         self.rng = random.Random(args.seed)
-        self.saved, self.skipped = save_counters(base_url)
+        self.saved, self.skipped = save_counters(server)
 
     def fresh(self, n: int) -> list[int]:
         return [self.rng.randrange(VOCAB) for _ in range(n)]
 
     def request(self, prompt: list[int]) -> tuple[float, int]:
-        ttft, usage = stream_completion(self.base_url, self.model, prompt, self.args.request_timeout)
+        ttft, _, usage = self.server.complete(prompt, 1, self.args.request_timeout)
         return ttft, cached_tokens(usage)
 
     def wait_saves(self, expected_new: int) -> dict:
@@ -145,7 +79,7 @@ class Bench:
         last_total, last_change = -1, started
         probes = 0
         while True:
-            saved, skipped = save_counters(self.base_url)
+            saved, skipped = save_counters(self.server)
             total = saved + skipped
             now = time.monotonic()
             if total != last_total:
@@ -160,7 +94,7 @@ class Bench:
                 status = "stopped increasing"
                 break
             time.sleep(0.2)
-            stream_completion(self.base_url, self.model, self.fresh(PROBE_TOKENS), self.args.request_timeout)
+            self.server.complete(self.fresh(PROBE_TOKENS), 1, self.args.request_timeout)
             probes += 1
         info = {
             "expected_chunks": expected_new,
@@ -201,51 +135,23 @@ class Bench:
         }
 
 
-def start_vllm(model: Path, endpoint: str, env_keys: tuple[str, str], log_path: Path, args) -> tuple:
-    kv_config = json.loads(CONFIG.read_text())
-    kv_config["kv_connector_extra_config"]["store"]["endpoint"] = endpoint
-    port = free_port()
-    # Credentials travel in the standard AWS variables, never on the command line.
-    env = dict(
-        os.environ,
-        AWS_ACCESS_KEY_ID=env_keys[0],
-        AWS_SECRET_ACCESS_KEY=env_keys[1],
-        VLLM_CPU_KVCACHE_SPACE="2",
-        VLLM_CPU_NUM_OF_RESERVED_CPU="1",
-        PYTHONUNBUFFERED="1",
-    )
-    command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model), "--skip-tokenizer-init", "--dtype", "bfloat16",
-        "--block-size", "32", "--enforce-eager", "--seed", "0",
-        "--host", "127.0.0.1", "--port", str(port),
-        "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
-        "--max-model-len", str(args.max_model_len),
-        "--kv-transfer-config", json.dumps(kv_config),
-    ]  # fmt: skip
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    return proc, f"http://127.0.0.1:{port}", kv_config
-
-
 def run(args: argparse.Namespace) -> dict:
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = make_tiny_llama(args.workdir / "tiny-llama")
     log_path = (args.workdir / "bench-ttft-vllm.log").resolve()
+    s3 = None
     server = None
-    proc = None
     rows = []
     try:
-        server = SeaweedFS().start()
-        print(f"S3 (SeaweedFS) on {server.endpoint}", file=sys.stderr)
-        proc, base_url, kv_config = start_vllm(model, server.endpoint, (server.access_key, server.secret_key),
-                                               log_path, args)
-        print(f"vLLM (pid {proc.pid}) starting on {base_url}; log: {log_path}", file=sys.stderr)
+        s3 = SeaweedFS().start()
+        print(f"S3 (SeaweedFS) on {s3.endpoint}", file=sys.stderr)
+        server = VLLMServer(model, s3, log_path, max_model_len=args.max_model_len)
+        print(f"vLLM starting on {server.base_url}; log: {log_path}", file=sys.stderr)
         started = time.monotonic()
-        wait_healthy(base_url, proc, args.start_timeout, log_path)
+        server.start(args.start_timeout)
         print(f"vLLM healthy after {time.monotonic() - started:.0f}s", file=sys.stderr)
-        chunk_tokens = kv_config["kv_connector_extra_config"].get("chunk_tokens", 32)  # default: block size 32
-        bench = Bench(base_url, str(model), chunk_tokens, args)
+        chunk_tokens = server.kv_config["kv_connector_extra_config"].get("chunk_tokens", 32)  # default: block size 32
+        bench = Bench(server, chunk_tokens, args)
 
         if args.warmup:
             # First requests pay one-time costs (kernels, NIXL OBJ connections); both paths once, discarded.
@@ -277,16 +183,16 @@ def run(args: argparse.Namespace) -> dict:
                 "samples": samples,
             })
         store_traffic = {
-            "bytes_read_total": metric_total(base_url, "dualpath_kv:bytes_read_total"),
-            "bytes_written_total": metric_total(base_url, "dualpath_kv:bytes_written_total"),
-            "loaded_tokens_total": metric_total(base_url, "dualpath_kv:loaded_tokens_total"),
-            "load_failed_tokens_total": metric_total(base_url, "dualpath_kv:load_failed_tokens_total"),
+            "bytes_read_total": server.metric_total("dualpath_kv:bytes_read_total"),
+            "bytes_written_total": server.metric_total("dualpath_kv:bytes_written_total"),
+            "loaded_tokens_total": server.metric_total("dualpath_kv:loaded_tokens_total"),
+            "load_failed_tokens_total": server.metric_total("dualpath_kv:load_failed_tokens_total"),
         }
     finally:
-        if proc is not None:
-            stop_process_group(proc, grace_s=20.0)
         if server is not None:
             server.stop()
+        if s3 is not None:
+            s3.stop()
     config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     return {"config": config, "environment": environment(), "store_traffic": store_traffic, "results": rows}
 

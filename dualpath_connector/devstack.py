@@ -236,3 +236,130 @@ def make_tiny_llama(target: str | os.PathLike[str]) -> Path:
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     return target
+
+
+SINGLE_ENGINE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "single.json"
+
+
+class VLLMServer:
+    """vLLM's OpenAI server (CPU build, tiny Llama) with DualPathConnector on an S3 server.
+
+    Credentials travel in the standard AWS variables, never on the command
+    line, where vLLM would log them with its arguments. vLLM's local prefix
+    cache is off, so every hit it reports was read from the store.
+    """
+
+    def __init__(self, model: Path, s3: SeaweedFS, log_path: Path, max_model_len: int = 8192) -> None:
+        self.kv_config = json.loads(SINGLE_ENGINE_CONFIG.read_text())
+        self.kv_config["kv_connector_extra_config"]["store"]["endpoint"] = s3.endpoint
+        self.model = model
+        self.log_path = log_path
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.env = dict(
+            os.environ,
+            AWS_ACCESS_KEY_ID=s3.access_key,
+            AWS_SECRET_ACCESS_KEY=s3.secret_key,
+            VLLM_CPU_KVCACHE_SPACE="2",
+            VLLM_CPU_NUM_OF_RESERVED_CPU="1",
+            PYTHONUNBUFFERED="1",
+        )
+        self.args = [
+            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--skip-tokenizer-init", "--dtype", "bfloat16",
+            "--block-size", "32", "--enforce-eager", "--seed", "0",
+            "--host", "127.0.0.1", "--port", str(self.port),
+            "--max-model-len", str(max_model_len),
+            "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--kv-transfer-config", json.dumps(self.kv_config),
+        ]  # fmt: skip
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 600.0) -> VLLMServer:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        try:
+            self._wait_healthy(timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self, timeout_s: float) -> None:
+        import urllib.request
+
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc is None or self.proc.poll() is not None:
+                raise RuntimeError(f"vLLM exited during start-up; see {self.log_path}")
+            try:
+                if urllib.request.urlopen(f"{self.base_url}/health", timeout=5).status == 200:
+                    return
+            except OSError:
+                pass
+            time.sleep(1.0)
+        raise TimeoutError(f"vLLM not healthy after {timeout_s}s; see {self.log_path}")
+
+    def complete(self, prompt: list[int], max_tokens: int, timeout_s: float = 600.0) -> tuple[float, list[int], dict]:
+        """A greedy streaming completion: (seconds to first token, token ids, usage)."""
+        import urllib.request
+
+        body = {
+            "model": str(self.model),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
+        request = urllib.request.Request(
+            f"{self.base_url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        started = time.perf_counter()
+        first_token_s = None
+        tokens: list[int] = []
+        usage: dict = {}
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                for choice in event.get("choices", []):
+                    ids = choice.get("token_ids") or []
+                    if ids and first_token_s is None:
+                        first_token_s = time.perf_counter() - started
+                    tokens.extend(ids)
+                usage = event.get("usage") or usage
+        if first_token_s is None:
+            raise RuntimeError("the stream carried no token ids")
+        return first_token_s, tokens, usage
+
+    def metric_total(self, name: str) -> float:
+        """Sum of a Prometheus series over its labels on the server's /metrics."""
+        import re
+        import urllib.request
+
+        text = urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30).read().decode()
+        pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
+        return sum(float(v) for v in pattern.findall(text))
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process_group(self.proc, grace_s=20.0)
+            self.proc = None
+
+    def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def cached_tokens(usage: dict) -> int:
+    """Prompt tokens vLLM did not compute (``--enable-prompt-tokens-details``)."""
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
