@@ -284,7 +284,12 @@ struct Inflight {
   size_t off, len;
   cudaEvent_t ev;
   bool relay;
+  double t_launch;
 };
+
+double mono_s() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
 
 struct PathStats {
   uint64_t direct_bytes = 0, relay_bytes = 0, chunks = 0, relay_chunks = 0;
@@ -298,6 +303,10 @@ struct Path {
   std::vector<cudaEvent_t> events;
   uint64_t seq = 0;
   int inflight_n = 0;  // chunks taken (launching or in flight)
+  size_t out_bytes = 0;  // bytes taken and not landed
+  // Passive congestion inference: the path's service rate (bytes/s) = bytes landed / time the path was occupied
+  // (had chunks outstanding), both decayed per completion so that the estimate follows the last ~10 chunks.
+  double rate = 0, mark = 0, acc_b = 0, acc_t = 0;
   std::deque<Inflight> inflight;
   std::condition_variable cv_comp;
   std::thread submit, complete;
@@ -353,6 +362,45 @@ void drop_ref(Task* t) {  // under E->mu
   if (--t->refs == 0 && !t->abandoned) delete t;
 }
 
+// Paths that may serve chunks queued for device `dev` in direction d right now. Under E->mu.
+bool serves(const Path& x, int dev, int d) {
+  Engine& e = *E;
+  if (x.link == dev) return true;
+  if (!cfg.relay || !e.peer_ok[x.link * e.ndev + dev]) return false;
+  if (e.own_pending[x.link * 2 + d] != 0 || e.queue_chunks[x.link * 2 + d] != 0) return false;
+  if (e.queue_chunks[dev * 2 + d] < (size_t)cfg.relay_min_chunks) return false;
+  const auto& q = e.queue[dev * 2 + d];
+  return q.empty() || (q.front()->relay_mask >> x.link & 1);
+}
+
+// Tail balancing from the inferred path rates: path p takes a chunk of `len` bytes for queue `dev` when it is the
+// path that would finish it first, or when its backlog with the chunk stays within the common finish time of the
+// queued work spread over every path serving the queue (so a congested path does not hoard the last chunks while
+// faster paths go idle). Under E->mu.
+bool may_take(const Path& p, int dev, size_t len) {
+  Engine& e = *E;
+  int d = p.dir;
+  double known = 0;
+  int nk = 0;
+  for (Path* x : e.paths)
+    if (x && x->dir == d && x->rate > 0) known += x->rate, nk++;
+  double dflt = nk ? known / nk : 1.0;
+  auto rate = [&](const Path& x) { return x.rate > 0 ? x.rate : dflt; };
+  if (p.link == dev && p.out_bytes == 0) return true;  // an idle direct path always takes: guarantees progress
+  double mine = (double)(p.out_bytes + len) / rate(p);
+  double best_other = 1e300, sum_rate = 0, sum_out = 0;
+  for (Path* x : e.paths) {
+    if (!x || x->dir != d || !serves(*x, dev, d)) continue;
+    sum_rate += rate(*x);
+    sum_out += (double)x->out_bytes;
+    if (x != &p) best_other = std::min(best_other, (double)(x->out_bytes + len) / rate(*x));
+  }
+  if (mine <= best_other) return true;
+  double work = (double)e.queue_chunks[dev * 2 + d] * (double)len;  // approximate bytes still queued
+  double t_star = (work + sum_out) / std::max(sum_rate, 1e-9);
+  return (double)(p.out_bytes + len) <= rate(p) * t_star + 0.5 * (double)len;
+}
+
 // Takes the next chunk for path p; returns false when there is nothing it may take. Under E->mu.
 bool pick(Path& p, Inflight& out) {
   Engine& e = *E;
@@ -375,6 +423,7 @@ bool pick(Path& p, Inflight& out) {
   if (src_q < 0) return false;
   auto& q = e.queue[src_q * 2 + d];
   Task* t = q.front();
+  if (!may_take(p, src_q, std::min(t->chunk, t->bytes - t->next_off))) return false;
   out.t = t;
   out.off = t->next_off;
   out.len = std::min(t->chunk, t->bytes - t->next_off);
@@ -428,6 +477,9 @@ void submit_loop(Path* pp) {
       continue;
     }
     p.inflight_n++;
+    f.t_launch = mono_s();
+    if (p.out_bytes == 0) p.mark = f.t_launch;  // the path becomes occupied
+    p.out_bytes += f.len;
     lk.unlock();
     cudaError_t r = launch(p, f);
     lk.lock();
@@ -452,9 +504,15 @@ void complete_loop(Path* pp) {
     Inflight f = p.inflight.front();
     lk.unlock();
     real.eventSynchronize(f.ev);
+    double now = mono_s();
     lk.lock();
     p.inflight.pop_front();
     p.inflight_n--;
+    p.out_bytes -= f.len;
+    p.acc_b = 0.9 * p.acc_b + (double)f.len;
+    p.acc_t = 0.9 * p.acc_t + std::max(0.0, now - p.mark);
+    p.mark = now;
+    if (p.acc_t > 0) p.rate = p.acc_b / p.acc_t;
     p.st.chunks++;
     if (f.relay) {
       p.st.relay_bytes += f.len;
@@ -863,9 +921,9 @@ void write_stats() {
             (unsigned long long)s.abandoned, (unsigned long long)s.errors);
     for (Path* p : e.paths)
       if (p && p->st.chunks)
-        fprintf(stderr, "[mma %d]   path %d %s: direct %.1f MiB, relay %.1f MiB, %llu chunks\n", (int)getpid(),
-                p->link, dir_name(p->dir), p->st.direct_bytes / 1048576.0, p->st.relay_bytes / 1048576.0,
-                (unsigned long long)p->st.chunks);
+        fprintf(stderr, "[mma %d]   path %d %s: direct %.1f MiB, relay %.1f MiB, %llu chunks, rate %.3f GB/s\n",
+                (int)getpid(), p->link, dir_name(p->dir), p->st.direct_bytes / 1048576.0,
+                p->st.relay_bytes / 1048576.0, (unsigned long long)p->st.chunks, p->rate / 1e9);
   }
   if (!cfg.stats_file.empty() && (E || fb.fallback.load())) {  // processes that never copied write nothing
     std::string path = cfg.stats_file;

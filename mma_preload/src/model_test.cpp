@@ -4,7 +4,7 @@
 //   order THREADS STREAMS ITERS SIZE   copies followed by dependent operations (same stream and via events)
 //   fallback SMALL LARGE               which calls reach the native entry points, with which arguments
 //   exit SIZE COPIES SLEEP_US          copies in flight (streams blocked SLEEP_US first) when main returns
-//   bw DEV DIR SIZE REPS               one big copy after another to/from DEV (DIR h2d|d2h)
+//   bw DEV DIR SIZE REPS [STREAMS]     big copies to/from DEV (DIR h2d|d2h), REPS per stream, STREAMS at once
 //   busy DIR SIZE REPS                 one thread per device copying to/from its own device at once
 #include "cuda_min.h"
 
@@ -262,7 +262,7 @@ int cmd_fallback(int argc, char** argv) {
   mmaModelClearCallLog();
   CK(cudaMemcpyAsync(d, h, small, cudaMemcpyHostToDevice, s));
   CK(cudaMemcpyAsync(h2, d, small, cudaMemcpyDeviceToHost, s));
-  CK(cudaMemcpy(static_cast<char*>(d) + 8, h, small, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(static_cast<char*>(d) + small, h, small, cudaMemcpyHostToDevice));
   CK(cudaStreamSynchronize(s));
   std::vector<CallRec> log(100000);
   int nl = mmaModelCallLog(log.data(), (int)log.size());
@@ -273,7 +273,7 @@ int cmd_fallback(int argc, char** argv) {
     int kind;
     void* stream;
   } want[3] = {{1, d, h, cudaMemcpyHostToDevice, s}, {1, h2, d, cudaMemcpyDeviceToHost, s},
-               {0, static_cast<char*>(d) + 8, h, cudaMemcpyHostToDevice, nullptr}};
+               {0, static_cast<char*>(d) + small, h, cudaMemcpyHostToDevice, nullptr}};
   int exact = 0;
   for (auto& w : want)
     for (int i = 0; i < nl; i++)
@@ -338,22 +338,27 @@ int cmd_bw(int argc, char** argv) {
   bool h2d = strcmp(argv[1], "h2d") == 0;
   size_t n = strtoull(argv[2], nullptr, 10);
   int reps = atoi(argv[3]);
-  void* d = alloc_dev(dev, n);
-  void* h;
-  CK(cudaMallocHost(&h, n));
-  cudaStream_t s;
-  CK(cudaStreamCreate(&s));
-  auto one = [&] {
-    CK(h2d ? cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice, s) : cudaMemcpyAsync(h, d, n, cudaMemcpyDeviceToHost, s));
+  int ns = argc > 4 ? std::max(1, atoi(argv[4])) : 1;  // streams issuing copies at once (e.g. several layers)
+  std::vector<void*> d(ns), h(ns);
+  std::vector<cudaStream_t> s(ns);
+  for (int i = 0; i < ns; i++) {
+    d[i] = alloc_dev(dev, n);
+    CK(cudaMallocHost(&h[i], n));
+    CK(cudaStreamCreate(&s[i]));
+  }
+  auto one = [&](int i) {
+    CK(h2d ? cudaMemcpyAsync(d[i], h[i], n, cudaMemcpyHostToDevice, s[i])
+           : cudaMemcpyAsync(h[i], d[i], n, cudaMemcpyDeviceToHost, s[i]));
   };
-  one();  // warm-up (engine start)
-  CK(cudaStreamSynchronize(s));
+  one(0);  // warm-up (engine start)
+  CK(cudaStreamSynchronize(s[0]));
   mmaModelResetStats();
   double t0 = now();
-  for (int r = 0; r < reps; r++) one();
-  CK(cudaStreamSynchronize(s));
+  for (int r = 0; r < reps; r++)
+    for (int i = 0; i < ns; i++) one(i);
+  for (int i = 0; i < ns; i++) CK(cudaStreamSynchronize(s[i]));
   double dt = now() - t0;
-  printf("{\"bytes\":%zu,\"seconds\":%.6f,\"gbps\":%.4f,\"model\":%s}\n", n * reps, dt, n * reps / dt / 1e9,
+  printf("{\"bytes\":%zu,\"seconds\":%.6f,\"gbps\":%.4f,\"model\":%s}\n", n * reps * ns, dt, n * reps * ns / dt / 1e9,
          model_stats().c_str());
   return 0;
 }
@@ -385,11 +390,14 @@ int cmd_busy(int argc, char** argv) {
       CK(cudaSetDevice(i));
       ready++;
       while (ready.load() < nd) std::this_thread::yield();
+      // Hold the stream briefly so that every device has its copies queued before any of them starts.
+      mmaModelStreamSleep(s[i], 30000);
       for (int r = 0; r < reps; r++)
         CK(h2d ? cudaMemcpyAsync(d[i], h[i], n, cudaMemcpyHostToDevice, s[i])
                : cudaMemcpyAsync(h[i], d[i], n, cudaMemcpyDeviceToHost, s[i]));
+      // Stamped on the stream right after its last copy: this device's own copies have all landed.
+      CK(cudaLaunchHostFunc(s[i], [](void* p) { *static_cast<double*>(p) = mmaModelNow(); }, &done[i]));
       CK(cudaStreamSynchronize(s[i]));
-      done[i] = mmaModelNow();  // this device's own copies have all landed
     });
   for (auto& t : th) t.join();
   double dt = now() - t0;
