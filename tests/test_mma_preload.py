@@ -64,7 +64,7 @@ def test_exports_bind_for_versioned_references(built):
                          timeout=30).stdout
     assert "cudaMemcpyAsync@libcudart.so.13" in und  # versioned reference, as in torch's libtorch_cuda.so
     e = dict(os.environ, LD_PRELOAD=str(LIB), LD_DEBUG="bindings", MMA_ENABLE="0")
-    r = subprocess.run([str(PROG), "fallback", MiB, 2 * MiB], capture_output=True, text=True, timeout=60, env=e)
+    r = subprocess.run([str(PROG), "fallback", str(MiB), str(2 * MiB)], capture_output=True, text=True, timeout=60, env=e)
     assert r.returncode == 0, r.stderr[-2000:]
     binds = [ln for ln in r.stderr.splitlines() if "normal symbol `cudaMemcpyAsync" in ln and "mma_model_test" in ln]
     assert binds and all("libmma_preload.so" in ln.split("to ")[-1] for ln in binds), binds
@@ -213,7 +213,7 @@ def test_mma_run_launcher(built, tmp_path):
     assert r.returncode == 0 and r.stdout.strip() == str(LIB)
     stats = tmp_path / "run.json"
     e["MMA_STATS_FILE"] = str(stats)
-    r = subprocess.run([str(MMA / "mma-run"), str(PROG), "bytes", 7 * MiB], capture_output=True, text=True,
+    r = subprocess.run([str(MMA / "mma-run"), str(PROG), "bytes", str(7 * MiB)], capture_output=True, text=True,
                        timeout=60, env={**e, "MODEL_LINK_GBPS": "4"})
     assert r.returncode == 0, r.stderr
     assert json.loads(stats.read_text())["intercepted"] > 0
