@@ -164,7 +164,9 @@ SLOW = {"MODEL_LINK_GBPS": "0.1", "MODEL_NVLINK_GBPS": "1"}  # ms-scale chunks: 
 
 @pytest.mark.parametrize("direction", ["h2d", "d2h"])
 def test_congested_link_throughput(built, tmp_path, direction):
-    env = dict(SLOW, MODEL_BG=f"0:{direction}:0.5")
+    # 1 MiB chunks on 0.1 GB/s model links take 10 ms, the same order (in chunks per copy) as 3-5 MiB on a real
+    # PCIe link; four streams keep copies queued, as several layers' KV loads do.
+    env = dict(SLOW, MODEL_BG=f"0:{direction}:0.5", MMA_CHUNK="1M")
     out, st, _ = run(["bw", 0, direction, 16 * MiB, 3, 4], env=env, tmp_path=tmp_path, timeout=120)
     m = out["model"]
     links = m["links"]
