@@ -141,6 +141,15 @@ def test_fallback_reaches_native_unchanged(built, tmp_path):
     assert ref["small_exact"] == 3 and ref["large_native_calls"] == 1
 
 
+def test_forked_worker_gets_its_own_engine(built, tmp_path):
+    # like vLLM workers started with fork before any copy: the child intercepts its copies (stats file per pid)
+    env = {"MMA_STATS_FILE": str(tmp_path / "fork-%p.json"), "MODEL_LINK_GBPS": "4", "MMA_THRESHOLD": "1M"}
+    out, _, _ = run(["fork", 12 * MiB + 5], env=env)
+    assert out["child_ok"]
+    stats = [json.loads(f.read_text()) for f in tmp_path.glob("fork-*.json")]
+    assert len(stats) == 1 and stats[0]["intercepted_h2d"] == 1 and stats[0]["intercepted_d2h"] == 1
+
+
 # ----------------------------------------------------------------------------------------------- shutdown
 def test_clean_exit_with_copies_in_flight(built, tmp_path):
     # streams blocked for 50 ms, then copies; main returns without synchronizing: the exit handler drains them

@@ -353,7 +353,8 @@ struct Engine {
 Engine* E = nullptr;  // leaked on purpose: threads and late host functions may touch it during exit
 std::once_flag g_init_once;
 bool g_engine_ok = false;
-std::atomic<bool> g_child{false};
+std::atomic<bool> g_child{false};           // forked from a process whose engine had started
+std::atomic<bool> g_engine_started{false};
 thread_local bool t_engine_thread = false;
 
 void complete_task(Task* t);  // under E->mu
@@ -688,6 +689,7 @@ void init_engine_thread() {
 
 bool engine() {
   std::call_once(g_init_once, [] {
+    g_engine_started = true;
     // CUDA calls that change per-thread state (current device, last error) run on a thread of our own.
     std::thread(init_engine_thread).join();
     if (g_engine_ok) atexit(shutdown);
@@ -897,10 +899,10 @@ void write_stats() {
     char b[256];
     snprintf(b, sizeof b,
              "%s{\"link\":%d,\"dir\":\"%s\",\"direct_bytes\":%llu,\"relay_bytes\":%llu,\"chunks\":%llu,"
-             "\"relay_chunks\":%llu}",
+             "\"relay_chunks\":%llu,\"rate_gbps\":%.4f}",
              paths.empty() ? "" : ",", p->link, dir_name(p->dir), (unsigned long long)p->st.direct_bytes,
              (unsigned long long)p->st.relay_bytes, (unsigned long long)p->st.chunks,
-             (unsigned long long)p->st.relay_chunks);
+             (unsigned long long)p->st.relay_chunks, p->rate / 1e9);
     paths += b;
   }
   const char* mode = e.wait_mode == 0 ? "memop" : e.wait_mode == 1 ? "spin" : "host";
@@ -957,7 +959,11 @@ struct Boot {
   Boot() {
     cfg.load();
     atexit(write_stats);  // runs after the engine's own exit handler, which writes them first when it exists
-    pthread_atfork(nullptr, nullptr, [] { g_child = true; });  // no engine threads in a forked child
+    // A child forked after the engine started has none of its threads: it copies natively. A child forked
+    // before (vLLM workers started with fork) starts its own engine on first use.
+    pthread_atfork(nullptr, nullptr, [] {
+      if (g_engine_started) g_child = true;
+    });
   }
 };
 Boot boot;

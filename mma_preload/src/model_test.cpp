@@ -6,6 +6,7 @@
 //   exit SIZE COPIES SLEEP_US          copies in flight (streams blocked SLEEP_US first) when main returns
 //   bw DEV DIR SIZE REPS [STREAMS]     big copies to/from DEV (DIR h2d|d2h), REPS per stream, STREAMS at once
 //   busy DIR SIZE REPS                 one thread per device copying to/from its own device at once
+//   fork SIZE                          fork before any CUDA use; the child copies SIZE both ways and checks
 #include "cuda_min.h"
 
 #include <algorithm>
@@ -17,6 +18,9 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include <sys/wait.h>
+#include <unistd.h>
 
 extern "C" {
 cudaError_t cudaGetDeviceCount(int*);
@@ -406,6 +410,33 @@ int cmd_busy(int argc, char** argv) {
   return 0;
 }
 
+// ---------------------------------------------------------------- fork before the first copy (vLLM fork workers)
+int cmd_fork(int argc, char** argv) {
+  if (argc < 1) return 2;
+  size_t n = strtoull(argv[0], nullptr, 10);
+  fflush(stdout);
+  pid_t pid = fork();
+  if (pid == 0) {
+    CK(cudaSetDevice(1));
+    cudaStream_t s;
+    CK(cudaStreamCreate(&s));
+    void *d, *h, *h2;
+    CK(cudaMalloc(&d, n));
+    CK(cudaMallocHost(&h, n));
+    CK(cudaMallocHost(&h2, n));
+    fill(h, n, 99);
+    CK(cudaMemcpyAsync(d, h, n, cudaMemcpyHostToDevice, s));
+    CK(cudaMemcpyAsync(h2, d, n, cudaMemcpyDeviceToHost, s));
+    CK(cudaStreamSynchronize(s));
+    exit(first_bad(h2, n, 99) < 0 ? 0 : 1);  // exit handlers: engine shutdown, stats
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  bool ok = WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  printf("{\"child_ok\":%s}\n", ok ? "true" : "false");
+  return ok ? 0 : 1;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -422,6 +453,7 @@ int main(int argc, char** argv) {
   if (c == "exit") return cmd_exit(rest, av);
   if (c == "bw") return cmd_bw(rest, av);
   if (c == "busy") return cmd_busy(rest, av);
+  if (c == "fork") return cmd_fork(rest, av);
   fprintf(stderr, "unknown command %s\n", argv[1]);
   return 2;
 }
