@@ -32,6 +32,8 @@ class _RequestState:
     # Chunks handed to the worker for saving (or known stored).
     saved_chunks: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Loads issued for this request; a second ask follows a failed load.
+    loads_issued: int = 0
 
 
 class DualPathScheduler:
@@ -105,7 +107,13 @@ class DualPathScheduler:
         # Never claim the last token: vLLM must compute it to sample the next one.
         claimable = (request.num_tokens - 1) // self.chunk_tokens
         hashes = self._hashes(state, claimable * self.chunk_tokens)
-        present = self._leading_present([self.key(h) for h in hashes])
+        keys = [self.key(h) for h in hashes]
+        if state.loads_issued:
+            # vLLM asks again after a load failed: what the cache remembers as
+            # present may be what failed, so ask the store itself.
+            for key in keys:
+                self._present.pop(key, None)
+        present = self._leading_present(keys)
         state.stored_chunks = max(state.stored_chunks, present)
         state.saved_chunks = max(state.saved_chunks, present)
         # One request's hit must fit the load buffer.
@@ -138,6 +146,7 @@ class DualPathScheduler:
                 )
             )
         self._loads.append(LoadSpec(request.request_id, chunks))
+        state.loads_issued += 1
         logger.debug("request %s: loading %d tokens from the store", request.request_id, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DualPathMetadata:

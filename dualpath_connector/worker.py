@@ -32,7 +32,7 @@ import torch
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.layout import BlockLayout
-from nixl_backends.store import make_store
+from nixl_backends.store import TransferAbandoned, make_store
 
 from dualpath_connector.config import DualPathConfig, namespace_for, resolve_chunk_tokens
 from dualpath_connector.metadata import DualPathMetadata, LoadSpec, SaveSpec
@@ -161,6 +161,11 @@ class DualPathWorker:
             slots = self.load_pool.acquire(len(spec.chunks))
             try:
                 ok = self.store.read([c.key for c in spec.chunks], [self.load_pool.slot_addr(s) for s in slots])
+            except TransferAbandoned:
+                # NIXL may still write these slots: they never return to the pool.
+                logger.error("request %s: store read abandoned; %d load slots retired", spec.req_id, len(slots))
+                raise
+            try:
                 # The hit ends at the first bad chunk; later chunks are not used
                 # even if they arrived, so the loaded prefix stays contiguous.
                 readable = next((i for i, flag in enumerate(ok) if not flag), len(ok))
@@ -245,10 +250,15 @@ class DualPathWorker:
         started = time.perf_counter()
         try:
             ok = self.store.write(spec.keys, [self.save_pool.slot_addr(s) for s in slots])
+        except TransferAbandoned:
+            # NIXL may still read these slots: they never return to the pool.
+            logger.error("request %s: store write abandoned; %d save slots retired", spec.req_id, len(slots))
+            ok = [False] * len(spec.keys)
         except Exception:
             logger.exception("request %s: store write failed", spec.req_id)
             ok = [False] * len(spec.keys)
-        finally:
+            self.save_pool.release(slots)
+        else:
             self.save_pool.release(slots)
         written = sum(ok)
         self.stats.add(

@@ -17,7 +17,7 @@ from typing import Literal
 
 from nixl_backends.configuration import ConfigError
 from nixl_backends.layout import BlockLayout
-from nixl_backends.store import KVStore, StoreCapabilities, descriptors, run_nixl_transfers
+from nixl_backends.store import KVStore, StoreCapabilities, TransferAbandoned, descriptors, run_nixl_transfers
 
 logger = logging.getLogger(__name__)
 
@@ -75,16 +75,15 @@ class PosixStore(KVStore):
         if not live:
             return ok
         registration = self._agent.register_memory([(0, size, fds[i], "") for i in live], "FILE")
-        try:
-            results = run_nixl_transfers(
-                self._agent,
-                op,
-                [(descriptors([(addrs[i], size, 0)]), descriptors([(0, size, fds[i])])) for i in live],
-                "FILE",
-                self.config.io_timeout_s,
-            )
-        finally:
-            self._agent.deregister_memory(registration)
+        results = run_nixl_transfers(
+            self._agent,
+            op,
+            [(descriptors([(addrs[i], size, 0)]), descriptors([(0, size, fds[i])])) for i in live],
+            "FILE",
+            self.config.io_timeout_s,
+        )
+        # Deregistered only after every transfer ended (TransferAbandoned skips this).
+        self._agent.deregister_memory(registration)
         for i, result in zip(live, results):
             ok[i] = result
         return ok
@@ -100,11 +99,21 @@ class PosixStore(KVStore):
                 fds.append(None)
         try:
             # NIXL reports a file shorter than the Full Block as a failed read.
-            return self._transfer_files("READ", fds, dst_addrs)
-        finally:
-            for fd in fds:
-                if fd is not None:
-                    os.close(fd)
+            ok = self._transfer_files("READ", fds, dst_addrs)
+        except TransferAbandoned:
+            # NIXL may still use these descriptors: they stay open.
+            raise
+        except BaseException:
+            self._close(fds)
+            raise
+        self._close(fds)
+        return ok
+
+    @staticmethod
+    def _close(fds: list[int | None]) -> None:
+        for fd in fds:
+            if fd is not None:
+                os.close(fd)
 
     def write(self, keys: Sequence[str], src_addrs: Sequence[int]) -> list[bool]:
         if self._agent is None:
@@ -121,14 +130,15 @@ class PosixStore(KVStore):
                 temps[i] = f"{final}.{uuid.uuid4().hex}.tmp"
                 fds.append(os.open(temps[i], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
             results = self._transfer_files("WRITE", fds, [src_addrs[i] for i in todo])
+        except TransferAbandoned:
+            raise  # NIXL may still write through these descriptors
         except BaseException:
+            self._close(fds)
             for path in temps.values():
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             raise
-        finally:
-            for fd in fds:
-                os.close(fd)
+        self._close(fds)
         for i, result in zip(todo, results):
             if result:
                 os.replace(temps[i], self.path(keys[i]))

@@ -174,55 +174,43 @@ class S3Store(KVStore):
     def delete(self, key: str) -> None:
         self._client.delete_object(Bucket=self.config.bucket, Key=key)
 
-    def _register_objects(self, keys: Sequence[str]) -> tuple[list[int], object]:
+    def _transfer(self, op: str, keys: Sequence[str], addrs: Sequence[int], split_tail: bool) -> list[bool]:
+        if self._agent is None:
+            raise RuntimeError("S3Store was opened without a NIXL agent: lookup only")
+        if not keys:
+            return []
+        size = self.layout.full_block_bytes
         with self._dev_id_lock:
             dev_ids = [next(self._next_dev_id) for _ in keys]
-        size = self.layout.full_block_bytes
         registration = self._agent.register_memory(
             [(0, size, dev_id, key) for dev_id, key in zip(dev_ids, keys)], "OBJ"
         )
-        return dev_ids, registration
+        # Local ranges and object ranges per chunk: (offset, length) pairs.
+        ranges = [(0, size - 1), (size - 1, 1)] if split_tail else [(0, size)]
+        transfers = [
+            (
+                descriptors([(addr + offset, length, 0) for offset, length in ranges]),
+                descriptors([(offset, length, dev_id) for offset, length in ranges]),
+            )
+            for addr, dev_id in zip(addrs, dev_ids)
+        ]
+        results = run_nixl_transfers(self._agent, op, transfers, "OBJ", self.config.io_timeout_s)
+        # Deregistered only after every transfer ended (TransferAbandoned skips this).
+        self._agent.deregister_memory(registration)
+        return results
 
     def read(self, keys: Sequence[str], dst_addrs: Sequence[int]) -> list[bool]:
-        if self._agent is None:
-            raise RuntimeError("S3Store was opened without a NIXL agent: lookup only")
-        if not keys:
-            return []
-        size = self.layout.full_block_bytes
-        dev_ids, registration = self._register_objects(keys)
-        try:
-            # A ranged GET past the end of a short object returns what exists
-            # and NIXL reports success, so the last byte is fetched as its own
-            # range: on a truncated object that range fails (416) and the chunk
-            # is reported instead of returned as data.
-            transfers = [
-                (
-                    descriptors([(addr, size - 1, 0), (addr + size - 1, 1, 0)]),
-                    descriptors([(0, size - 1, dev_id), (size - 1, 1, dev_id)]),
-                )
-                for addr, dev_id in zip(dst_addrs, dev_ids)
-            ]
-            return run_nixl_transfers(self._agent, "READ", transfers, "OBJ", self.config.io_timeout_s)
-        finally:
-            self._agent.deregister_memory(registration)
+        # A ranged GET past the end of a short object returns what exists and
+        # NIXL reports success, so the last byte is fetched as its own range:
+        # on a truncated object that range fails (416) and the chunk is
+        # reported instead of returned as data.
+        return self._transfer("READ", keys, dst_addrs, split_tail=True)
 
     def write(self, keys: Sequence[str], src_addrs: Sequence[int]) -> list[bool]:
         # Objects are content-addressed, so re-putting an existing key stores
-        # identical bytes; that is cheaper than a HEAD before every PUT.
-        if self._agent is None:
-            raise RuntimeError("S3Store was opened without a NIXL agent: lookup only")
-        if not keys:
-            return []
-        size = self.layout.full_block_bytes
-        dev_ids, registration = self._register_objects(keys)
-        try:
-            transfers = [
-                (descriptors([(addr, size, 0)]), descriptors([(0, size, dev_id)]))
-                for addr, dev_id in zip(src_addrs, dev_ids)
-            ]
-            results = run_nixl_transfers(self._agent, "WRITE", transfers, "OBJ", self.config.io_timeout_s)
-        finally:
-            self._agent.deregister_memory(registration)
+        # identical bytes; that is cheaper than a HEAD before every PUT. A PUT
+        # is whole-object, hence one range.
+        results = self._transfer("WRITE", keys, src_addrs, split_tail=False)
         for key, result in zip(keys, results):
             if not result:
                 logger.warning("s3 store: write of %s failed", key)

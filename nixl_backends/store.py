@@ -34,6 +34,17 @@ class StoreCapabilities:
     shared_across_nodes: bool
 
 
+class TransferAbandoned(RuntimeError):
+    """Transfers still in flight at their deadline.
+
+    NIXL may still write their memory, so the caller must neither reuse nor
+    deregister it; the store leaves its own registrations in place too.
+    """
+
+    def __init__(self, op: str, pending: int, timeout_s: float) -> None:
+        super().__init__(f"NIXL {op}: {pending} transfers still in flight after {timeout_s:.1f}s")
+
+
 class KVStore(ABC):
     """Leading-run lookup, Full Block reads and writes through NIXL."""
 
@@ -54,7 +65,8 @@ class KVStore(ABC):
         """Read each key's Full Block into registered DRAM at the matching address.
 
         Returns one flag per key; a missing, short or unreadable chunk is
-        ``False`` and its destination bytes must not be trusted.
+        ``False`` and its destination bytes must not be trusted. Raises
+        :class:`TransferAbandoned` when transfers outlive the store's timeout.
         """
 
     @abstractmethod
@@ -80,7 +92,8 @@ def run_nixl_transfers(
 
     Each transfer is a pair of Nx3 ``(addr_or_offset, length, dev_id)`` arrays:
     local DRAM descriptors and the backend-side descriptors. One NIXL request
-    per chunk lets a single bad chunk fail alone.
+    per chunk lets a single bad chunk fail alone. Raises
+    :class:`TransferAbandoned` if any is still in flight after ``timeout_s``.
     """
     handles: list[Any] = []
     for local, remote in transfers:
@@ -116,12 +129,10 @@ def run_nixl_transfers(
             agent.release_xfer_handle(handles[i])
         if pending:
             if time.monotonic() > deadline:
-                # A handle still in flight cannot be released safely; leave it
-                # to NIXL and report the chunks as failed.
-                for i in pending:
-                    ok[i] = False
-                logger.warning("NIXL %s: %d transfers timed out after %.1fs", op, len(pending), timeout_s)
-                break
+                # A handle still in flight cannot be released safely: NIXL may
+                # still write its memory, so it is left to NIXL, and so is
+                # the memory (the caller must not reuse it).
+                raise TransferAbandoned(op, len(pending), timeout_s)
             time.sleep(0.0002)
     return ok
 

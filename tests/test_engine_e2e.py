@@ -116,8 +116,8 @@ def test_fresh_engine_hits_stored_prefix_and_matches(tiny_model, seaweedfs, base
         # fails, its blocks are reported, vLLM recomputes, output unchanged.
         s3.put_object(Bucket=BUCKET, Key=key(A, BOUNDARY_CHUNK), Body=b"\0" * 100)
         out = engine.generate([A], MAX_TOKENS)[0]
-        assert out["num_cached_tokens"] <= BOUNDARY_CHUNK * CHUNK
         assert same(out, baseline["A"])
+        assert f"chunk {key(A, BOUNDARY_CHUNK)} unreadable; hit shortened" in engine.log_text()
 
         # Negative control: a chunk of the right size with wrong bytes is
         # served as a hit, and the comparison must catch it.
@@ -128,7 +128,7 @@ def test_fresh_engine_hits_stored_prefix_and_matches(tiny_model, seaweedfs, base
             out = engine.generate([BATCH[1]], MAX_TOKENS)[0]
         finally:
             s3.put_object(Bucket=BUCKET, Key=key(SHARED, 5), Body=original)
-        assert out["num_cached_tokens"] == baseline["S1_after_S0"]["num_cached_tokens"]
+        assert out["num_cached_tokens"] > 6 * CHUNK  # the corrupted chunk was served
         assert not same(out, baseline["S1_after_S0"], BATCH_LOGPROB_TOLERANCE)
 
 

@@ -469,3 +469,42 @@ def test_pool_acquire_negative_count_is_rejected(posix_pool):
         return
     # Whatever it returned must not be handed out a second time.
     assert set(taken).isdisjoint(posix_pool.acquire(posix_pool.free_slots)), (taken, n)
+
+
+# --- transfers that outlive their deadline -------------------------------------------------------
+
+
+class _NeverDoneAgent:
+    """Stands in for a NIXL agent whose transfers never finish, which a real
+    backend cannot be made to do on demand; records what the caller releases."""
+
+    name = "never-done"
+
+    def __init__(self) -> None:
+        self.released: list[int] = []
+
+    def get_xfer_descs(self, descs, mem_type):
+        return descs
+
+    def initialize_xfer(self, op, local, remote, agent_name):
+        return len(self.released) + 1000
+
+    def transfer(self, handle):
+        return "PROC"
+
+    def check_xfer_state(self, handle):
+        return "PROC"
+
+    def release_xfer_handle(self, handle):
+        self.released.append(handle)
+
+
+def test_transfers_in_flight_at_the_deadline_are_abandoned_not_released():
+    from nixl_backends.store import TransferAbandoned, descriptors, run_nixl_transfers
+
+    agent = _NeverDoneAgent()
+    one = (descriptors([(4096, 64, 0)]), descriptors([(0, 64, 1)]))
+    with pytest.raises(TransferAbandoned, match="2 transfers still in flight"):
+        run_nixl_transfers(agent, "READ", [one, one], "OBJ", timeout_s=0.01)
+    # Releasing a handle NIXL still works on would free memory under it.
+    assert agent.released == []
