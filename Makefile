@@ -6,9 +6,13 @@ STAMP := $(VENV)/.setup-stamp
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
-.PHONY: setup test demo bench clean
+.PHONY: setup test demo bench clean mma
 
-setup: $(STAMP)
+setup: $(STAMP) mma
+
+# libmma_preload.so and its modelled CUDA runtime (C++17, no CUDA toolkit needed).
+mma:
+	$(MAKE) -C mma_preload
 
 # Rebuilt only when the dependency description changes; quick when already done.
 $(STAMP): pyproject.toml setup.py overrides.txt nixl_backends/csrc/cuobj_compat.cpp
@@ -26,6 +30,8 @@ demo: setup
 bench: setup
 	$(PY) benchmarks/bench_store.py
 	$(PY) benchmarks/bench_ttft.py
+	$(PY) benchmarks/bench_mma.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+	$(MAKE) -C mma_preload clean

@@ -18,7 +18,7 @@ from pathlib import Path
 from dualpath_connector.devstack import SeaweedFS, VLLMServer, cached_tokens, make_tiny_llama
 
 
-def run(workdir: Path, turns: int, first_prompt_tokens: int, tokens_per_turn: int, output_tokens: int) -> list[dict]:
+def run(workdir: Path, turns: int, first_prompt_tokens: int, tokens_per_turn: int, output_tokens: int) -> dict:
     model = make_tiny_llama(workdir / "tiny-llama")
     rows = []
     with SeaweedFS() as s3:
@@ -38,7 +38,7 @@ def run(workdir: Path, turns: int, first_prompt_tokens: int, tokens_per_turn: in
             read = server.metric_total("dualpath_kv:bytes_read_total")
             written = server.metric_total("dualpath_kv:bytes_written_total")
             print(f"\nstore traffic reported so far: {read / 2**20:.1f} MiB read, {written / 2**20:.1f} MiB written")
-    return rows
+    return {"turns": rows, "bytes_read": read, "bytes_written": written, "log": server.log_path}
 
 
 def main() -> None:

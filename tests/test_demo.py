@@ -1,0 +1,29 @@
+"""`make demo` in small: the OpenAI server with the connector, hits growing turn by turn."""
+
+from __future__ import annotations
+
+import pytest
+
+from dualpath_connector import demo
+from dualpath_connector.devstack import S3_SECRET_KEY
+
+pytestmark = pytest.mark.engine
+
+CHUNK = 32
+
+
+def test_demo_hits_grow_and_metrics_and_logs_are_right(tmp_path, tiny_model):
+    (tmp_path / "tiny-llama").symlink_to(tiny_model)
+    result = demo.run(tmp_path, turns=3, first_prompt_tokens=600, tokens_per_turn=100, output_tokens=8)
+    turns = result["turns"]
+    assert turns[0]["hit_tokens"] == 0
+    for previous, current in zip(turns, turns[1:]):
+        # Everything the previous turn saw (prompt and output) is stored and
+        # hit, up to its last full chunk; the local prefix cache is off.
+        seen = previous["prompt_tokens"] + 8
+        assert current["hit_tokens"] >= (seen - 1) // CHUNK * CHUNK - CHUNK
+        assert current["hit_tokens"] > previous["hit_tokens"]
+    # Connector counters reach vLLM's /metrics.
+    assert result["bytes_read"] > 0 and result["bytes_written"] > 0
+    # Credentials went through the environment: the secret is in no log line.
+    assert S3_SECRET_KEY not in result["log"].read_text()
