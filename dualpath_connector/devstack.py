@@ -230,7 +230,9 @@ def make_tiny_llama(target: str | os.PathLike[str]) -> Path:
 
     torch.manual_seed(_TINY_LLAMA_SEED)
     model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
-    staging = Path(tempfile.mkdtemp(prefix="tiny-llama-", dir=target.parent if target.parent.exists() else None))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Made beside the target and renamed into place: a reader never sees half a checkpoint.
+    staging = Path(tempfile.mkdtemp(prefix="tiny-llama-", dir=target.parent))
     model.save_pretrained(staging, safe_serialization=True)
     (staging / marker.name).write_text(wanted)
     shutil.rmtree(target, ignore_errors=True)
