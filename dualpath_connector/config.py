@@ -30,7 +30,7 @@ class DualPathConfig:
     save_buffer_chunks: int = 256
     # Chunks remembered as present in the store (they are immutable, so a
     # positive answer stays true); saves a store round trip per lookup.
-    lookup_cache_chunks: int = 1_000_000
+    lookup_cache_chunks: int = 100_000
     # Names the model in the namespace; set it when engines load the same
     # weights from different paths (default: vLLM's --model value).
     model_id: str | None = None
@@ -40,6 +40,12 @@ class DualPathConfig:
     store_config: Any = field(default=None, init=False, repr=False)
 
     def validate(self) -> None:
+        if isinstance(self.store, dict) and self.store.get("secret_key") is not None:
+            # vLLM logs kv_connector_extra_config verbatim at start-up.
+            raise ConfigError(
+                f"{_WHERE}store.secret_key would be written to vLLM's start-up log; put the "
+                "credentials in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or another AWS credential source"
+            )
         self.store_config = parse_store_config(self.store, f"{_WHERE}store.")
         if self.chunk_tokens is not None and self.chunk_tokens <= 0:
             raise ConfigError(f"{_WHERE}chunk_tokens must be positive, got {self.chunk_tokens}")
@@ -65,7 +71,9 @@ def resolve_chunk_tokens(config: DualPathConfig, block_size: int) -> int:
     return chunk_tokens
 
 
-def namespace_for(vllm_config: Any, config: DualPathConfig, chunk_tokens: int, tp_rank: int) -> KVNamespace:
+def namespace_for(
+    vllm_config: Any, config: DualPathConfig, chunk_tokens: int, tp_rank: int, pp_rank: int
+) -> KVNamespace:
     """The namespace of this engine's KV bytes; scheduler and worker derive the same one.
 
     A Layer Block is ``chunk_tokens`` tokens of one layer: K and V for every
@@ -73,6 +81,7 @@ def namespace_for(vllm_config: Any, config: DualPathConfig, chunk_tokens: int, t
     """
     import torch
     from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
+    from vllm.platforms import current_platform
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 
     model = vllm_config.model_config
@@ -84,14 +93,18 @@ def namespace_for(vllm_config: Any, config: DualPathConfig, chunk_tokens: int, t
     element_bytes = torch.empty((), dtype=cache_dtype).element_size()
     return KVNamespace(
         model=config.model_id or model.model,
-        dtype=str(cache_dtype).removeprefix("torch."),
+        # fp8 formats share torch.uint8 storage: name the format itself.
+        dtype=str(model.dtype if cache.cache_dtype == "auto" else cache.cache_dtype).removeprefix("torch."),
         block_size=cache.block_size,
         chunk_tokens=chunk_tokens,
         num_layers=model.get_num_layers(parallel),
         num_kv_heads=num_kv_heads,
         head_size=head_size,
-        kv_layout=get_kv_connector_cache_layout(vllm_config),
+        kv_layout=str(get_kv_connector_cache_layout(vllm_config)),
         layer_block_bytes=2 * num_kv_heads * head_size * chunk_tokens * element_bytes,
         tp_size=parallel.tensor_parallel_size,
         tp_rank=tp_rank,
+        pp_size=parallel.pipeline_parallel_size,
+        pp_rank=pp_rank,
+        platform=f"{current_platform.device_type}/{vllm_config.attention_config.backend or 'auto'}",
     )

@@ -38,8 +38,12 @@ class DualPathConnector(KVConnectorBase_V1):
         kv_role = self._kv_transfer_config.kv_role
         if kv_role != "kv_both":
             raise ValueError(f"kv_role {kv_role!r} is not supported yet: DualPathConnector runs as 'kv_both'")
-        if len(kv_cache_config.kv_cache_groups) != 1:
-            raise ValueError("DualPathConnector supports models with a single KV cache group")
+        from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+        groups = kv_cache_config.kv_cache_groups
+        if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+            # Sliding-window groups pad skipped blocks with vLLM's shared null block.
+            raise ValueError("DualPathConnector supports models with one full-attention KV cache group")
         self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
         self._scheduler = None
         self._worker = None

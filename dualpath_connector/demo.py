@@ -3,8 +3,10 @@
 Runs a 5-turn agent-style conversation whose prompt grows every turn and
 prints per turn the prompt tokens, the tokens whose KV came from the store,
 and the time to first token. The engine runs with vLLM's local prefix cache
-off, so every hit shown was read from S3. Everything started here is stopped
-on exit, also on Ctrl-C.
+off, so every hit shown was read from S3. Between turns the demo waits until
+the previous turn's chunks are in the bucket, as an agent's tool call would
+give them time to land (saves are asynchronous). Everything started here is
+stopped on exit, also on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -13,9 +15,24 @@ import argparse
 import random
 import signal
 import sys
+import time
 from pathlib import Path
 
 from dualpath_connector.devstack import SeaweedFS, VLLMServer, cached_tokens, make_tiny_llama
+
+
+CHUNK_TOKENS = 32  # configs/single.json keeps the default: one vLLM block
+
+
+def _wait_for_chunks(client, bucket: str, prefix: str, count: int, timeout_s: float = 60.0) -> None:
+    """Poll the bucket until it holds ``count`` chunks under ``prefix`` (or give up)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        stored = sum(page.get("KeyCount", 0) for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix))
+        if stored >= count:
+            return
+        time.sleep(0.05)
+    print(f"  (only part of the previous turn's chunks landed within {timeout_s:.0f}s)")
 
 
 def run(workdir: Path, turns: int, first_prompt_tokens: int, tokens_per_turn: int, output_tokens: int) -> dict:
@@ -25,14 +42,22 @@ def run(workdir: Path, turns: int, first_prompt_tokens: int, tokens_per_turn: in
         print(f"S3 (SeaweedFS) on {s3.endpoint}")
         server = VLLMServer(model, s3, (workdir / "demo-vllm.log").resolve())
         print(f"vLLM with DualPathConnector starting on {server.base_url} (log: {server.log_path}) ...")
+        store = server.kv_config["kv_connector_extra_config"]
+        bucket, prefix = store["store"]["bucket"], store["key_prefix"] + "/"
+        client = s3.client()
         with server:
             rng = random.Random(0)
             context = [rng.randrange(1024) for _ in range(first_prompt_tokens)]
             print(f"\n{'turn':>4} {'prompt tokens':>14} {'hit tokens':>11} {'TTFT ms':>9}")
             for turn in range(1, turns + 1):
                 ttft, output, usage = server.complete(context, output_tokens)
-                rows.append({"turn": turn, "prompt_tokens": len(context), "hit_tokens": cached_tokens(usage), "ttft_s": ttft})
+                rows.append(
+                    {"turn": turn, "prompt_tokens": len(context), "hit_tokens": cached_tokens(usage), "ttft_s": ttft}
+                )
                 print(f"{turn:>4} {len(context):>14} {cached_tokens(usage):>11} {ttft * 1000:>9.0f}")
+                # Every chunk whose KV was computed (prompt and output but the
+                # last token) is saved; each turn's chunks extend the last's.
+                _wait_for_chunks(client, bucket, prefix, (len(context) + len(output) - 1) // CHUNK_TOKENS)
                 # The agent appends the model's answer and a new observation.
                 context = context + output + [rng.randrange(1024) for _ in range(tokens_per_turn)]
             read = server.metric_total("dualpath_kv:bytes_read_total")

@@ -11,11 +11,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 class ChunkLoad:
     """One stored chunk to read, and which of its blocks land where.
 
+    Chunks travel as hashes: each worker names the key with its own rank's
+    namespace, since every TP/PP rank stores its own shard of a chunk.
+
     ``block_ids[i]`` receives sub-block ``first_sub_block + i`` of the chunk;
     leading sub-blocks already held by the local prefix cache are skipped.
     """
 
-    key: str
+    chunk_hash: str
     first_sub_block: int
     block_ids: list[int]
 
@@ -31,7 +34,7 @@ class SaveSpec:
     """Chunks whose every token is computed by the end of this step, with their blocks."""
 
     req_id: str
-    keys: list[str]
+    chunk_hashes: list[str]
     # One list per chunk: the chunk's blocks in token order.
     block_ids: list[list[int]]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
+
+# After this many loads of one request failed, it is served without the store:
+# the store may keep calling a chunk present that cannot be read.
+MAX_LOAD_ATTEMPTS = 2
 
 
 @dataclass
@@ -44,7 +49,7 @@ class DualPathScheduler:
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
         # The scheduler looks up rank 0's keys: every rank stores its own shard
         # of the same chunks at the same time.
-        namespace = namespace_for(vllm_config, config, self.chunk_tokens, tp_rank=0)
+        namespace = namespace_for(vllm_config, config, self.chunk_tokens, tp_rank=0, pp_rank=0)
         self.namespace_digest = namespace.digest()
         layout = BlockLayout(namespace.num_layers, namespace.layer_block_bytes)
         self.store = make_store(config.store_config, layout)  # lookup only: no NIXL agent here
@@ -53,6 +58,7 @@ class DualPathScheduler:
         # Hit found by get_num_new_matched_tokens, consumed by update_state_after_alloc.
         self._pending_hit_chunks: dict[str, int] = {}
         self._loads: list[LoadSpec] = []
+        self._last_lookup_error_log = 0.0
         logger.info(
             "DualPath scheduler: namespace %s, chunk %d tokens, store %s",
             self.namespace_digest,
@@ -102,8 +108,23 @@ class DualPathScheduler:
 
     # -- vLLM scheduler hooks -------------------------------------------------
 
+    @staticmethod
+    def _cacheable(request: Request) -> bool:
+        # Token ids alone do not name these requests' KV: adapters, images,
+        # salts and prompt embeddings change it behind the same ids.
+        return not (
+            request.lora_request
+            or request.mm_features
+            or getattr(request, "cache_salt", None)
+            or getattr(request, "prompt_embeds", None) is not None
+        )
+
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self._cacheable(request):
+            return 0, False
         state = self._state(request)
+        if state.loads_issued >= MAX_LOAD_ATTEMPTS:
+            return 0, False
         # Never claim the last token: vLLM must compute it to sample the next one.
         claimable = (request.num_tokens - 1) // self.chunk_tokens
         hashes = self._hashes(state, claimable * self.chunk_tokens)
@@ -113,7 +134,11 @@ class DualPathScheduler:
             # present may be what failed, so ask the store itself.
             for key in keys:
                 self._present.pop(key, None)
-        present = self._leading_present(keys)
+        try:
+            present = self._leading_present(keys)
+        except Exception as exc:  # a store outage is a miss, never a dead scheduler
+            self._log_lookup_error(exc)
+            present = 0
         state.stored_chunks = max(state.stored_chunks, present)
         state.saved_chunks = max(state.saved_chunks, present)
         # One request's hit must fit the load buffer.
@@ -140,7 +165,7 @@ class DualPathScheduler:
             skip = max(0, local_blocks - first_block)
             chunks.append(
                 ChunkLoad(
-                    key=self.key(state.hashes[chunk]),
+                    chunk_hash=state.hashes[chunk],
                     first_sub_block=skip,
                     block_ids=state.block_ids[first_block + skip : first_block + self.blocks_per_chunk],
                 )
@@ -154,14 +179,14 @@ class DualPathScheduler:
         self._loads = []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._states.get(new.req_id)
-            if state is None:
+            if state is None or not self._cacheable(state.request):
                 continue
             state.block_ids = list(new.block_ids[0])
             self._plan_save(state, new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id], meta)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             state = self._states.get(req_id)
-            if state is None:
+            if state is None or not self._cacheable(state.request):
                 continue
             new_blocks = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
@@ -186,11 +211,17 @@ class DualPathScheduler:
         meta.saves.append(
             SaveSpec(
                 req_id=state.request.request_id,
-                keys=[self.key(h) for h in hashes[first:complete]],
+                chunk_hashes=hashes[first:complete],
                 block_ids=[state.block_ids[c * bpc : (c + 1) * bpc] for c in range(first, complete)],
             )
         )
         state.saved_chunks = complete
+
+    def _log_lookup_error(self, exc: Exception) -> None:
+        now = time.monotonic()
+        if now - self._last_lookup_error_log > 10.0:
+            self._last_lookup_error_log = now
+            logger.warning("store lookup failed, serving without hits: %s", exc)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves copy their blocks out of the KV cache in the step that computed

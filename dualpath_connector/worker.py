@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
-from nixl_backends.layout import BlockLayout
+from nixl_backends.layout import BlockLayout, chunk_key
 from nixl_backends.store import TransferAbandoned, make_store
 
 from dualpath_connector.config import DualPathConfig, namespace_for, resolve_chunk_tokens
@@ -68,10 +68,12 @@ class _IOThread:
             except Exception:  # a job reports its own failures; this keeps the thread alive
                 logger.exception("dualpath I/O job failed")
 
-    def stop(self, timeout_s: float) -> None:
+    def stop(self, timeout_s: float) -> bool:
+        """Finish queued work and stop; False if the thread is still running after ``timeout_s``."""
         # Queued after every pending save, so those still reach the store.
         self.submit(_STOP_PRIORITY, lambda: None)
         self._thread.join(timeout_s)
+        return not self._thread.is_alive()
 
 
 def _physical_block_view(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -96,13 +98,16 @@ def _physical_block_view(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
 class DualPathWorker:
     def __init__(self, vllm_config: VllmConfig, config: DualPathConfig) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
-        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         self.config = config
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens = resolve_chunk_tokens(config, self.block_size)
         self.blocks_per_chunk = self.chunk_tokens // self.block_size
-        self.namespace = namespace_for(vllm_config, config, self.chunk_tokens, get_tensor_model_parallel_rank())
+        self.namespace = namespace_for(
+            vllm_config, config, self.chunk_tokens, get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+        )
+        self._digest = self.namespace.digest()
         self.layout = BlockLayout(self.namespace.num_layers, self.namespace.layer_block_bytes)
         agent_name = f"dualpath-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.agent = nixl_agent(agent_name, nixl_agent_config(backends=[]))
@@ -160,7 +165,8 @@ class DualPathWorker:
         try:
             slots = self.load_pool.acquire(len(spec.chunks))
             try:
-                ok = self.store.read([c.key for c in spec.chunks], [self.load_pool.slot_addr(s) for s in slots])
+                keys = [self._key(c.chunk_hash) for c in spec.chunks]
+                ok = self.store.read(keys, [self.load_pool.slot_addr(s) for s in slots])
             except TransferAbandoned:
                 # NIXL may still write these slots: they never return to the pool.
                 logger.error("request %s: store read abandoned; %d load slots retired", spec.req_id, len(slots))
@@ -183,7 +189,7 @@ class DualPathWorker:
             logger.warning(
                 "request %s: chunk %s unreadable; hit shortened by %d blocks",
                 spec.req_id,
-                spec.chunks[good].key,
+                self._key(spec.chunks[good].chunk_hash),
                 len(failed),
             )
         self.stats.add(
@@ -207,9 +213,17 @@ class DualPathWorker:
                 block_index.append(block_id)
         slot_t, sub_t, block_t = (torch.tensor(x, dtype=torch.long) for x in (slot_index, sub_index, block_index))
         host = self._slot_blocks(self.load_pool)
+        device = self._layers[0].device
+        block_t = block_t.to(device)
         for layer, kv in enumerate(self._layers):
             # host[...] is [n, outer, bytes]; the cache view wants [outer, n, bytes].
-            kv.index_copy_(1, block_t, host[slot_t, layer, sub_t].transpose(0, 1))
+            kv.index_copy_(1, block_t, host[slot_t, layer, sub_t].transpose(0, 1).to(device))
+        if device.type != "cpu":
+            # Reported loads must be in the cache, not merely queued on a stream.
+            torch.accelerator.synchronize(device)
+
+    def _key(self, chunk_hash: str) -> str:
+        return chunk_key(self.config.key_prefix, self._digest, chunk_hash)
 
     def get_finished(self) -> set[str] | None:
         with self._lock:
@@ -228,11 +242,11 @@ class DualPathWorker:
     def wait_for_save(self, meta: DualPathMetadata) -> None:
         for spec in meta.saves:
             try:
-                slots = self.save_pool.acquire(len(spec.keys))
+                slots = self.save_pool.acquire(len(spec.chunk_hashes))
             except PoolExhausted:
                 # Best effort: a dropped save is a future miss, never a stall.
-                logger.debug("request %s: save buffer full, skipping %d chunks", spec.req_id, len(spec.keys))
-                self.stats.add(save_skipped_chunks=len(spec.keys))
+                logger.debug("request %s: save buffer full, skipping %d chunks", spec.req_id, len(spec.chunk_hashes))
+                self.stats.add(save_skipped_chunks=len(spec.chunk_hashes))
                 continue
             self._copy_out(spec, slots)
             self._io.submit(_SAVE_PRIORITY, lambda spec=spec, slots=slots: self._save(spec, slots))
@@ -243,20 +257,22 @@ class DualPathWorker:
         sub_t = torch.arange(bpc, dtype=torch.long).repeat(len(slots))
         block_t = torch.tensor([b for blocks in spec.block_ids for b in blocks], dtype=torch.long)
         host = self._slot_blocks(self.save_pool)
+        block_t = block_t.to(self._layers[0].device)
         for layer, kv in enumerate(self._layers):
-            host[slot_t, layer, sub_t] = kv.index_select(1, block_t).transpose(0, 1)
+            host[slot_t, layer, sub_t] = kv.index_select(1, block_t).transpose(0, 1).cpu()
 
     def _save(self, spec: SaveSpec, slots: list[int]) -> None:
         started = time.perf_counter()
+        keys = [self._key(h) for h in spec.chunk_hashes]
         try:
-            ok = self.store.write(spec.keys, [self.save_pool.slot_addr(s) for s in slots])
+            ok = self.store.write(keys, [self.save_pool.slot_addr(s) for s in slots])
         except TransferAbandoned:
             # NIXL may still read these slots: they never return to the pool.
             logger.error("request %s: store write abandoned; %d save slots retired", spec.req_id, len(slots))
-            ok = [False] * len(spec.keys)
+            ok = [False] * len(keys)
         except Exception:
             logger.exception("request %s: store write failed", spec.req_id)
-            ok = [False] * len(spec.keys)
+            ok = [False] * len(keys)
             self.save_pool.release(slots)
         else:
             self.save_pool.release(slots)
@@ -274,7 +290,10 @@ class DualPathWorker:
         return self.stats.take()
 
     def shutdown(self) -> None:
-        self._io.stop(timeout_s=60.0)
+        if not self._io.stop(timeout_s=60.0):
+            # A transfer is still running: its memory stays registered.
+            logger.warning("DualPath I/O thread still busy at shutdown; host buffers left registered")
+            return
         self.load_pool.close()
         self.save_pool.close()
         self.store.close()

@@ -40,6 +40,10 @@ class KVNamespace:
     layer_block_bytes: int
     tp_size: int = 1
     tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    # Device platform and attention backend: they decide the byte order of a block.
+    platform: str = ""
 
     def digest(self) -> str:
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))

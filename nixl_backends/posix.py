@@ -138,6 +138,10 @@ class PosixStore(KVStore):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
             raise
+        for fd, result in zip(fds, results):
+            if result:
+                # Durable before it is visible under its final name.
+                os.fsync(fd)
         self._close(fds)
         for i, result in zip(todo, results):
             if result:

@@ -108,6 +108,10 @@ class S3Store(KVStore):
                 s3={"addressing_style": config.addressing_style},
                 max_pool_connections=_LOOKUP_WINDOW,
                 retries={"max_attempts": 2},
+                # Lookups run on vLLM's scheduler thread: a hung endpoint must
+                # cost seconds, not minutes.
+                connect_timeout=2,
+                read_timeout=5,
             ),
         )
         if config.create_bucket:
@@ -159,8 +163,10 @@ class S3Store(KVStore):
     def _is_complete(self, key: str) -> bool:
         try:
             head = self._client.head_object(Bucket=self.config.bucket, Key=key)
-        except ClientError:
-            return False
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
         return head["ContentLength"] == self.layout.full_block_bytes
 
     def lookup(self, keys: Sequence[str]) -> int:

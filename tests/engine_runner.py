@@ -55,7 +55,7 @@ def main() -> None:
         vllm_config = llm.llm_engine.vllm_config
         config = parse_config(kv_config.get("kv_connector_extra_config"))
         chunk_tokens = resolve_chunk_tokens(config, vllm_config.cache_config.block_size)
-        namespace = namespace_for(vllm_config, config, chunk_tokens, tp_rank=0).digest()
+        namespace = namespace_for(vllm_config, config, chunk_tokens, tp_rank=0, pp_rank=0).digest()
         key_prefix = config.key_prefix
     print(json.dumps({"ready": True, "namespace": namespace, "key_prefix": key_prefix}), file=protocol)
 

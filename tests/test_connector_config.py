@@ -44,12 +44,22 @@ def test_shipped_single_config_parses():
         ({"store": {"backend": "posix", "root": "/x", "rot": 1}}, "store.'rot'"),
         ({"store": {"backend": "tape"}}, "store.'backend'"),
         ({"store": "s3://bucket"}, "store"),
+        (
+            {"store": {"backend": "s3", "bucket": "abc", "access_key": "AK", "secret_key": "SK"}},
+            "store.secret_key would be written to vLLM's start-up log",
+        ),
     ],
 )
 def test_bad_config_names_the_key(extra, named):
     with pytest.raises(ConfigError) as error:
         parse_config(extra)
     assert named in str(error.value)
+
+
+def test_refused_secret_is_not_echoed():
+    with pytest.raises(ConfigError) as error:
+        parse_config({"store": {"backend": "s3", "bucket": "abc", "access_key": "AK", "secret_key": "hunter2-secret"}})
+    assert "hunter2-secret" not in str(error.value)
 
 
 def test_chunk_tokens_must_be_a_multiple_of_block_size():

@@ -34,7 +34,8 @@ def kv_config(seaweedfs, **extra) -> dict:
         "kv_connector_module_path": "dualpath_connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"store": seaweedfs.store_config(BUCKET), **extra},
+        # Credentials reach the engine through the AWS variables (Engine's env).
+        "kv_connector_extra_config": {"store": {"backend": "s3", "endpoint": seaweedfs.endpoint, "bucket": BUCKET}, **extra},
     }
 
 
@@ -82,7 +83,7 @@ def baseline(tiny_model):
 @pytest.fixture(scope="module")
 def populated(tiny_model, seaweedfs, baseline):
     """A first engine serves P and one prompt of the batch; the connector stores their chunks."""
-    with Engine(tiny_model, kv_config(seaweedfs)) as engine:
+    with Engine(tiny_model, kv_config(seaweedfs), s3=seaweedfs) as engine:
         outputs = {"P": engine.generate([P], MAX_TOKENS)[0], "S": engine.generate([BATCH[0]], MAX_TOKENS)[0]}
         namespace, prefix = engine.ready["namespace"], engine.ready["key_prefix"]
     return {"outputs": outputs, "key": lambda tokens, i: chunk_key(prefix, namespace, chunk_hashes(namespace, tokens, CHUNK)[i])}
@@ -99,7 +100,7 @@ def test_saving_does_not_change_outputs(baseline, populated, s3):
 
 def test_fresh_engine_hits_stored_prefix_and_matches(tiny_model, seaweedfs, baseline, populated, s3):
     key = populated["key"]
-    with Engine(tiny_model, kv_config(seaweedfs)) as engine:
+    with Engine(tiny_model, kv_config(seaweedfs), s3=seaweedfs) as engine:
         # All full chunks of P are hit; the output equals the engine without
         # the connector serving A after P from its own prefix cache.
         out = engine.generate([A], MAX_TOKENS)[0]
@@ -136,7 +137,7 @@ def test_missing_or_truncated_chunk_shortens_hit(tiny_model, seaweedfs, baseline
     key = populated["key"]
     s3.delete_object(Bucket=BUCKET, Key=key(P, BOUNDARY_CHUNK))
     s3.put_object(Bucket=BUCKET, Key=key(SHARED, BOUNDARY_CHUNK), Body=b"\0" * 100)
-    with Engine(tiny_model, kv_config(seaweedfs)) as engine:
+    with Engine(tiny_model, kv_config(seaweedfs), s3=seaweedfs) as engine:
         out = engine.generate([A], MAX_TOKENS)[0]
         assert out["num_cached_tokens"] == BOUNDARY_CHUNK * CHUNK
         assert same(out, baseline["A"])
@@ -146,5 +147,5 @@ def test_missing_or_truncated_chunk_shortens_hit(tiny_model, seaweedfs, baseline
 
 
 def test_bad_extra_config_key_fails_startup_naming_it(tiny_model, seaweedfs):
-    log = start_engine_expecting_failure(tiny_model, kv_config(seaweedfs, chunk_token=64))
+    log = start_engine_expecting_failure(tiny_model, kv_config(seaweedfs, chunk_token=64), s3=seaweedfs)
     assert "unknown key kv_connector_extra_config.'chunk_token'" in log

@@ -180,6 +180,9 @@ _CHANGES = {
     "layer_block_bytes": 32768,
     "tp_size": 2,
     "tp_rank": 1,
+    "pp_size": 2,
+    "pp_rank": 1,
+    "platform": "cuda/FLASH_ATTN",
 }
 
 

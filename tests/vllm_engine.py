@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dualpath_connector.devstack import stop_process_group
+from dualpath_connector.devstack import SeaweedFS, stop_process_group
 
 RUNNER = Path(__file__).with_name("engine_runner.py")
 ENGINE_START_TIMEOUT_S = 600
@@ -24,7 +24,9 @@ class EngineFailed(RuntimeError):
 
 
 class Engine:
-    def __init__(self, model: Path, kv_transfer_config: dict[str, Any] | None = None, **options: Any) -> None:
+    def __init__(
+        self, model: Path, kv_transfer_config: dict[str, Any] | None = None, s3: SeaweedFS | None = None, **options: Any
+    ) -> None:
         args = [sys.executable, str(RUNNER), "--model", str(model)]
         if kv_transfer_config is not None:
             args += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
@@ -36,6 +38,8 @@ class Engine:
         # which changes the OMP thread count and so the bf16 rounding of every
         # GEMM; engines with and without the connector must compute alike.
         env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="1", PYTHONUNBUFFERED="1")
+        if s3 is not None:
+            env.update(AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key)
         self.proc = subprocess.Popen(
             args,
             stdin=subprocess.PIPE,
@@ -93,10 +97,10 @@ class Engine:
         self.stop()
 
 
-def start_engine_expecting_failure(model: Path, kv_transfer_config: dict[str, Any]) -> str:
+def start_engine_expecting_failure(model: Path, kv_transfer_config: dict[str, Any], s3: SeaweedFS | None = None) -> str:
     """Start an engine that must fail during start-up; return its log."""
     try:
-        engine = Engine(model, kv_transfer_config)
+        engine = Engine(model, kv_transfer_config, s3)
     except EngineFailed as failure:
         return str(failure)
     engine.stop()
