@@ -68,3 +68,18 @@ def write_json(name: str, payload: dict) -> Path:
 def exit_on_sigterm() -> None:
     """Make SIGTERM unwind like Ctrl-C, so ``finally`` blocks stop what was started."""
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+
+
+def run_and_report(run, table, args, json_name: str) -> dict:
+    """Run a benchmark, print its table and write its JSON; Ctrl-C exits 130 after cleanup."""
+    try:
+        payload = run(args)
+    except KeyboardInterrupt:
+        print("interrupted; everything this run started has been stopped", file=sys.stderr)
+        sys.exit(130)
+    text = table(payload)
+    payload["table"] = text
+    path = write_json(json_name, payload)
+    print(text)
+    print(f"\nresults: {path}")
+    return payload

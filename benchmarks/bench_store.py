@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import environment, exit_on_sigterm, markdown_table, median, write_json  # noqa: E402
+from _common import environment, exit_on_sigterm, markdown_table, median, run_and_report  # noqa: E402
 
 from nixl_backends.buffers import HostBufferPool  # noqa: E402
 from nixl_backends.layout import BlockLayout, chunk_key  # noqa: E402
@@ -239,16 +239,7 @@ def main() -> None:
 
     # Keep stdout for the table: NIXL's per-agent INFO lines would interleave with it.
     logging.getLogger("nixl").setLevel(logging.WARNING)
-    try:
-        payload = run(args)
-    except KeyboardInterrupt:
-        print("interrupted; everything this run started has been stopped", file=sys.stderr)
-        sys.exit(130)
-    text = table(payload)
-    payload["table"] = text
-    path = write_json(args.output, payload)
-    print(text)
-    print(f"\nresults: {path}")
+    run_and_report(run, table, args, args.output)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ from _common import (  # noqa: E402
     exit_on_sigterm,
     markdown_table,
     median,
-    write_json,
+    run_and_report,
 )
 
 from dualpath_connector.devstack import SeaweedFS, VLLMServer, cached_tokens, make_tiny_llama  # noqa: E402
@@ -276,16 +276,7 @@ def main() -> None:
     if max(args.sizes) + args.extra_tokens + 1 > args.max_model_len:
         parser.error("--max-model-len must exceed the longest prompt plus one output token")
     exit_on_sigterm()
-    try:
-        payload = run(args)
-    except KeyboardInterrupt:
-        print("interrupted; everything this run started has been stopped", file=sys.stderr)
-        sys.exit(130)
-    text = table(payload)
-    payload["table"] = text
-    path = write_json(f"{args.output}.json", payload)
-    print(text)
-    print(f"\nresults: {path}")
+    payload = run_and_report(run, table, args, f"{args.output}.json")
     png = chart(payload, RESULTS_DIR / f"{args.output}.png")
     if png is not None:
         print(f"chart: {png}")
