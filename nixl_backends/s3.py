@@ -177,9 +177,6 @@ class S3Store(KVStore):
                     return start + offset
         return len(keys)
 
-    def delete(self, key: str) -> None:
-        self._client.delete_object(Bucket=self.config.bucket, Key=key)
-
     def _transfer(self, op: str, keys: Sequence[str], addrs: Sequence[int], split_tail: bool) -> list[bool]:
         if self._agent is None:
             raise RuntimeError("S3Store was opened without a NIXL agent: lookup only")
