@@ -3,8 +3,7 @@
 Protocol, one JSON object per line:
   runner -> test: {"ready": true, "namespace": DIGEST|null, "key_prefix": STR|null}
   test -> runner: {"prompts": [[token ids]...], "max_tokens": N, "reset_prefix_cache": bool}
-  runner -> test: {"outputs": [{"tokens": [...], "logprobs": [...], "num_cached_tokens": N}...],
-                   "connector_metrics": {"dualpath_kv:loaded_tokens": total so far, ...}}
+  runner -> test: {"outputs": [{"tokens": [...], "logprobs": [...], "num_cached_tokens": N}...]}
 Closing stdin ends the engine. The runner's own log goes to stderr.
 """
 
@@ -44,7 +43,6 @@ def main() -> None:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=512 << 20,
-        disable_log_stats=False,  # keeps the connector's Prometheus counters
         kv_transfer_config=KVTransferConfig(**kv_config) if kv_config else None,
     )
     namespace = None
@@ -75,12 +73,7 @@ def main() -> None:
                     "num_cached_tokens": result.num_cached_tokens,
                 }
             )
-        metrics = {
-            m.name: m.value
-            for m in llm.get_metrics()
-            if m.name.startswith("dualpath_kv:") and hasattr(m, "value")
-        }
-        print(json.dumps({"outputs": outputs, "connector_metrics": metrics}), file=protocol)
+        print(json.dumps({"outputs": outputs}), file=protocol)
 
 
 if __name__ == "__main__":
