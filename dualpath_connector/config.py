@@ -71,6 +71,23 @@ def resolve_chunk_tokens(config: DualPathConfig, block_size: int) -> int:
     return chunk_tokens
 
 
+@dataclass(frozen=True)
+class ChunkGeometry:
+    """How stored chunks map onto vLLM blocks; the scheduler and worker halves share it."""
+
+    block_size: int
+    chunk_tokens: int
+
+    @classmethod
+    def of(cls, config: DualPathConfig, vllm_config: Any) -> ChunkGeometry:
+        block_size = vllm_config.cache_config.block_size
+        return cls(block_size, resolve_chunk_tokens(config, block_size))
+
+    @property
+    def blocks_per_chunk(self) -> int:
+        return self.chunk_tokens // self.block_size
+
+
 def namespace_for(
     vllm_config: Any, config: DualPathConfig, chunk_tokens: int, tp_rank: int, pp_rank: int
 ) -> KVNamespace:

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from nixl_backends.layout import BlockLayout, chunk_hashes, chunk_key
 from nixl_backends.store import make_store
 
-from dualpath_connector.config import DualPathConfig, namespace_for, resolve_chunk_tokens
+from dualpath_connector.config import ChunkGeometry, DualPathConfig, namespace_for
 from dualpath_connector.metadata import ChunkLoad, DualPathMetadata, LoadSpec, SaveSpec
 
 if TYPE_CHECKING:
@@ -44,12 +44,10 @@ class _RequestState:
 class DualPathScheduler:
     def __init__(self, vllm_config: VllmConfig, config: DualPathConfig) -> None:
         self.config = config
-        self.block_size = vllm_config.cache_config.block_size
-        self.chunk_tokens = resolve_chunk_tokens(config, self.block_size)
-        self.blocks_per_chunk = self.chunk_tokens // self.block_size
+        self.geometry = ChunkGeometry.of(config, vllm_config)
         # The scheduler looks up rank 0's keys: every rank stores its own shard
         # of the same chunks at the same time.
-        namespace = namespace_for(vllm_config, config, self.chunk_tokens, tp_rank=0, pp_rank=0)
+        namespace = namespace_for(vllm_config, config, self.geometry.chunk_tokens, tp_rank=0, pp_rank=0)
         self.namespace_digest = namespace.digest()
         layout = BlockLayout(namespace.num_layers, namespace.layer_block_bytes)
         self.store = make_store(config.store_config, layout)  # lookup only: no NIXL agent here
@@ -62,7 +60,7 @@ class DualPathScheduler:
         logger.info(
             "DualPath scheduler: namespace %s, chunk %d tokens, store %s",
             self.namespace_digest,
-            self.chunk_tokens,
+            self.geometry.chunk_tokens,
             type(self.store).__name__,
         )
 
@@ -75,14 +73,14 @@ class DualPathScheduler:
         return state
 
     def _hashes(self, state: _RequestState, num_tokens: int) -> list[str]:
-        wanted = num_tokens // self.chunk_tokens
+        wanted = num_tokens // self.geometry.chunk_tokens
         have = len(state.hashes)
         if wanted > have:
             state.hashes.extend(
                 chunk_hashes(
                     self.namespace_digest,
-                    state.request.all_token_ids[: wanted * self.chunk_tokens],
-                    self.chunk_tokens,
+                    state.request.all_token_ids[: wanted * self.geometry.chunk_tokens],
+                    self.geometry.chunk_tokens,
                     start_chunk=have,
                     previous_hash=state.hashes[-1] if have else None,
                 )
@@ -126,8 +124,8 @@ class DualPathScheduler:
         if state.loads_issued >= MAX_LOAD_ATTEMPTS:
             return 0, False
         # Never claim the last token: vLLM must compute it to sample the next one.
-        claimable = (request.num_tokens - 1) // self.chunk_tokens
-        hashes = self._hashes(state, claimable * self.chunk_tokens)
+        claimable = (request.num_tokens - 1) // self.geometry.chunk_tokens
+        hashes = self._hashes(state, claimable * self.geometry.chunk_tokens)
         keys = [self.key(h) for h in hashes]
         if state.loads_issued:
             # vLLM asks again after a load failed: what the cache remembers as
@@ -142,9 +140,9 @@ class DualPathScheduler:
         state.stored_chunks = max(state.stored_chunks, present)
         state.saved_chunks = max(state.saved_chunks, present)
         # One request's hit must fit the load buffer.
-        first_chunk = num_computed_tokens // self.chunk_tokens
+        first_chunk = num_computed_tokens // self.geometry.chunk_tokens
         hit_chunks = min(present, first_chunk + self.config.load_buffer_chunks)
-        hit_tokens = hit_chunks * self.chunk_tokens - num_computed_tokens
+        hit_tokens = hit_chunks * self.geometry.chunk_tokens - num_computed_tokens
         if hit_tokens <= 0:
             self._pending_hit_chunks.pop(request.request_id, None)
             return 0, False
@@ -157,17 +155,17 @@ class DualPathScheduler:
         hit_chunks = self._pending_hit_chunks.pop(request.request_id, 0)
         if num_external_tokens == 0 or hit_chunks == 0:
             return
-        hit_end = hit_chunks * self.chunk_tokens
-        local_blocks = (hit_end - num_external_tokens) // self.block_size
+        hit_end = hit_chunks * self.geometry.chunk_tokens
+        local_blocks = (hit_end - num_external_tokens) // self.geometry.block_size
         chunks = []
-        for chunk in range(local_blocks // self.blocks_per_chunk, hit_chunks):
-            first_block = chunk * self.blocks_per_chunk
+        for chunk in range(local_blocks // self.geometry.blocks_per_chunk, hit_chunks):
+            first_block = chunk * self.geometry.blocks_per_chunk
             skip = max(0, local_blocks - first_block)
             chunks.append(
                 ChunkLoad(
                     chunk_hash=state.hashes[chunk],
                     first_sub_block=skip,
-                    block_ids=state.block_ids[first_block + skip : first_block + self.blocks_per_chunk],
+                    block_ids=state.block_ids[first_block + skip : first_block + self.geometry.blocks_per_chunk],
                 )
             )
         self._loads.append(LoadSpec(request.request_id, chunks))
@@ -199,14 +197,14 @@ class DualPathScheduler:
 
     def _plan_save(self, state: _RequestState, computed_after_step: int, meta: DualPathMetadata) -> None:
         # Only tokens that exist (not async-scheduling placeholders) are hashed.
-        complete = min(computed_after_step, len(state.request.all_token_ids)) // self.chunk_tokens
+        complete = min(computed_after_step, len(state.request.all_token_ids)) // self.geometry.chunk_tokens
         if complete <= state.saved_chunks:
             return
-        bpc = self.blocks_per_chunk
+        bpc = self.geometry.blocks_per_chunk
         if len(state.block_ids) < complete * bpc:
             logger.warning("request %s: fewer blocks than computed tokens; not saving", state.request.request_id)
             return
-        hashes = self._hashes(state, complete * self.chunk_tokens)
+        hashes = self._hashes(state, complete * self.geometry.chunk_tokens)
         first = state.saved_chunks
         meta.saves.append(
             SaveSpec(

@@ -34,7 +34,7 @@ from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.layout import BlockLayout, chunk_key
 from nixl_backends.store import TransferAbandoned, make_store
 
-from dualpath_connector.config import DualPathConfig, namespace_for, resolve_chunk_tokens
+from dualpath_connector.config import ChunkGeometry, DualPathConfig, namespace_for
 from dualpath_connector.metadata import DualPathMetadata, LoadSpec, SaveSpec
 from dualpath_connector.stats import DualPathStats, StatsRecorder
 
@@ -101,11 +101,9 @@ class DualPathWorker:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         self.config = config
-        self.block_size = vllm_config.cache_config.block_size
-        self.chunk_tokens = resolve_chunk_tokens(config, self.block_size)
-        self.blocks_per_chunk = self.chunk_tokens // self.block_size
+        self.geometry = ChunkGeometry.of(config, vllm_config)
         self.namespace = namespace_for(
-            vllm_config, config, self.chunk_tokens, get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+            vllm_config, config, self.geometry.chunk_tokens, get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
         )
         self._digest = self.namespace.digest()
         self.layout = BlockLayout(self.namespace.num_layers, self.namespace.layer_block_bytes)
@@ -133,7 +131,7 @@ class DualPathWorker:
             raise ValueError(f"expected {self.layout.num_layers} KV cache layers, got {len(names)}")
         self._layers = [_physical_block_view(kv_caches[name], num_blocks) for name in names]
         outer, _, block_bytes = self._layers[0].shape
-        layer_block_bytes = outer * block_bytes * self.blocks_per_chunk
+        layer_block_bytes = outer * block_bytes * self.geometry.blocks_per_chunk
         if layer_block_bytes != self.layout.layer_block_bytes:
             raise ValueError(
                 f"KV cache holds {layer_block_bytes} bytes per layer per chunk, the namespace "
@@ -150,7 +148,7 @@ class DualPathWorker:
         """The pool as ``[slot, layer, sub_block, outer, block_bytes]`` (a view, no copy)."""
         outer, _, block_bytes = self._layers[0].shape
         return torch.from_numpy(pool.array).view(
-            pool.num_slots, self.layout.num_layers, self.blocks_per_chunk, outer, block_bytes
+            pool.num_slots, self.layout.num_layers, self.geometry.blocks_per_chunk, outer, block_bytes
         )
 
     # -- loads ----------------------------------------------------------------
@@ -193,8 +191,8 @@ class DualPathWorker:
                 len(failed),
             )
         self.stats.add(
-            loaded_tokens=loaded_blocks * self.block_size,
-            load_failed_tokens=len(failed) * self.block_size,
+            loaded_tokens=loaded_blocks * self.geometry.block_size,
+            load_failed_tokens=len(failed) * self.geometry.block_size,
             bytes_read=good * self.layout.full_block_bytes,
         )
         self.stats.time("load_seconds", time.perf_counter() - started)
@@ -252,7 +250,7 @@ class DualPathWorker:
             self._io.submit(_SAVE_PRIORITY, lambda spec=spec, slots=slots: self._save(spec, slots))
 
     def _copy_out(self, spec: SaveSpec, slots: list[int]) -> None:
-        bpc = self.blocks_per_chunk
+        bpc = self.geometry.blocks_per_chunk
         slot_t = torch.tensor(slots, dtype=torch.long).repeat_interleave(bpc)
         sub_t = torch.arange(bpc, dtype=torch.long).repeat(len(slots))
         block_t = torch.tensor([b for blocks in spec.block_ids for b in blocks], dtype=torch.long)

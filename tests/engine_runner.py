@@ -48,11 +48,11 @@ def main() -> None:
     namespace = None
     key_prefix = None
     if kv_config:
-        from dualpath_connector.config import namespace_for, parse_config, resolve_chunk_tokens
+        from dualpath_connector.config import ChunkGeometry, namespace_for, parse_config
 
         vllm_config = llm.llm_engine.vllm_config
         config = parse_config(kv_config.get("kv_connector_extra_config"))
-        chunk_tokens = resolve_chunk_tokens(config, vllm_config.cache_config.block_size)
+        chunk_tokens = ChunkGeometry.of(config, vllm_config).chunk_tokens
         namespace = namespace_for(vllm_config, config, chunk_tokens, tp_rank=0, pp_rank=0).digest()
         key_prefix = config.key_prefix
     print(json.dumps({"ready": True, "namespace": namespace, "key_prefix": key_prefix}), file=protocol)
