@@ -95,24 +95,23 @@ def measure(backend: str, store_section: dict, chunk_bytes: int, num_chunks: int
         dst_view = pool.array[num_chunks * chunk_bytes :]
         rng = np.random.default_rng(seed)
         writes, reads = [], []
+
+        def timed_batches(op, what: str, keys: list[str], slots: list[int]) -> float:
+            """Seconds for ``op`` over all chunks in batches; any failed chunk aborts the run."""
+            started = time.perf_counter()
+            for b in range(0, num_chunks, batch):
+                ok = op(keys[b : b + batch], [pool.slot_addr(s) for s in slots[b : b + batch]])
+                if not all(ok):
+                    raise RuntimeError(f"{backend}: {ok.count(False)} of {len(ok)} {what} failed")
+            return time.perf_counter() - started
+
         for rep in range(reps):
             keys = random_keys(rng, f"bench-{rep}-{uuid.uuid4().hex[:6]}", num_chunks)
             src_view[:] = rng.integers(0, 256, size=src_view.size, dtype=np.uint8)
             dst_view[:] = 0xA5  # poison: a read that moved nothing cannot pass the check
             try:
-                started = time.perf_counter()
-                for b in range(0, num_chunks, batch):
-                    ok = store.write(keys[b : b + batch], [pool.slot_addr(s) for s in src[b : b + batch]])
-                    if not all(ok):
-                        raise RuntimeError(f"{backend}: {ok.count(False)} of {len(ok)} writes failed")
-                writes.append(time.perf_counter() - started)
-
-                started = time.perf_counter()
-                for b in range(0, num_chunks, batch):
-                    ok = store.read(keys[b : b + batch], [pool.slot_addr(s) for s in dst[b : b + batch]])
-                    if not all(ok):
-                        raise RuntimeError(f"{backend}: {ok.count(False)} of {len(ok)} reads failed")
-                reads.append(time.perf_counter() - started)
+                writes.append(timed_batches(store.write, "writes", keys, src))
+                reads.append(timed_batches(store.read, "reads", keys, dst))
 
                 if not np.array_equal(src_view, dst_view):
                     raise RuntimeError(f"{backend}, {human(chunk_bytes)} chunks: bytes read differ from bytes written")
