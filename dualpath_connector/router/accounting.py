@@ -1,0 +1,247 @@
+"""What the router knows about engine and node load (paper §6.1: tok_e, seq_e, read_q_n(e)).
+
+The router counts what it dispatched itself: exact for its own requests, and
+updated the moment it dispatches, which the engines' metrics cannot be. The
+engines' ``/metrics`` add what the router cannot see (other clients, reads a
+DE serves for other PEs, KV memory). Where both count the same thing the
+larger wins: the router's own requests are never counted twice, and load
+the router did not send is never missed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Literal
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from dualpath_connector.router.config import EngineConfig, StoreNamespace
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode"]
+
+NAMESPACE_INFO_METRIC = "dualpath_kv:store_namespace_info"
+READ_QUEUE_METRIC = "dualpath_kv:read_queue_tokens"
+
+
+@dataclass
+class EngineLoad:
+    """One engine's load as the router sees it."""
+
+    config: EngineConfig
+    role: Role
+    # Tokens and requests the router dispatched and not yet seen finish.
+    dispatched_tokens: int = 0
+    dispatched_requests: int = 0
+    # From the engine's /metrics (None until a scrape succeeded).
+    reported_requests: int | None = None
+    reported_read_queue_tokens: int = 0
+    kv_usage: float | None = None
+    kv_capacity_tokens: int | None = None
+    # False after a failed scrape or dispatch, until the next good scrape.
+    healthy: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def node(self) -> str:
+        return self.config.node
+
+    @property
+    def unfinished_tokens(self) -> int:
+        # vLLM exports request counts, not token counts: tokens are ours alone.
+        return self.dispatched_tokens
+
+    @property
+    def unfinished_requests(self) -> int:
+        return max(self.dispatched_requests, self.reported_requests or 0)
+
+    @property
+    def free_kv_tokens(self) -> float | None:
+        if self.kv_usage is None or self.kv_capacity_tokens is None:
+            return None
+        return (1.0 - self.kv_usage) * self.kv_capacity_tokens
+
+
+@dataclass
+class EngineReport:
+    """What one /metrics scrape says."""
+
+    requests: int
+    read_queue_tokens: int
+    kv_usage: float | None
+    kv_capacity_tokens: int | None
+    namespace: StoreNamespace | None
+
+
+def parse_engine_metrics(text: str) -> EngineReport:
+    """Sum each series over its label sets (engines export one per engine index/model)."""
+    totals: dict[str, float] = defaultdict(float)
+    capacity: int | None = None
+    namespace: StoreNamespace | None = None
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] += sample.value
+            if sample.name == "vllm:cache_config_info":
+                blocks, block_size = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
+                if blocks and block_size and blocks.isdigit() and block_size.isdigit():
+                    capacity = (capacity or 0) + int(blocks) * int(block_size)
+            elif sample.name == NAMESPACE_INFO_METRIC and namespace is None:
+                namespace = _namespace_from_labels(sample.labels)
+    usage = totals.get("vllm:kv_cache_usage_perc")
+    return EngineReport(
+        requests=int(totals.get("vllm:num_requests_running", 0) + totals.get("vllm:num_requests_waiting", 0)),
+        read_queue_tokens=int(totals.get(READ_QUEUE_METRIC, 0)),
+        kv_usage=None if usage is None else min(max(usage, 0.0), 1.0),
+        kv_capacity_tokens=capacity,
+        namespace=namespace,
+    )
+
+
+def _namespace_from_labels(labels: dict[str, str]) -> StoreNamespace | None:
+    try:
+        namespace = StoreNamespace(
+            digest=labels["namespace"],
+            key_prefix=labels["key_prefix"],
+            chunk_tokens=int(labels["chunk_tokens"]),
+            num_layers=int(labels["num_layers"]),
+            layer_block_bytes=int(labels["layer_block_bytes"]),
+        )
+        namespace.validate()
+    except (KeyError, ValueError) as exc:  # ConfigError is a ValueError
+        logger.warning("ignoring malformed %s labels %s: %s", NAMESPACE_INFO_METRIC, labels, exc)
+        return None
+    return namespace
+
+
+class ThroughputEstimate:
+    """Tokens per second of one kind of work, from completed work and the busy time it took.
+
+    Each resource (an engine, a node's read path) is busy while it has work
+    outstanding. A completion of ``t`` tokens is charged the busy time since
+    the resource's previous completion (or since it became busy), so
+    concurrent work is not charged twice. Tokens and seconds are averaged
+    separately (EWMA) and divided: averaging per-sample rates would let a
+    burst of completions a microsecond apart dominate.
+    """
+
+    def __init__(self, initial_tokens_per_s: float, weight: float) -> None:
+        self.weight = weight
+        # Seeded as one second of work at the configured rate.
+        self._tokens = initial_tokens_per_s
+        self._seconds = 1.0
+        self._outstanding: dict[str, int] = defaultdict(int)
+        self._busy_mark: dict[str, float] = {}
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self._tokens / self._seconds
+
+    def started(self, resource: str) -> None:
+        if self._outstanding[resource] == 0:
+            self._busy_mark[resource] = time.monotonic()
+        self._outstanding[resource] += 1
+
+    def finished(self, resource: str, tokens: int, *, completed: bool) -> None:
+        """``completed=False`` (failure): the busy time is dropped, not charged as throughput."""
+        now = time.monotonic()
+        busy_s = now - self._busy_mark.get(resource, now)
+        self._busy_mark[resource] = now
+        self._outstanding[resource] = max(self._outstanding[resource] - 1, 0)
+        if completed and tokens > 0 and busy_s > 0:
+            self._tokens += self.weight * (tokens - self._tokens)
+            self._seconds += self.weight * (busy_s - self._seconds)
+
+
+@dataclass
+class Accounting:
+    """Per-engine unfinished tokens/requests and per-node read-queue tokens."""
+
+    engines: dict[str, EngineLoad]
+    prefill_rate: ThroughputEstimate
+    read_rate: ThroughputEstimate
+    # Tokens the router sent to be read on each node and not yet answered.
+    dispatched_read_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+
+    @classmethod
+    def build(
+        cls,
+        prefill: Iterable[EngineConfig],
+        decode: Iterable[EngineConfig],
+        prefill_tokens_per_s: float,
+        read_tokens_per_s: float,
+        rate_weight: float,
+    ) -> Accounting:
+        engines = {e.name: EngineLoad(e, "prefill") for e in prefill}
+        engines.update({e.name: EngineLoad(e, "decode") for e in decode})
+        return cls(
+            engines,
+            ThroughputEstimate(prefill_tokens_per_s, rate_weight),
+            ThroughputEstimate(read_tokens_per_s, rate_weight),
+        )
+
+    def role(self, role: Role) -> list[EngineLoad]:
+        return [e for e in self.engines.values() if e.role == role]
+
+    def nodes(self) -> set[str]:
+        return {e.node for e in self.engines.values()}
+
+    def read_queue_tokens(self, node: str) -> int:
+        reported = sum(e.reported_read_queue_tokens for e in self.engines.values() if e.node == node)
+        return max(self.dispatched_read_tokens[node], reported)
+
+    def read_queues(self) -> dict[str, int]:
+        return {node: self.read_queue_tokens(node) for node in self.nodes()}
+
+    def alpha_tokens(self, alpha_s: float) -> float:
+        return alpha_s * self.read_rate.tokens_per_s
+
+    def beta_tokens(self, beta_s: float) -> float:
+        return beta_s * self.prefill_rate.tokens_per_s
+
+    # Dispatch and completion; every add has exactly one matching remove.
+    def prefill_started(self, pe: EngineLoad, tokens: int, read_node: str, hit_tokens: int) -> None:
+        pe.dispatched_tokens += tokens
+        pe.dispatched_requests += 1
+        self.dispatched_read_tokens[read_node] += hit_tokens
+        self.prefill_rate.started(pe.name)
+        if hit_tokens:
+            self.read_rate.started(read_node)
+
+    def prefill_finished(
+        self, pe: EngineLoad, tokens: int, read_node: str, hit_tokens: int, *, completed: bool
+    ) -> None:
+        pe.dispatched_tokens -= tokens
+        pe.dispatched_requests -= 1
+        self.dispatched_read_tokens[read_node] -= hit_tokens
+        self.prefill_rate.finished(pe.name, tokens, completed=completed)
+        if hit_tokens:
+            # The PE answers after reading and computing: an upper bound on the read time.
+            self.read_rate.finished(read_node, hit_tokens, completed=completed)
+
+    def decode_started(self, de: EngineLoad, tokens: int) -> None:
+        de.dispatched_tokens += tokens
+        de.dispatched_requests += 1
+
+    def decode_finished(self, de: EngineLoad, tokens: int) -> None:
+        de.dispatched_tokens -= tokens
+        de.dispatched_requests -= 1
+
+    def apply_report(self, engine: EngineLoad, report: EngineReport | None) -> None:
+        """A scrape's result; ``None`` = the scrape failed."""
+        if report is None:
+            engine.healthy = False
+            return
+        engine.healthy = True
+        engine.reported_requests = report.requests
+        engine.reported_read_queue_tokens = report.read_queue_tokens
+        engine.kv_usage = report.kv_usage
+        engine.kv_capacity_tokens = report.kv_capacity_tokens
+

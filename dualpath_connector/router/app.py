@@ -1,0 +1,388 @@
+"""``dualpath-router``: the OpenAI-compatible front of a DualPath PD cluster.
+
+Per request: tokenize (or take token ids), look up the hit length in the
+store, place it (PE, DE, read side), prefill on the PE with ``max_tokens=1``
+and the DualPath ``kv_transfer_params``, then hand the PE's
+``kv_transfer_params`` to the DE and pass the DE's answer through.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import sys
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+
+from nixl_backends.configuration import ConfigError
+
+from dualpath_connector.router.accounting import Accounting
+from dualpath_connector.router.config import RouterConfig, load_router_config
+from dualpath_connector.router.dispatcher import Dispatcher, Placement, QueueTimeout
+from dualpath_connector.router.lookup import HitLookup
+from dualpath_connector.router.policies import make_policy
+from dualpath_connector.router.prompts import BadRequest, PromptBuilder, RoutedRequest
+
+logger = logging.getLogger(__name__)
+
+
+def error_response(status: int, message: str, *, err_type: str, param: str | None = None,
+                   headers: dict[str, str] | None = None) -> JSONResponse:
+    """OpenAI's error shape, as vLLM answers it."""
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class RouterMetrics:
+    """The router's own /metrics: counters it increments, gauges read from accounting at scrape time."""
+
+    def __init__(self, dispatcher: Dispatcher, policy: str) -> None:
+        self.registry = CollectorRegistry()
+        self.policy = policy
+        self.requests = Counter(
+            "dualpath_router_requests", "Requests prefilled, by policy and read side",
+            ["policy", "read_side"], registry=self.registry,
+        )
+        self.prompt_tokens = Counter("dualpath_router_prompt_tokens", "Prompt tokens routed", registry=self.registry)
+        self.hit_tokens = Counter("dualpath_router_hit_tokens", "Prompt tokens found in the store",
+                                  registry=self.registry)
+        self.retries = Counter("dualpath_router_retries", "Attempts moved to another engine after a failure",
+                               ["role"], registry=self.registry)
+        self.rejected = Counter("dualpath_router_rejected_requests", "Requests answered with an error, by reason",
+                                ["reason"], registry=self.registry)
+        self._dispatcher = dispatcher
+        self.registry.register(self)
+
+    def collect(self):
+        accounting = self._dispatcher.accounting
+        labels = ["engine", "role"]
+        tokens = GaugeMetricFamily("dualpath_router_engine_unfinished_tokens",
+                                   "Prompt tokens dispatched to the engine and not finished", labels=labels)
+        requests = GaugeMetricFamily("dualpath_router_engine_unfinished_requests",
+                                     "Unfinished requests (router's count or the engine's, the larger)",
+                                     labels=labels)
+        healthy = GaugeMetricFamily("dualpath_router_engine_healthy", "1 if the last scrape/dispatch succeeded",
+                                    labels=labels)
+        for engine in accounting.engines.values():
+            tokens.add_metric([engine.name, engine.role], engine.unfinished_tokens)
+            requests.add_metric([engine.name, engine.role], engine.unfinished_requests)
+            healthy.add_metric([engine.name, engine.role], 1.0 if engine.healthy else 0.0)
+        read_queue = GaugeMetricFamily("dualpath_router_node_read_queue_tokens",
+                                       "Hit tokens queued for reading on the node", labels=["node"])
+        for node, queued in sorted(accounting.read_queues().items()):
+            read_queue.add_metric([node], queued)
+        scheduling = self._dispatcher.config.scheduling
+        yield from (tokens, requests, healthy, read_queue)
+        yield GaugeMetricFamily("dualpath_router_queued_requests", "Requests waiting for a PE under beta",
+                                value=self._dispatcher.queued_requests)
+        yield GaugeMetricFamily("dualpath_router_prefill_tokens_per_second", "Estimated prefill rate per PE",
+                                value=accounting.prefill_rate.tokens_per_s)
+        yield GaugeMetricFamily("dualpath_router_read_tokens_per_second", "Estimated store read rate per node",
+                                value=accounting.read_rate.tokens_per_s)
+        yield GaugeMetricFamily("dualpath_router_alpha_tokens", "Short read queue threshold, in tokens",
+                                value=accounting.alpha_tokens(scheduling.alpha_s))
+        yield GaugeMetricFamily("dualpath_router_beta_tokens", "Unfinished token limit per PE, in tokens",
+                                value=accounting.beta_tokens(scheduling.beta_s))
+
+
+class EngineFailed(Exception):
+    """The engine failed before answering anything: the attempt may go to another engine."""
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        accounting = Accounting.build(
+            config.prefill_engines,
+            config.decode_engines,
+            config.scheduling.prefill_tokens_per_s,
+            config.scheduling.read_tokens_per_s,
+            config.scheduling.rate_ewma_weight,
+        )
+        lookup = HitLookup(config.store, config.lookup_cache_chunks)
+        if config.namespace != "auto":
+            lookup.namespace = config.namespace
+        self.dispatcher = Dispatcher(config, accounting, make_policy(config.policy, config.scheduling), lookup)
+        self.prompts = PromptBuilder(config.tokenizer, config.served_model_names)
+        self.metrics = RouterMetrics(self.dispatcher, config.policy)
+        self.client: httpx.AsyncClient | None = None
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
+        timeouts = self.config.timeouts
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(timeouts.prefill_s, connect=timeouts.connect_s),
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+        )
+        refresher = asyncio.create_task(self.dispatcher.refresh_forever(self.client))
+        try:
+            yield
+        finally:
+            refresher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await refresher
+            await self.client.aclose()
+
+    def build_app(self) -> FastAPI:
+        app = FastAPI(title="dualpath-router", lifespan=self.lifespan)
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/metrics", self.prometheus, methods=["GET"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        return app
+
+    async def health(self) -> Response:
+        accounting = self.dispatcher.accounting
+        engines = {e.name: e.healthy for e in accounting.engines.values()}
+        missing = [role for role in ("prefill", "decode") if not any(e.healthy for e in accounting.role(role))]
+        if missing:
+            return JSONResponse({"status": f"no healthy {' or '.join(missing)} engine", "engines": engines},
+                                status_code=503)
+        return JSONResponse({"status": "ok", "engines": engines})
+
+    async def prometheus(self) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(self) -> Response:
+        data = [{"id": name, "object": "model", "owned_by": "dualpath-router"} for name in self.config.served_model_names]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: Request, *, chat: bool) -> Response:
+        try:
+            raw = await request.body()
+            routed = self.prompts.build(raw, chat=chat)
+        except BadRequest as exc:
+            self.metrics.rejected.labels(exc.reason).inc()
+            return error_response(exc.status, exc.message, err_type=exc.err_type, param=exc.param)
+        try:
+            return await self._route(routed, chat=chat)
+        except Exception:  # every accepted request gets an answer, even on a router bug
+            logger.exception("request failed inside the router")
+            self.metrics.rejected.labels("internal").inc()
+            return error_response(500, "internal router error; see the router log", err_type="InternalServerError")
+
+    async def _route(self, routed: RoutedRequest, *, chat: bool) -> Response:
+        hit_tokens = await self.dispatcher.lookup.hit_tokens(routed.token_ids)
+        try:
+            placement, kv_transfer_params, failure = await self._prefill(routed, hit_tokens)
+        except QueueTimeout:
+            self.metrics.rejected.labels("queue_timeout").inc()
+            scheduling = self.config.scheduling
+            return error_response(
+                503,
+                f"every prefill engine stayed above beta ({scheduling.beta_s}s of work) for "
+                f"scheduling.queue_timeout_s={scheduling.queue_timeout_s}s",
+                err_type="ServiceUnavailableError",
+            )
+        if placement is None:
+            return failure
+        return await self._decode(routed, placement, kv_transfer_params, chat=chat)
+
+    async def _prefill(self, routed: RoutedRequest, hit_tokens: int):
+        """Prefill on a PE, moving to another PE while attempts fail.
+
+        Returns ``(placement, kv_transfer_params, None)`` with the DE still
+        booked, or ``(None, None, response)`` when the request is answered here
+        (queue timeout, every PE failed, a PE's 4xx) with nothing booked.
+        """
+        failures: dict[str, str] = {}
+        previous: Placement | None = None  # keeps its DE across PE attempts
+        while True:
+            try:
+                placement = await self.dispatcher.start_prefill(
+                    len(routed.token_ids), hit_tokens, set(failures), previous.decode if previous else None
+                )
+            except BaseException:
+                self._release_decode(previous)
+                raise
+            if placement is None:
+                self._release_decode(previous)
+                self.metrics.rejected.labels("prefill_failed").inc()
+                reasons = "; ".join(f"{name}: {why}" for name, why in failures.items())
+                return None, None, error_response(
+                    503, f"all prefill engines failed: {reasons}", err_type="ServiceUnavailableError"
+                )
+            previous = placement
+            try:
+                response = await self._post_prefill(routed, placement)
+            except EngineFailed as exc:
+                self.dispatcher.finish_prefill(placement, completed=False, engine_failed=True)
+                failures[placement.prefill.name] = str(exc)
+                logger.warning("prefill engine %s failed before answering: %s", placement.prefill.name, exc)
+                self.metrics.retries.labels("prefill").inc()
+                continue
+            except BaseException:
+                self.dispatcher.finish_prefill(placement, completed=False)
+                self.dispatcher.finish_decode(placement)
+                raise
+            completed = response.status_code < 400
+            self.dispatcher.finish_prefill(placement, completed=completed)
+            if not completed:  # the PE refused the request itself (4xx): the client's to see
+                self.dispatcher.finish_decode(placement)
+                return None, None, Response(response.content, response.status_code,
+                                            media_type=response.headers.get("content-type"))
+            self.metrics.requests.labels(self.config.policy, placement.read_side).inc()
+            self.metrics.prompt_tokens.inc(placement.prompt_tokens)
+            self.metrics.hit_tokens.inc(hit_tokens)
+            return placement, _kv_transfer_params(response), None
+
+    def _release_decode(self, placement: Placement | None) -> None:
+        if placement is not None:
+            self.dispatcher.finish_decode(placement)
+
+    async def _post_prefill(self, routed: RoutedRequest, placement: Placement) -> httpx.Response:
+        body = dict(routed.body)
+        body.update(max_tokens=1, stream=False)
+        for key in ("stream_options", "min_tokens"):  # meaningless for a one-token prefill
+            body.pop(key, None)
+        body["kv_transfer_params"] = {
+            "do_remote_decode": True,
+            "read_side": placement.read_side,
+            "de_side_channel": placement.decode.config.side_channel,
+            "hit_tokens": placement.hit_tokens,
+        }
+        try:
+            response = await self.client.post(f"{placement.prefill.config.url}/v1/completions", json=body)
+        except httpx.HTTPError as exc:
+            raise EngineFailed(f"{type(exc).__name__}: {exc}") from None
+        if response.status_code >= 500:
+            raise EngineFailed(f"HTTP {response.status_code}: {response.text[:200]}")
+        if response.status_code < 400:
+            try:
+                response.json()
+            except ValueError:
+                raise EngineFailed("answer is not JSON") from None
+        return response
+
+    async def _decode(self, routed: RoutedRequest, placement: Placement, kv_transfer_params: dict | None,
+                      *, chat: bool) -> Response:
+        """Decode on a DE, moving to another DE while attempts fail before any byte reached the client.
+
+        Releases the DE booking exactly once: here, or when a stream ends.
+        """
+        body = dict(routed.body)
+        if kv_transfer_params is not None:
+            body["kv_transfer_params"] = kv_transfer_params
+        failures: dict[str, str] = {}
+        booked = True
+        try:
+            while True:
+                try:
+                    upstream = await self._open_decode(placement, body, read_all=not routed.stream)
+                    break
+                except EngineFailed as exc:
+                    failures[placement.decode.name] = str(exc)
+                    logger.warning("decode engine %s failed before answering: %s", placement.decode.name, exc)
+                    self.metrics.retries.labels("decode").inc()
+                    booked = self.dispatcher.replace_decode(placement, set(failures))
+                    if not booked:
+                        self.metrics.rejected.labels("decode_failed").inc()
+                        reasons = "; ".join(f"{name}: {why}" for name, why in failures.items())
+                        return error_response(503, f"all decode engines failed: {reasons}",
+                                              err_type="ServiceUnavailableError")
+            headers = {
+                "x-dualpath-read-side": placement.read_side,
+                "x-dualpath-hit-tokens": str(placement.hit_tokens),
+                "x-dualpath-prefill-engine": placement.prefill.name,
+                "x-dualpath-decode-engine": placement.decode.name,
+            }
+            media_type = upstream.headers.get("content-type")
+            if upstream.is_closed:  # read whole: not streamed, or an error answer
+                content = upstream.content
+                if chat and upstream.status_code < 400:
+                    content = self.prompts.chat_response(content)
+                    media_type = "application/json"
+                return Response(content, upstream.status_code, headers=headers, media_type=media_type)
+            chunks = self.prompts.chat_stream(upstream.aiter_lines()) if chat else upstream.aiter_raw()
+            booked = False  # the stream releases it when it ends
+            return StreamingResponse(self._pass_through(upstream, chunks, placement), upstream.status_code,
+                                     headers=headers, media_type=media_type)
+        finally:
+            if booked:
+                self.dispatcher.finish_decode(placement)
+
+    async def _open_decode(self, placement: Placement, body: dict, *, read_all: bool) -> httpx.Response:
+        """Send the DE request; with ``read_all`` (or an error status) the whole answer is read and closed."""
+        request = self.client.build_request(
+            "POST", f"{placement.decode.config.url}/v1/completions", json=body,
+            timeout=httpx.Timeout(self.config.timeouts.decode_s, connect=self.config.timeouts.connect_s),
+        )
+        try:
+            upstream = await self.client.send(request, stream=True)
+        except httpx.HTTPError as exc:
+            raise EngineFailed(f"{type(exc).__name__}: {exc}") from None
+        if read_all or upstream.status_code >= 400:
+            try:
+                await upstream.aread()
+            except httpx.HTTPError as exc:
+                raise EngineFailed(f"answer broke off: {type(exc).__name__}: {exc}") from None
+            finally:
+                await upstream.aclose()
+        if upstream.status_code >= 500:
+            raise EngineFailed(f"HTTP {upstream.status_code}: {upstream.text[:200]}")
+        return upstream
+
+    async def _pass_through(self, upstream: httpx.Response, chunks: AsyncIterator[bytes],
+                            placement: Placement) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in chunks:
+                yield chunk
+        except httpx.HTTPError as exc:
+            # Bytes already reached the client: no retry; the client sees the stream end early.
+            logger.warning("decode engine %s broke off the stream: %s", placement.decode.name, exc)
+        finally:
+            await upstream.aclose()
+            self.dispatcher.finish_decode(placement)
+
+
+def _kv_transfer_params(response: httpx.Response) -> dict | None:
+    params = response.json().get("kv_transfer_params")
+    if params is None:
+        # An engine without the connector: the DE gets the plain request and recomputes.
+        logger.debug("prefill answer carries no kv_transfer_params; the DE recomputes the prompt")
+    return params if isinstance(params, dict) else None
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="dualpath-router", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="router YAML (see configs/router.yaml)")
+    parser.add_argument("--host", help="override the config's host")
+    parser.add_argument("--port", type=int, help="override the config's port")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_router_config(args.config)
+        if args.host:
+            config.host = args.host
+        if args.port:
+            config.port = args.port
+        router = Router(config)
+    except ConfigError as exc:
+        print(f"dualpath-router: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    logger.info("policy %s, read side %s, %d prefill and %d decode engines, listening on %s:%d",
+                config.policy, config.read_side, len(config.prefill_engines), len(config.decode_engines),
+                config.host, config.port)
+    uvicorn.run(router.build_app(), host=config.host, port=config.port, log_level=args.log_level)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,411 @@
+"""dualpath-router as a real process in front of stand-in engines.
+
+The stand-ins are small HTTP servers on real sockets that answer like vLLM's
+OpenAI server with our connector (JSON and SSE completions, Prometheus
+/metrics, ``kv_transfer_params`` on the prefill answer), record every body
+they receive and can be told to fail. They stand in for vLLM because a CPU
+vLLM start costs about 90 s per engine; the real engines behind this router
+are covered by the 1P1D end-to-end test (tests/test_engine_e2e.py).
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+from dualpath_connector.devstack import free_port, stop_process_group
+
+MODEL = "tiny-llama"
+PROMPT = list(range(100, 170))
+
+
+class StandInEngine:
+    """A vLLM-like OpenAI server: records bodies, answers prefill or decode, fails on demand.
+
+    ``mode``: ``ok``; ``http500`` (5xx before any byte); ``close`` (drops the
+    connection without answering); ``http400`` (refuses the request).
+    """
+
+    def __init__(self, name: str, role: str) -> None:
+        self.name = name
+        self.role = role
+        self.mode = "ok"
+        self.received: list[dict] = []
+        self.sent_kv_transfer_params: list[dict] = []
+        self.metrics_text = (
+            "# TYPE vllm:num_requests_running gauge\n"
+            f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 0\n'
+            "# TYPE dualpath_kv:read_queue_tokens gauge\n"
+            f'dualpath_kv:read_queue_tokens{{engine="0",model_name="{MODEL}"}} 0\n'
+        )
+        engine = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # keep pytest output readable
+                pass
+
+            def _send(self, status: int, body: bytes, content_type: str) -> None:
+                self.send_response(status)
+                self.send_header("content-type", content_type)
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self) -> None:
+                if self.path == "/metrics":
+                    self._send(200, engine.metrics_text.encode(), "text/plain; version=0.0.4")
+                else:
+                    self._send(200, b"", "text/plain")
+
+            def do_POST(self) -> None:
+                body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                engine.received.append(body)
+                if engine.mode == "close":
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
+                if engine.mode == "http500":
+                    self._send(500, b'{"error": {"message": "engine dead"}}', "application/json")
+                    return
+                if engine.mode == "http400":
+                    self._send(400, b'{"error": {"message": "prompt too long"}}', "application/json")
+                    return
+                if engine.role == "prefill":
+                    self._send(200, json.dumps(engine.prefill_answer(body)).encode(), "application/json")
+                elif body.get("stream"):
+                    self._stream(body)
+                else:
+                    self._send(200, json.dumps(engine.decode_answer(body)).encode(), "application/json")
+
+            def _stream(self, body: dict) -> None:
+                self.send_response(200)
+                self.send_header("content-type", "text/event-stream; charset=utf-8")
+                self.send_header("transfer-encoding", "chunked")
+                self.end_headers()
+                for event in engine.decode_events(body):
+                    data = f"data: {event}\n\n".encode()
+                    self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                    self.wfile.flush()
+                self.wfile.write(b"0\r\n\r\n")
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, name=f"standin-{name}", daemon=True)
+        self.thread.start()
+
+    def prefill_answer(self, body: dict) -> dict:
+        kv_transfer_params = {"do_remote_prefill": True, "remote_engine_id": self.name,
+                              "remote_block_ids": [1, 2, 3], "nonce": uuid.uuid4().hex}
+        self.sent_kv_transfer_params.append(kv_transfer_params)
+        return {
+            "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": body.get("model", MODEL),
+            "choices": [{"index": 0, "text": "", "token_ids": [7], "finish_reason": "length"}],
+            "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1},
+            "kv_transfer_params": kv_transfer_params,
+        }
+
+    def decode_tokens(self, body: dict) -> list[int]:
+        return [(len(body["prompt"]) + i) % 1000 for i in range(body.get("max_tokens") or 16)]
+
+    def decode_answer(self, body: dict) -> dict:
+        tokens = self.decode_tokens(body)
+        return {
+            "id": "cmpl-1", "object": "text_completion", "model": body.get("model", MODEL),
+            "choices": [{"index": 0, "text": "", "token_ids": tokens, "finish_reason": "length"}],
+            "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(tokens)},
+            "served_by": self.name,
+        }
+
+    def decode_events(self, body: dict) -> list[str]:
+        tokens = self.decode_tokens(body)
+        events = [
+            json.dumps({"id": "cmpl-1", "object": "text_completion", "model": body.get("model", MODEL),
+                        "choices": [{"index": 0, "text": "", "token_ids": [t],
+                                     "finish_reason": "length" if i == len(tokens) - 1 else None}]})
+            for i, t in enumerate(tokens)
+        ]
+        return [*events, "[DONE]"]
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class RouterProcess:
+    """``python -m dualpath_connector.router.app`` on a free port, stopped by its PID."""
+
+    def __init__(self, config: dict, workdir: Path) -> None:
+        self.port = free_port()
+        config = {**config, "host": "127.0.0.1", "port": self.port}
+        self.config_path = workdir / "router.yaml"
+        self.config_path.write_text(yaml.safe_dump(config))
+        self.log_path = workdir / "router.log"
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 60.0) -> RouterProcess:
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dualpath_connector.router.app", "--config", str(self.config_path)],
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited early:\n{self.log_path.read_text()}")
+            try:
+                httpx.get(f"{self.url}/v1/models", timeout=1.0)
+                return self
+            except httpx.TransportError:
+                time.sleep(0.1)
+        raise TimeoutError(f"router not up after {timeout_s}s:\n{self.log_path.read_text()}")
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process_group(self.proc, grace_s=5.0)
+            self.proc = None
+
+    def log(self) -> str:
+        return self.log_path.read_text()
+
+
+def router_config(pes: list[StandInEngine], des: list[StandInEngine], **overrides) -> dict:
+    config = {
+        "served_model_names": [MODEL],
+        "policy": "dualpath",
+        "metrics_refresh_interval_s": 0.2,
+        "prefill_engines": [{"name": e.name, "url": e.url, "node": f"node-{e.name}"} for e in pes],
+        "decode_engines": [
+            {"name": e.name, "url": e.url, "node": f"node-{e.name}", "side_channel": f"127.0.0.1:{5700 + i}"}
+            for i, e in enumerate(des)
+        ],
+        "timeouts": {"connect_s": 2, "prefill_s": 30, "decode_s": 30},
+    }
+    config.update(overrides)
+    return config
+
+
+@pytest.fixture
+def engines():
+    made: list[StandInEngine] = []
+
+    def make(name: str, role: str) -> StandInEngine:
+        made.append(StandInEngine(name, role))
+        return made[-1]
+
+    yield make
+    for engine in made:
+        engine.stop()
+
+
+@pytest.fixture
+def start_router(tmp_path):
+    started: list[RouterProcess] = []
+
+    def start(config: dict) -> RouterProcess:
+        workdir = tmp_path / f"router{len(started)}"
+        workdir.mkdir()
+        started.append(RouterProcess(config, workdir))
+        return started[-1].start()
+
+    yield start
+    for router in started:
+        router.stop()
+
+
+def dead_engine_url() -> str:
+    return f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+
+def complete(router: RouterProcess, **body) -> httpx.Response:
+    return httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, **body}, timeout=30.0)
+
+
+def test_prefill_then_decode_bodies_and_headers(engines, start_router):
+    pe, de = engines("pe0", "prefill"), engines("de0", "decode")
+    router = start_router(router_config([pe], [de], read_side="de"))
+    response = complete(router, prompt=PROMPT, max_tokens=5, temperature=0.0, stream_options={"include_usage": True},
+                        return_token_ids=True)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["token_ids"] == de.decode_tokens({"prompt": PROMPT, "max_tokens": 5})
+    assert response.headers["x-dualpath-read-side"] == "de"
+    assert response.headers["x-dualpath-hit-tokens"] == "0"  # no store configured
+    assert response.headers["x-dualpath-prefill-engine"] == "pe0"
+    assert response.headers["x-dualpath-decode-engine"] == "de0"
+
+    [pe_body] = pe.received
+    assert pe_body["prompt"] == PROMPT
+    assert pe_body["max_tokens"] == 1 and pe_body["stream"] is False and "stream_options" not in pe_body
+    assert pe_body["temperature"] == 0.0
+    assert pe_body["kv_transfer_params"] == {
+        "do_remote_decode": True, "read_side": "de", "de_side_channel": "127.0.0.1:5700", "hit_tokens": 0,
+    }
+    [de_body] = de.received
+    assert de_body["max_tokens"] == 5 and de_body["prompt"] == PROMPT
+    assert de_body["stream_options"] == {"include_usage": True}
+    # The PE's kv_transfer_params, verbatim.
+    assert de_body["kv_transfer_params"] == pe.sent_kv_transfer_params[0]
+
+
+def test_streaming_passes_the_decode_stream_through(engines, start_router):
+    pe, de = engines("pe0", "prefill"), engines("de0", "decode")
+    router = start_router(router_config([pe], [de]))
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=30.0) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        assert response.headers["x-dualpath-decode-engine"] == "de0"
+        received = response.read().decode()
+    expected = "".join(f"data: {event}\n\n" for event in de.decode_events({"prompt": PROMPT, "max_tokens": 4}))
+    assert received == expected
+    assert pe.received[0]["stream"] is False and pe.received[0]["max_tokens"] == 1
+    assert de.received[0]["stream"] is True
+
+
+def test_prefill_retries_on_another_pe_when_the_first_is_down(engines, start_router):
+    pe_bad, pe_good, de = engines("pe-bad", "prefill"), engines("pe-good", "prefill"), engines("de0", "decode")
+    pe_bad.mode = "http500"
+    config = router_config([pe_bad, pe_good], [de], policy="round_robin")
+    config["prefill_engines"].insert(0, {"name": "pe-down", "url": dead_engine_url(), "node": "n-down"})
+    router = start_router(config)
+    for _ in range(3):
+        response = complete(router, prompt=PROMPT, max_tokens=2)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-dualpath-prefill-engine"] == "pe-good"
+        assert de.received[-1]["kv_transfer_params"] == pe_good.sent_kv_transfer_params[-1]
+    metrics = httpx.get(f"{router.url}/metrics").text
+    assert 'dualpath_router_retries_total{role="prefill"}' in metrics
+
+
+def test_decode_retries_on_another_de_when_the_first_drops_the_connection(engines, start_router):
+    pe, de_bad, de_good = engines("pe0", "prefill"), engines("de-bad", "decode"), engines("de-good", "decode")
+    de_bad.mode = "close"
+    router = start_router(router_config([pe], [de_bad, de_good], policy="round_robin"))
+    for stream in (False, True):
+        response = complete(router, prompt=PROMPT, max_tokens=3, stream=stream)
+        assert response.status_code == 200, response.text
+        assert response.headers["x-dualpath-decode-engine"] == "de-good"
+        # The second DE gets the same PE answer the first one would have used.
+        assert de_good.received[-1]["kv_transfer_params"] == pe.sent_kv_transfer_params[-1]
+
+
+def test_all_engines_failed_is_a_503_with_the_reasons(engines, start_router):
+    pe, de = engines("pe0", "prefill"), engines("de0", "decode")
+    pe.mode = "http500"
+    router = start_router(router_config([pe], [de]))
+    response = complete(router, prompt=PROMPT, max_tokens=2)
+    assert response.status_code == 503
+    assert "all prefill engines failed" in response.json()["error"]["message"]
+    assert "pe0: HTTP 500" in response.json()["error"]["message"]
+    assert de.received == []
+
+    pe.mode, de.mode = "ok", "http500"
+    response = complete(router, prompt=PROMPT, max_tokens=2)
+    assert response.status_code == 503
+    assert "all decode engines failed" in response.json()["error"]["message"]
+
+
+def test_engine_refusal_reaches_the_client(engines, start_router):
+    pe, de = engines("pe0", "prefill"), engines("de0", "decode")
+    pe.mode = "http400"
+    router = start_router(router_config([pe], [de]))
+    response = complete(router, prompt=PROMPT, max_tokens=2)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"] == "prompt too long"
+    assert len(pe.received) == 1 and de.received == []
+
+
+def test_prefill_without_kv_transfer_params_sends_the_plain_request(engines, start_router):
+    pe, de = engines("pe0", "prefill"), engines("de0", "decode")
+    pe.prefill_answer = lambda body: {"id": "x", "object": "text_completion", "model": MODEL,
+                                      "choices": [{"index": 0, "text": "", "token_ids": [7]}]}
+    router = start_router(router_config([pe], [de]))
+    response = complete(router, prompt=PROMPT, max_tokens=2)
+    assert response.status_code == 200
+    assert "kv_transfer_params" not in de.received[0]
+
+
+@pytest.mark.parametrize(
+    "body, status, reason",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "must be a JSON object"),
+        (json.dumps({"model": MODEL, "max_tokens": 2}).encode(), 400, "missing required field `prompt`"),
+        (json.dumps({"model": MODEL, "prompt": [1, -5]}).encode(), 400, "bad token id -5"),
+        (json.dumps({"model": MODEL, "prompt": [1, "a"]}).encode(), 400, "`prompt` must be"),
+        (json.dumps({"model": MODEL, "prompt": [[1, 2], [3]]}).encode(), 400, "batched prompts"),
+        (json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 0}).encode(), 400, "`max_tokens`"),
+        (json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": "5"}).encode(), 400, "`max_tokens`"),
+        (json.dumps({"model": "gpt-5", "prompt": [1, 2]}).encode(), 404, "The model `gpt-5` does not exist"),
+        (json.dumps({"model": MODEL, "prompt": "hello"}).encode(), 400, "text prompts need `tokenizer`"),
+    ],
+)
+def test_bad_requests_get_4xx_with_the_reason(engines, start_router, body, status, reason):
+    pe, de = engines("pe0", "prefill"), engines("de0", "decode")
+    router = start_router(router_config([pe], [de]))
+    response = httpx.post(f"{router.url}/v1/completions", content=body,
+                          headers={"content-type": "application/json"}, timeout=30.0)
+    assert response.status_code == status
+    assert reason in response.json()["error"]["message"]
+    assert pe.received == [] and de.received == []
+
+
+def test_chat_without_tokenizer_is_refused(engines, start_router):
+    pe, de = engines("pe0", "prefill"), engines("de0", "decode")
+    router = start_router(router_config([pe], [de]))
+    response = httpx.post(f"{router.url}/v1/chat/completions",
+                          json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}, timeout=30.0)
+    assert response.status_code == 400
+    assert "text prompts need `tokenizer` in the router config" in response.json()["error"]["message"]
+
+
+def test_every_accepted_request_is_answered(engines, start_router):
+    """Concurrent requests while engines fail in every way: each gets a response, the books balance."""
+    pe_ok, pe_close = engines("pe-ok", "prefill"), engines("pe-close", "prefill")
+    de_ok, de_500 = engines("de-ok", "decode"), engines("de-500", "decode")
+    pe_close.mode, de_500.mode = "close", "http500"
+    router = start_router(router_config([pe_ok, pe_close], [de_ok, de_500], policy="round_robin"))
+
+    def one(i: int) -> int:
+        return complete(router, prompt=PROMPT[: 10 + i], max_tokens=2, stream=bool(i % 2)).status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        statuses = list(pool.map(one, range(24)))
+    assert statuses == [200] * 24
+    metrics = httpx.get(f"{router.url}/metrics").text
+    for engine in ("pe-ok", "pe-close", "de-ok", "de-500"):
+        assert f'dualpath_router_engine_unfinished_tokens{{engine="{engine}"' in metrics
+    assert not [line for line in metrics.splitlines()
+                if line.startswith("dualpath_router_engine_unfinished_tokens") and not line.endswith(" 0.0")]
+
+
+def test_health_and_metrics(engines, start_router):
+    pe, de = engines("pe0", "prefill"), engines("de0", "decode")
+    pe.metrics_text += "dualpath_kv:read_queue_tokens{engine=\"1\"} 640\n"
+    router = start_router(router_config([pe], [de]))
+    assert httpx.get(f"{router.url}/health").status_code == 200
+    complete(router, prompt=PROMPT, max_tokens=2)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        metrics = httpx.get(f"{router.url}/metrics").text
+        if 'dualpath_router_node_read_queue_tokens{node="node-pe0"} 640.0' in metrics:
+            break
+        time.sleep(0.1)
+    assert 'dualpath_router_node_read_queue_tokens{node="node-pe0"} 640.0' in metrics
+    assert 'dualpath_router_requests_total{policy="dualpath",read_side=' in metrics
+    assert "dualpath_router_beta_tokens" in metrics
