@@ -1,0 +1,470 @@
+"""Client of ``s3agg-gateway``: aggregated, layerwise reads of many chunk objects in one request.
+
+``S3AggStore`` is a :class:`KVStore` over a plain ``s3`` store (lookups, writes
+and fallback reads go straight to the bucket) plus :meth:`S3AggStore.read_layerwise`:
+one signed request names every chunk; the gateway range-reads layer ``l`` of
+all of them, assembles it in prefix order and WRITEs it into the caller's
+buffer through NIXL (UCX), with a ``ready`` notification per layer; each layer
+is handed to the caller's callback as its notification arrives. With
+``delivery: http`` the layers arrive as frames of the HTTP response instead,
+received straight into the caller's buffer.
+
+When the gateway cannot be reached (connection refused or broken, a 5xx, a
+timeout) the layers not yet handed over are read from the bucket with plain
+ranged GETs through NIXL OBJ; ``s3agg_client_fallbacks_total`` counts it and a
+warning says why. Requests the gateway refuses (4xx: unknown key, bad
+descriptor, credentials) are errors, not fallbacks.
+
+Wire protocol shared with the gateway: ``POST /<bucket>?aggregate`` with a JSON
+descriptor (see ``s3agg_gateway_ext/descriptor.py``), SigV4-signed, request id in
+``x-s3agg-request-id``; the chosen mode comes back in ``x-s3agg-mode``. NIXL
+notifications are ``s3agg:<request id>:<layer>`` (``all`` in chunkwise mode). HTTP
+frames are a 16-byte header ``FRAME`` (kind, index, length) and ``length`` bytes.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import ctypes
+import http.client
+import itertools
+import json
+import logging
+import struct
+import threading
+import time
+import uuid
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import numpy as np
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
+from botocore.credentials import Credentials
+from prometheus_client import Counter
+
+from nixl_backends.configuration import ConfigError
+from nixl_backends.layout import BlockLayout
+from nixl_backends.s3 import S3Store, S3StoreConfig
+from nixl_backends.store import (
+    KVStore,
+    StoreCapabilities,
+    TransferAbandoned,
+    descriptors,
+    parse_store_config,
+    run_nixl_transfers,
+)
+
+logger = logging.getLogger(__name__)
+
+EXTENSION_QUERY = "aggregate"
+REQUEST_ID_HEADER = "x-s3agg-request-id"
+MODE_HEADER = "x-s3agg-mode"
+FRAME = struct.Struct("<IIQ")  # kind, index (layer), payload length
+FRAME_LAYER, FRAME_CHUNKS, FRAME_END, FRAME_ERROR = 1, 2, 3, 4
+_NOTIF_PREFIX = "s3agg:"
+# OBJ device ids name objects inside one agent; the s3 store counts up from 1,
+# fallback reads take theirs from a disjoint range.
+_FALLBACK_DEV_IDS = itertools.count(1 << 31)
+
+FALLBACKS = Counter("s3agg_client_fallbacks_total", "Reads served by plain S3 because the gateway was unreachable",
+                    ["op"])
+
+
+class GatewayUnavailable(RuntimeError):
+    """The gateway could not serve the request (unreachable, broken mid-request, 5xx): fall back."""
+
+
+class GatewayRefused(RuntimeError):
+    """The gateway refused the request (4xx) with an S3 error code; falling back would not help."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(f"{status} {code}: {message}")
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+@dataclass
+class S3AggStoreConfig:
+    """``{"backend": "s3agg", "gateway": "http://host:port", "s3": {<an s3 store section>}, ...}``."""
+
+    gateway: str
+    # The bucket behind the gateway, as a plain s3 store: lookups, writes, fallback.
+    s3: dict = field(repr=False)
+    delivery: Literal["nixl", "http"] = "nixl"
+    # SigV4 identity for the gateway; defaults to the s3 section's keys.
+    access_key: str | None = None
+    secret_key: str | None = field(default=None, repr=False)
+    connect_timeout_s: float = 2.0
+    request_timeout_s: float = 60.0
+    # Tokens per chunk, declared in descriptors (the gateway's arithmetic needs only S).
+    chunk_tokens: int = 1
+    # Per-layer compute window declared to the gateway's bandwidth scheduler.
+    compute_window_s: float | None = None
+    s3_config: S3StoreConfig = field(init=False, repr=False)
+
+    def validate(self) -> None:
+        parts = urlsplit(self.gateway)
+        if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
+            raise ConfigError(f"store.gateway must be http://host:port, got {self.gateway!r}")
+        if (self.access_key is None) != (self.secret_key is None):
+            raise ConfigError("store.access_key and store.secret_key must be given together")
+        if self.chunk_tokens <= 0:
+            raise ConfigError("store.chunk_tokens must be positive")
+        if self.connect_timeout_s <= 0 or self.request_timeout_s <= 0:
+            raise ConfigError("store.connect_timeout_s and store.request_timeout_s must be positive")
+        if self.compute_window_s is not None and self.compute_window_s <= 0:
+            raise ConfigError("store.compute_window_s must be positive")
+        self.s3_config = parse_store_config({"backend": "s3", **self.s3}, "store.s3.")
+        if not isinstance(self.s3_config, S3StoreConfig):
+            raise ConfigError(f"store.s3.backend must be 's3', got {self.s3.get('backend')!r}")
+
+
+@dataclass
+class LayerwiseRead:
+    """What :meth:`S3AggStore.read_layerwise` did."""
+
+    request_id: str
+    mode: str  # "layerwise" or "chunkwise" (the gateway's choice), or "fallback"
+    # The gateway's error that caused the fallback, if any.
+    error: str | None = None
+    # Notification tokens in arrival order (layer numbers, or "all"); empty for HTTP.
+    notifications: list[str] = field(default_factory=list)
+    # The gateway's summary (mode, rate, per-phase timings), when it finished.
+    summary: dict[str, Any] | None = None
+
+
+def _host_view(addr: int, nbytes: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+
+class _Inbox:
+    """Sorts an agent's notifications by request id, so concurrent reads never take each other's."""
+
+    def __init__(self, agent) -> None:
+        self._agent = agent
+        self._lock = threading.Lock()
+        self._boxes: dict[str, collections.deque[str]] = collections.defaultdict(collections.deque)
+
+    def take(self, request_id: str) -> list[str]:
+        with self._lock:
+            for messages in self._agent.get_new_notifs().values():
+                for message in messages:
+                    text = message.decode(errors="replace")
+                    if text.startswith(_NOTIF_PREFIX):
+                        rid, _, token = text[len(_NOTIF_PREFIX):].rpartition(":")
+                        self._boxes[rid].append(token)
+                    else:
+                        logger.debug("s3agg: dropped a notification not from the gateway: %r", text[:64])
+            box = self._boxes.pop(request_id, None)
+        return list(box) if box else []
+
+
+class S3AggStore(KVStore):
+    capabilities = StoreCapabilities(ranged_reads=True, shared_across_nodes=True)
+
+    def __init__(self, config: S3AggStoreConfig, layout: BlockLayout, agent=None) -> None:
+        super().__init__(layout)
+        self.config = config
+        self._agent = agent
+        if agent is not None and "UCX" not in agent.backends:
+            # The gateway WRITEs into our buffers: UCX must exist before they are registered.
+            agent.create_backend("UCX")
+        self._inner = S3Store(config.s3_config, layout, agent)
+        self._inbox = _Inbox(agent) if agent is not None else None
+        self._path = f"/{config.s3_config.bucket}?{EXTENSION_QUERY}"
+        if config.access_key is not None:
+            self._credentials = Credentials(config.access_key, config.secret_key)
+        elif config.s3_config.access_key is not None:
+            self._credentials = Credentials(config.s3_config.access_key, config.s3_config.secret_key)
+        else:
+            import boto3
+
+            self._credentials = boto3.session.Session().get_credentials()
+        if self._credentials is None:
+            raise ConfigError("store: no credentials to sign gateway requests")
+        logger.info("s3agg store: gateway=%s bucket=%s delivery=%s", config.gateway, config.s3_config.bucket,
+                    config.delivery)
+
+    # --- KVStore ------------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        return self._inner.lookup(keys)
+
+    def write(self, keys: Sequence[str], src_addrs: Sequence[int]) -> list[bool]:
+        return self._inner.write(keys, src_addrs)
+
+    def read(self, keys: Sequence[str], dst_addrs: Sequence[int]) -> list[bool]:
+        """Full Blocks through the gateway in one request (chunk-major NIXL target), else plain S3."""
+        if not keys:
+            return []
+        request_id = uuid.uuid4().hex
+        regions = [[int(a), self.layout.full_block_bytes] for a in dst_addrs]
+        try:
+            self._nixl_request(request_id, keys, "chunk_major", regions, lambda token: None)
+        except (GatewayUnavailable, GatewayRefused) as exc:
+            # Per-chunk results (a missing chunk is False, not an error) come from the store.
+            self._count_fallback("read", request_id, exc)
+            return self._inner.read(keys, dst_addrs)
+        return [True] * len(keys)
+
+    def close(self) -> None:
+        self._inner.close()
+
+    # --- layerwise ------------------------------------------------------------------------------
+
+    def read_layerwise(
+        self,
+        keys: Sequence[str],
+        layer_addrs: Sequence[int],
+        on_layer: Callable[[int], None],
+        *,
+        compute_window_s: float | None = None,
+        request_id: str | None = None,
+    ) -> LayerwiseRead:
+        """Read layer ``l`` of every chunk into ``layer_addrs[l]`` (chunk ``j`` at ``+ j*S``).
+
+        ``layer_addrs`` are ``num_layers`` NIXL-registered DRAM regions of
+        ``len(keys) * S`` bytes. ``on_layer(l)`` is called on this thread once per
+        layer, in layer order, as soon as layer ``l``'s bytes are in place. If
+        the gateway fails, the remaining layers come from plain S3 and the
+        callback contract still holds. Raises :class:`GatewayRefused` for a
+        request the gateway rejects, or an error if the fallback fails too.
+        """
+        if self._agent is None:
+            raise RuntimeError("S3AggStore was opened without a NIXL agent: lookup only")
+        num_layers = self.layout.num_layers
+        if len(layer_addrs) != num_layers:
+            raise ValueError(f"need {num_layers} layer regions, got {len(layer_addrs)}")
+        request_id = request_id or uuid.uuid4().hex
+        result = LayerwiseRead(request_id, "")
+        next_layer = 0
+
+        def hand_over(token: str) -> None:
+            nonlocal next_layer
+            result.notifications.append(token)
+            upto = num_layers if token == "all" else int(token) + 1
+            while next_layer < upto:  # in order, once each
+                on_layer(next_layer)
+                next_layer += 1
+
+        window = compute_window_s or self.config.compute_window_s
+        try:
+            if self.config.delivery == "http":
+                result.mode, result.summary = self._http_request(request_id, keys, layer_addrs, hand_over, window)
+            else:
+                size = len(keys) * self.layout.layer_block_bytes
+                result.mode, result.summary = self._nixl_request(
+                    request_id, keys, "layer_major", [[int(a), size] for a in layer_addrs], hand_over, window)
+        except GatewayUnavailable as exc:
+            self._count_fallback("read_layerwise", request_id, exc)
+            result.mode, result.error = "fallback", str(exc)
+            self._fallback_layers(keys, layer_addrs, next_layer, on_layer)
+        return result
+
+    # --- the gateway request ----------------------------------------------------------------------
+
+    def _descriptor(self, keys: Sequence[str], target: dict[str, Any], window: float | None) -> bytes:
+        body: dict[str, Any] = {
+            "chunk_keys": list(keys),
+            "num_layers": self.layout.num_layers,
+            "chunk_tokens": self.config.chunk_tokens,
+            "per_layer_chunk_bytes": self.layout.layer_block_bytes,
+            "delivery": "layer_major",
+            "target": target,
+        }
+        if window is not None:
+            body["compute_window_s"] = window
+        return json.dumps(body).encode()
+
+    def _post(self, request_id: str, body: bytes) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        """Send the signed request; returns the open response of a 200, raises otherwise."""
+        try:
+            conn, response = post_signed(self.config.gateway, self._path, body, self._credentials,
+                                         self.config.s3_config.region, request_id,
+                                         self.config.connect_timeout_s, self.config.request_timeout_s)
+        except (OSError, http.client.HTTPException) as exc:
+            raise GatewayUnavailable(f"gateway {self.config.gateway}: {exc!r}") from None
+        if response.status != 200:
+            text = response.read()
+            conn.close()
+            code, message = parse_error(text)
+            if response.status >= 500:
+                raise GatewayUnavailable(f"gateway {response.status} {code}: {message}")
+            raise GatewayRefused(response.status, code, message)
+        return conn, response
+
+    def _nixl_request(
+        self,
+        request_id: str,
+        keys: Sequence[str],
+        layout: str,
+        regions: list[list[int]],
+        on_token: Callable[[str], None],
+        window: float | None = None,
+    ) -> tuple[str, dict[str, Any]]:
+        """POST on a helper thread while this thread hands over notifications as they arrive."""
+        target = {"type": "nixl", "layout": layout, "regions": regions,
+                  "agent_metadata": base64.b64encode(self._agent.get_agent_metadata()).decode()}
+        body = self._descriptor(keys, target, window)
+        outcome: dict[str, Any] = {}
+
+        def post() -> None:
+            try:
+                conn, response = self._post(request_id, body)
+                try:
+                    outcome["summary"] = json.loads(response.read())
+                finally:
+                    conn.close()
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                outcome["error"] = GatewayUnavailable(f"gateway {self.config.gateway} mid-request: {exc!r}")
+            except (GatewayUnavailable, GatewayRefused) as exc:
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=post, name=f"s3agg-{request_id[:8]}", daemon=True)
+        thread.start()
+        received: list[str] = []
+        deadline = time.monotonic() + self.config.request_timeout_s
+        try:
+            while True:
+                for token in self._inbox.take(request_id):
+                    received.append(token)
+                    on_token(token)
+                finished = not thread.is_alive()
+                if "error" in outcome:
+                    raise outcome["error"]
+                if finished:
+                    # Every notification follows its data; the last one ends the read.
+                    mode = outcome["summary"]["mode"]
+                    if len(received) >= (1 if mode == "chunkwise" else self.layout.num_layers):
+                        return mode, outcome["summary"]
+                if time.monotonic() > deadline:
+                    raise GatewayUnavailable(f"no complete delivery within {self.config.request_timeout_s}s")
+                time.sleep(0.0002)
+        finally:
+            # The gateway may still be writing our buffers: never return before the request ends.
+            thread.join(self.config.request_timeout_s)
+
+    def _http_request(
+        self,
+        request_id: str,
+        keys: Sequence[str],
+        layer_addrs: Sequence[int],
+        on_token: Callable[[str], None],
+        window: float | None,
+    ) -> tuple[str, dict[str, Any]]:
+        """Layers arrive as response frames, each received straight into its layer region."""
+        n, num_layers, s = len(keys), self.layout.num_layers, self.layout.layer_block_bytes
+        conn, response = self._post(request_id, self._descriptor(keys, {"type": "http"}, window))
+        mode = response.getheader(MODE_HEADER, "")
+        try:
+            while True:
+                kind, index, length = FRAME.unpack(_read_exact(response, FRAME.size))
+                if kind == FRAME_LAYER and index < num_layers and length == n * s:
+                    _readinto_exact(response, _host_view(layer_addrs[index], length))
+                    on_token(str(index))
+                elif kind == FRAME_CHUNKS and length == n * num_layers * s:
+                    # Whole Full Blocks in chunk order: received once, then each layer placed by numpy.
+                    blocks = np.empty(length, dtype=np.uint8)
+                    _readinto_exact(response, blocks)
+                    per_chunk = blocks.reshape(n, num_layers, s)
+                    for layer, addr in enumerate(layer_addrs):
+                        _host_view(addr, n * s).reshape(n, s)[:] = per_chunk[:, layer, :]
+                    on_token("all")
+                elif kind == FRAME_END:
+                    return mode, json.loads(_read_exact(response, length))
+                elif kind == FRAME_ERROR:
+                    raise GatewayUnavailable(f"gateway failed mid-stream: {_read_exact(response, length)!r}")
+                else:
+                    raise GatewayUnavailable(f"unexpected frame kind={kind} index={index} length={length}")
+        except (OSError, http.client.HTTPException) as exc:
+            raise GatewayUnavailable(f"gateway {self.config.gateway} mid-stream: {exc!r}") from None
+        finally:
+            conn.close()
+
+    # --- fallback ------------------------------------------------------------------------------
+
+    def _count_fallback(self, op: str, request_id: str, exc: Exception) -> None:
+        FALLBACKS.labels(op).inc()
+        logger.warning("s3agg: request %s falls back to plain S3 range reads: %s", request_id, exc)
+
+    def _fallback_layers(
+        self, keys: Sequence[str], layer_addrs: Sequence[int], start: int, on_layer: Callable[[int], None]
+    ) -> None:
+        """Layers ``start..L-1`` by ranged GETs (one per chunk and layer) straight into their places."""
+        if self._inner.lookup(keys) < len(keys):
+            raise RuntimeError("s3agg fallback: a chunk is missing or short in the bucket")
+        n, s = len(keys), self.layout.layer_block_bytes
+        dev_ids = [next(_FALLBACK_DEV_IDS) for _ in keys]
+        registration = self._agent.register_memory(
+            [(0, self.layout.full_block_bytes, d, key) for d, key in zip(dev_ids, keys)], "OBJ")
+        offsets = np.arange(n, dtype=np.int64) * s
+        lengths = np.full(n, s)
+        abandoned = False
+        try:
+            for layer in range(start, self.layout.num_layers):
+                local = descriptors(np.column_stack((int(layer_addrs[layer]) + offsets, lengths, np.zeros(n))))
+                remote = descriptors(np.column_stack((np.full(n, layer * s), lengths, dev_ids)))
+                if not run_nixl_transfers(self._agent, "READ", [(local, remote)], "OBJ",
+                                          self.config.s3_config.io_timeout_s)[0]:
+                    raise RuntimeError(f"s3agg fallback: ranged reads of layer {layer} failed")
+                on_layer(layer)
+        except TransferAbandoned:
+            abandoned = True  # NIXL may still use the registration
+            raise
+        finally:
+            if not abandoned:
+                self._agent.deregister_memory(registration)
+
+
+def post_signed(
+    gateway: str,
+    path: str,
+    body: bytes,
+    credentials: Credentials,
+    region: str,
+    request_id: str,
+    connect_timeout_s: float,
+    request_timeout_s: float,
+) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+    """POST ``body`` to ``gateway + path`` signed with SigV4; returns the connection and its response."""
+    url = urlsplit(gateway)
+    request = AWSRequest("POST", f"http://{url.netloc}{path}", data=body,
+                         headers={"content-type": "application/json", REQUEST_ID_HEADER: request_id})
+    S3SigV4Auth(credentials, "s3", region).add_auth(request)
+    conn = http.client.HTTPConnection(url.hostname, url.port or 80, timeout=connect_timeout_s)
+    try:
+        conn.connect()
+        conn.sock.settimeout(request_timeout_s)
+        conn.request("POST", path, body=body, headers=dict(request.headers.items()))
+        return conn, conn.getresponse()
+    except BaseException:
+        conn.close()
+        raise
+
+
+def parse_error(text: bytes) -> tuple[str, str]:
+    """(Code, Message) of an S3 XML error body."""
+    try:
+        root = ET.fromstring(text)
+        return root.findtext("Code", "Unknown"), root.findtext("Message", "")
+    except ET.ParseError:
+        return "Unknown", text[:200].decode(errors="replace")
+
+
+def _read_exact(response: http.client.HTTPResponse, size: int) -> bytes:
+    data = response.read(size)
+    if len(data) != size:
+        raise GatewayUnavailable(f"response ended after {len(data)} of {size} bytes")
+    return data
+
+
+def _readinto_exact(response: http.client.HTTPResponse, buffer: np.ndarray) -> None:
+    got = response.readinto(memoryview(buffer).cast("B"))
+    if got != buffer.nbytes:
+        raise GatewayUnavailable(f"response ended after {got} of {buffer.nbytes} bytes")

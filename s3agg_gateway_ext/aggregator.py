@@ -1,0 +1,347 @@
+"""The aggregation engine: validated descriptor -> ranged reads -> assembled layers -> delivery.
+
+Per bucket the gateway holds one NIXL agent with two backends: OBJ (ranged
+GETs from the store into a registered staging buffer) and UCX (WRITEs into the
+client's registered buffer, each carrying a per-layer "ready" notification).
+
+Layerwise mode reads windows of ``k`` consecutive layers of every chunk (``k = 1``
+unless ``min_read_bytes`` asks for larger GETs); with ``k = 1`` each read lands
+at its assembled offset (chunk ``j`` of the layer at ``j*S``), so a layer is
+contiguous without any copy. Two staging windows alternate: window ``w+1`` is
+read while window ``w``'s layers are delivered. Chunkwise mode reads whole
+objects (one GET per chunk) and delivers them at once, in chunk order.
+
+Nothing here copies payload bytes in Python: reads land through NIXL, layers
+leave through NIXL (descriptor lists built with numpy, adjacent slices merged)
+or as memoryviews the HTTP server writes out.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import math
+import os
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal
+
+import boto3
+import numpy as np
+from botocore.config import Config as BotoConfig
+from botocore.exceptions import ClientError
+
+from nixl_backends.layout import BlockLayout
+from nixl_backends.s3 import S3Store, S3StoreConfig
+from nixl_backends.store import TransferAbandoned, run_nixl_transfers
+from s3agg_gateway_ext.config import GatewayConfig
+from s3agg_gateway_ext.descriptor import Descriptor, DescriptorError, NixlTarget
+from s3agg_gateway_ext.scheduling import Demand, Flow, LinkScheduler
+
+logger = logging.getLogger(__name__)
+
+_HEAD_THREADS = 16
+_SIZE_CACHE_ENTRIES = 1 << 17  # objects are immutable: a verified size stays true
+
+
+class StorageError(RuntimeError):
+    """The store failed a read the descriptor validation had allowed (HTTP 502)."""
+
+
+class DeliveryError(RuntimeError):
+    """A NIXL WRITE into the client's buffer failed (HTTP 502)."""
+
+
+def coalesce(local: np.ndarray, remote: np.ndarray, length: int) -> np.ndarray:
+    """Merge runs of slices contiguous on both sides; returns Nx3 (local, remote, length) int64 rows."""
+    remote = np.broadcast_to(remote, local.shape).ravel().astype(np.int64)
+    local = local.ravel().astype(np.int64)
+    breaks = np.ones(local.size, dtype=bool)
+    breaks[1:] = (np.diff(local) != length) | (np.diff(remote) != length)
+    starts = np.flatnonzero(breaks)
+    counts = np.diff(np.append(starts, local.size))
+    return np.column_stack((local[starts], remote[starts], counts * length))
+
+
+def _descs(addrs: np.ndarray, lengths: np.ndarray, dev_ids: np.ndarray | int = 0) -> np.ndarray:
+    return np.column_stack(np.broadcast_arrays(addrs, lengths, dev_ids)).astype(np.uint64)
+
+
+@dataclass
+class Unit:
+    """One delivery: a layer of every chunk, or (chunkwise) every Full Block."""
+
+    kind: Literal["layer", "chunks"]
+    index: int
+    # The payload in staging: (N, S) for a layer (strided when k > 1), (N, L*S) for chunks.
+    view: np.ndarray
+    # Staging address of every (chunk[, layer]) slice, and the layers they belong to.
+    local: np.ndarray
+    layers: np.ndarray
+
+
+@dataclass
+class Job:
+    """One accepted request, from validation to its last delivery."""
+
+    request_id: str
+    desc: Descriptor
+    mode: Literal["chunkwise", "layerwise"]
+    io: BucketIO
+    remote_agent: str | None
+    flow: Flow | None
+    timings: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
+    # Set when a transfer outlived its deadline: staging must then never be freed.
+    abandoned: bool = False
+
+    def summary(self) -> dict[str, object]:
+        return {
+            "request_id": self.request_id,
+            "mode": self.mode,
+            "payload_bytes": self.desc.payload_bytes,
+            "rate_bytes_s": self.flow.rate if self.flow else None,
+            "timings_s": {k: round(v, 6) for k, v in self.timings.items()},
+        }
+
+
+class BucketIO:
+    """One bucket's NIXL agent (UCX + OBJ) and a boto3 client for HEADs."""
+
+    def __init__(self, config: GatewayConfig, bucket: str) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
+
+        self.bucket = bucket
+        # Requests run on several threads; STRICT makes the agent safe for that.
+        self.agent = nixl_agent(
+            f"s3agg-gw-{os.getpid()}-{bucket}",
+            nixl_agent_config(backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT),
+        )
+        store_config = S3StoreConfig(
+            bucket=bucket, endpoint=config.store_endpoint, region=config.region,
+            addressing_style=config.addressing_style, access_key=config.store_access_key,
+            secret_key=config.store_secret_key, create_bucket=False, io_threads=config.io_threads,
+            io_timeout_s=config.io_timeout_s,
+        )
+        # The s3 store opens NIXL's OBJ backend on this agent exactly as clients
+        # do; its Full Block layout is unused, the gateway's reads are ranged
+        # per descriptor.
+        self.store = S3Store(store_config, BlockLayout(1, 1), self.agent)
+        self._client = boto3.client(
+            "s3", endpoint_url=config.store_endpoint, region_name=config.region,
+            aws_access_key_id=config.store_access_key, aws_secret_access_key=config.store_secret_key,
+            config=BotoConfig(s3={"addressing_style": config.addressing_style},
+                              max_pool_connections=_HEAD_THREADS, connect_timeout=2, read_timeout=10),
+        )
+        self._sizes: collections.OrderedDict[str, int] = collections.OrderedDict()
+        self._sizes_lock = threading.Lock()
+        self._head_pool = ThreadPoolExecutor(_HEAD_THREADS, thread_name_prefix=f"head-{bucket}")
+        self._dev_ids = itertools.count(1)
+        self._dev_lock = threading.Lock()
+
+    def _size(self, key: str) -> int | None:
+        with self._sizes_lock:
+            if key in self._sizes:
+                self._sizes.move_to_end(key)
+                return self._sizes[key]
+        try:
+            size = self._client.head_object(Bucket=self.bucket, Key=key)["ContentLength"]
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        with self._sizes_lock:
+            self._sizes[key] = size
+            if len(self._sizes) > _SIZE_CACHE_ENTRIES:
+                self._sizes.popitem(last=False)
+        return size
+
+    def check_objects(self, desc: Descriptor) -> None:
+        """Every chunk must exist with exactly L*S bytes; raises :class:`DescriptorError` otherwise."""
+        for key, size in zip(desc.chunk_keys, self._head_pool.map(self._size, desc.chunk_keys)):
+            if size is None:
+                raise DescriptorError(404, "NoSuchKey", f"chunk object {key} does not exist")
+            if size != desc.full_block_bytes:
+                raise DescriptorError(
+                    400, "InvalidObjectSize",
+                    f"chunk object {key} has {size} bytes, descriptor says L*S = "
+                    f"{desc.num_layers}*{desc.layer_bytes} = {desc.full_block_bytes}",
+                )
+
+    def dev_ids(self, count: int) -> np.ndarray:
+        with self._dev_lock:
+            return np.fromiter(itertools.islice(self._dev_ids, count), dtype=np.int64, count=count)
+
+    def close(self) -> None:
+        self._head_pool.shutdown(wait=False)
+        self.store.close()
+
+
+class Aggregator:
+    """Validates descriptors against the store and streams their deliveries."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self._buckets = {bucket: BucketIO(config, bucket) for bucket in config.buckets}
+        self._readers = ThreadPoolExecutor(max(2, config.io_threads), thread_name_prefix="s3agg-read")
+        self.scheduler = (
+            LinkScheduler(config.policy, config.bandwidth_cap_bytes_s, config.margin_bytes_s,
+                          config.epoch_s, config.quantum_bytes)
+            if config.bandwidth_cap_bytes_s > 0 else None
+        )
+        # Staging still referenced by NIXL after a deadline: kept alive, never reused.
+        self._abandoned: list[object] = []
+
+    def prepare(self, request_id: str, desc: Descriptor) -> Job:
+        """Control path: bucket, objects, mode, target registration, epoch admission."""
+        started = time.monotonic()
+        io = self._buckets.get(desc.bucket)
+        if io is None:
+            raise DescriptorError(404, "NoSuchBucket", f"bucket {desc.bucket} is not served by this gateway")
+        io.check_objects(desc)
+        mode = "layerwise" if desc.payload_bytes >= self.config.theta_bytes else "chunkwise"
+        remote = self._attach_target(io, desc.target) if isinstance(desc.target, NixlTarget) else None
+        flow = None
+        if mode == "layerwise" and self.scheduler is not None:
+            window = desc.compute_window_s or self.config.default_compute_window_s
+            layer_bytes = desc.num_chunks * desc.layer_bytes
+            flow = self.scheduler.admit(Demand(layer_bytes, window, desc.payload_bytes), self.config.io_timeout_s)
+        job = Job(request_id, desc, mode, io, remote, flow)
+        job.timings["control_s"] = time.monotonic() - started
+        return job
+
+    @staticmethod
+    def _attach_target(io: BucketIO, target: NixlTarget) -> str:
+        try:
+            remote = io.agent.add_remote_agent(target.agent_metadata)
+        except Exception as exc:  # NIXL raises its own error types for bad metadata
+            raise DescriptorError(400, "InvalidTarget", f"agent_metadata not accepted by NIXL: {exc}") from None
+        remote = remote.decode() if isinstance(remote, bytes) else remote
+        # Preparing the whole target checks every region is memory the client
+        # registered, before anything is read or written.
+        try:
+            handle = io.agent.prep_xfer_dlist(remote, _descs(target.addrs, target.lengths), "DRAM")
+        except Exception:
+            raise DescriptorError(
+                400, "InvalidTarget", f"target regions are not memory registered by NIXL agent {remote}") from None
+        io.agent.release_dlist_handle(handle)
+        return remote
+
+    def stream(self, job: Job) -> Iterator[Unit]:
+        """Yield deliveries in order; reads of the next window overlap the current deliveries.
+
+        The consumer must be done with a unit (sent or written) before asking for the next one.
+        """
+        desc, agent = job.desc, job.io.agent
+        n, num_layers, s = desc.num_chunks, desc.num_layers, desc.layer_bytes
+        k = num_layers if job.mode == "chunkwise" else min(
+            num_layers, max(1, math.ceil(self.config.min_read_bytes / s)))
+        windows = [(l0, min(k, num_layers - l0)) for l0 in range(0, num_layers, k)]
+        nbuf = min(2, len(windows))
+        window_bytes = n * k * s
+        staging = np.empty(nbuf * window_bytes, dtype=np.uint8)
+        base = staging.ctypes.data
+        dram_reg = agent.register_memory([(base, staging.nbytes, 0, "")], "DRAM")
+        dev_ids = job.io.dev_ids(n)
+        obj_reg = agent.register_memory(
+            [(0, desc.full_block_bytes, int(d), key) for d, key in zip(dev_ids, desc.chunk_keys)], "OBJ")
+        chunks = np.arange(n, dtype=np.int64)
+
+        def read(w: int) -> None:
+            l0, kw = windows[w]
+            local = base + (w % nbuf) * window_bytes + chunks * kw * s
+            rows_local = _descs(local, kw * s)
+            rows_remote = _descs(np.full(n, l0 * s), kw * s, dev_ids)
+            # One NIXL request per group, so the OBJ backend's threads all work.
+            groups = np.array_split(np.arange(n), min(n, self.config.io_threads))
+            started = time.monotonic()
+            ok = run_nixl_transfers(agent, "READ", [(rows_local[g], rows_remote[g]) for g in groups],
+                                    "OBJ", self.config.io_timeout_s)
+            job.timings["storage_read_s"] += time.monotonic() - started
+            if not all(ok):
+                raise StorageError(f"ranged reads of layers [{l0}, {l0 + kw}) failed for {ok.count(False)} groups")
+
+        pending: Future | None = self._readers.submit(read, 0)
+        try:
+            for w, (l0, kw) in enumerate(windows):
+                started = time.monotonic()
+                current, pending = pending, None
+                current.result()
+                job.timings["read_wait_s"] += time.monotonic() - started
+                if w + 1 < len(windows):
+                    # Window w+1 goes into the buffer window w-1 used; all of it was delivered.
+                    pending = self._readers.submit(read, w + 1)
+                offset = (w % nbuf) * window_bytes
+                win = staging[offset : offset + n * kw * s].reshape(n, kw, s)
+                slot = base + offset + (chunks * kw * s)[:, None] + np.arange(kw, dtype=np.int64)[None, :] * s
+                if job.mode == "chunkwise":
+                    units = [Unit("chunks", 0, win.reshape(n, kw * s), slot, np.arange(kw)[None, :])]
+                else:
+                    units = (Unit("layer", l0 + i, win[:, i, :], slot[:, i], np.array(l0 + i)) for i in range(kw))
+                for unit in units:
+                    if job.flow is not None:
+                        started = time.monotonic()
+                        self.scheduler.send(job.flow, unit.view.nbytes, self.config.io_timeout_s)
+                        job.timings["pacing_s"] += time.monotonic() - started
+                    started = time.monotonic()
+                    yield unit
+                    job.timings["delivery_s"] += time.monotonic() - started
+        finally:
+            if pending is not None:
+                try:
+                    pending.result()
+                except TransferAbandoned:
+                    job.abandoned = True
+                except Exception:  # already failing; the read's own error is not the one to report
+                    pass
+            if job.flow is not None:
+                self.scheduler.leave(job.flow)
+            if job.abandoned:
+                self._abandoned.append((staging, dram_reg, obj_reg))
+                logger.error("request %s: transfers abandoned; staging of %d bytes kept", job.request_id,
+                             staging.nbytes)
+            else:
+                agent.deregister_memory(obj_reg)
+                agent.deregister_memory(dram_reg)
+
+    def deliver_nixl(self, job: Job, unit: Unit) -> None:
+        """WRITE one unit into the client's buffer; its notification says which layer(s) are ready."""
+        target, agent = job.desc.target, job.io.agent
+        assert isinstance(target, NixlTarget) and job.remote_agent is not None
+        chunks = np.arange(job.desc.num_chunks, dtype=np.int64).reshape(-1, *([1] * (unit.local.ndim - 1)))
+        remote = target.remote_addrs(chunks, unit.layers, job.desc.layer_bytes)
+        rows = coalesce(unit.local, remote, job.desc.layer_bytes)
+        notif = f"s3agg:{job.request_id}:{unit.index if unit.kind == 'layer' else 'all'}".encode()
+        try:
+            handle = agent.initialize_xfer(
+                "WRITE", agent.get_xfer_descs(_descs(rows[:, 0], rows[:, 2]), "DRAM"),
+                agent.get_xfer_descs(_descs(rows[:, 1], rows[:, 2]), "DRAM"), job.remote_agent, notif)
+        except Exception as exc:
+            raise DeliveryError(f"NIXL WRITE to {job.remote_agent} could not start: {exc}") from None
+        deadline = time.monotonic() + self.config.io_timeout_s
+        try:
+            state = agent.transfer(handle)
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    job.abandoned = True
+                    raise TransferAbandoned("WRITE", 1, self.config.io_timeout_s)
+                time.sleep(0.0001)
+                state = agent.check_xfer_state(handle)
+        except TransferAbandoned:
+            raise
+        except Exception as exc:
+            agent.release_xfer_handle(handle)
+            raise DeliveryError(f"NIXL WRITE to {job.remote_agent} failed: {exc}") from None
+        agent.release_xfer_handle(handle)
+        if state != "DONE":
+            raise DeliveryError(f"NIXL WRITE to {job.remote_agent} ended in state {state}")
+
+    def close(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
+        self._readers.shutdown(wait=True)
+        for io in self._buckets.values():
+            io.close()

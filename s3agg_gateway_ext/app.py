@@ -1,0 +1,213 @@
+"""``s3agg-gateway``: the HTTP service (S3 control path, SigV4, XML errors, /metrics, the aggregated read).
+
+Endpoints:
+
+- ``POST /<bucket>?aggregate``: the extension request. SigV4-signed like any S3
+  request; its JSON body is the descriptor (see :mod:`s3agg_gateway_ext.descriptor`).
+  NIXL targets get a JSON summary once every layer is written and notified;
+  HTTP targets get a stream of frames (see :mod:`nixl_backends.s3agg`).
+  Either way ``x-s3agg-mode`` says chunkwise or layerwise.
+- ``GET /healthz`` and ``GET /metrics`` (Prometheus), unauthenticated.
+- Any other S3 request is authenticated and then answered ``NotImplemented``:
+  ordinary S3 traffic goes to the store directly (the gateway adds nothing to a
+  single-object request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterator
+
+import uvicorn
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from nixl_backends.s3agg import (
+    EXTENSION_QUERY,
+    FRAME,
+    FRAME_CHUNKS,
+    FRAME_END,
+    FRAME_ERROR,
+    FRAME_LAYER,
+    MODE_HEADER,
+    REQUEST_ID_HEADER,
+)
+from nixl_backends.store import TransferAbandoned
+from s3agg_gateway_ext.aggregator import Aggregator, DeliveryError, Job, StorageError
+from s3agg_gateway_ext.config import GatewayConfig, load_config
+from s3agg_gateway_ext.descriptor import DescriptorError, HttpTarget, parse_descriptor
+from s3agg_gateway_ext.sigv4 import error_xml, verify
+
+logger = logging.getLogger(__name__)
+
+# Failures after validation: the store or the client's side broke mid-request.
+_RUNTIME_ERRORS = (StorageError, DeliveryError, TransferAbandoned, TimeoutError)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("s3agg_requests_total", "Aggregated reads by mode, target and outcome",
+                                ["mode", "target", "outcome"], registry=self.registry)
+        self.refused = Counter("s3agg_refused_total", "Requests refused before any read, by S3 error code",
+                               ["code"], registry=self.registry)
+        self.phase = Histogram("s3agg_request_phase_seconds",
+                               "Per-request time split: control, storage_read, delivery, pacing, total",
+                               ["phase"], registry=self.registry,
+                               buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30))
+        self.delivered = Counter("s3agg_delivered_bytes_total", "Payload bytes delivered",
+                                 ["mode", "target"], registry=self.registry)
+        self.active = Gauge("s3agg_active_requests", "Aggregated reads in progress", registry=self.registry)
+
+
+def _runtime_code(exc: Exception) -> str:
+    return "StorageReadFailed" if isinstance(exc, StorageError) else "DeliveryFailed"
+
+
+class Gateway:
+    """The request handlers around one :class:`Aggregator`."""
+
+    def __init__(self, config: GatewayConfig, aggregator: Aggregator) -> None:
+        self.config = config
+        self.aggregator = aggregator
+        self.metrics = Metrics()
+
+    def _error(self, exc: DescriptorError, resource: str, request_id: str) -> Response:
+        self.metrics.refused.labels(exc.code).inc()
+        logger.info("request %s refused: %d %s: %s", request_id, exc.status, exc.code, exc.message)
+        return Response(error_xml(exc.code, exc.message, resource, request_id), status_code=exc.status,
+                        media_type="application/xml", headers={REQUEST_ID_HEADER: request_id})
+
+    def _authenticate(self, request: Request, body: bytes) -> None:
+        verify(request.method, request.scope.get("raw_path", b"").decode("latin-1") or request.url.path,
+               request.scope.get("query_string", b"").decode("latin-1"), request.headers, body,
+               self.config.client_access_key, self.config.client_secret_key)
+
+    def _finish(self, job: Job, target: str, outcome: str, started: float) -> None:
+        job.timings["total_s"] = time.monotonic() - started
+        self.metrics.requests.labels(job.mode, target, outcome).inc()
+        for phase, seconds in job.timings.items():
+            self.metrics.phase.labels(phase.removesuffix("_s")).observe(seconds)
+        if outcome == "ok":
+            self.metrics.delivered.labels(job.mode, target).inc(job.desc.payload_bytes)
+        self.metrics.active.dec()
+        t = job.timings
+        logger.info(
+            "request %s %s bucket=%s chunks=%d layers=%d S=%d mode=%s target=%s control=%.4fs "
+            "storage_read=%.4fs delivery=%.4fs pacing=%.4fs total=%.4fs",
+            job.request_id, outcome, job.desc.bucket, job.desc.num_chunks, job.desc.num_layers,
+            job.desc.layer_bytes, job.mode, target, t["control_s"], t["storage_read_s"], t["delivery_s"],
+            t["pacing_s"], t["total_s"])
+
+    async def aggregate(self, request: Request) -> Response:
+        started = time.monotonic()
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        bucket = request.path_params["bucket"]
+        body = await request.body()
+        try:
+            self._authenticate(request, body)
+            desc = parse_descriptor(bucket, body, self.config)
+            job = await run_in_threadpool(self.aggregator.prepare, request_id, desc)
+        except DescriptorError as exc:
+            return self._error(exc, f"/{bucket}", request_id)
+        self.metrics.active.inc()
+        headers = {REQUEST_ID_HEADER: request_id, MODE_HEADER: job.mode}
+        if isinstance(desc.target, HttpTarget):
+            return StreamingResponse(self._frames(job, started), media_type="application/octet-stream",
+                                     headers=headers)
+        try:
+            await run_in_threadpool(self._deliver_nixl, job)
+        except _RUNTIME_ERRORS as exc:
+            self._finish(job, "nixl", "error", started)
+            return Response(error_xml(_runtime_code(exc), str(exc), f"/{bucket}", request_id), status_code=502,
+                            media_type="application/xml", headers=headers)
+        self._finish(job, "nixl", "ok", started)
+        return JSONResponse(job.summary(), headers=headers)
+
+    def _deliver_nixl(self, job: Job) -> None:
+        with contextlib.closing(self.aggregator.stream(job)) as units:
+            for unit in units:
+                self.aggregator.deliver_nixl(job, unit)
+
+    def _frames(self, job: Job, started: float) -> Iterator[bytes | memoryview]:
+        """The HTTP delivery: one frame per layer (or one of all Full Blocks), then an end frame."""
+        outcome = "error"
+        try:
+            with contextlib.closing(self.aggregator.stream(job)) as units:
+                for unit in units:
+                    kind = FRAME_LAYER if unit.kind == "layer" else FRAME_CHUNKS
+                    yield FRAME.pack(kind, unit.index, unit.view.nbytes)
+                    # Contiguous already unless k > 1 (then one numpy gather of the layer).
+                    yield memoryview(unit.view if unit.view.flags.c_contiguous else unit.view.copy()).cast("B")
+            outcome = "ok"
+            summary = json.dumps(job.summary()).encode()
+            yield FRAME.pack(FRAME_END, 0, len(summary)) + summary
+        except _RUNTIME_ERRORS as exc:
+            message = json.dumps({"code": _runtime_code(exc), "message": str(exc)}).encode()
+            yield FRAME.pack(FRAME_ERROR, 0, len(message)) + message
+        finally:
+            self._finish(job, "http", outcome, started)
+
+    async def other(self, request: Request) -> Response:
+        request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
+        try:
+            self._authenticate(request, await request.body())
+            raise DescriptorError(
+                501, "NotImplemented",
+                f"this gateway serves only POST /<bucket>?{EXTENSION_QUERY}; send ordinary S3 requests to the "
+                f"store at {self.config.store_endpoint}")
+        except DescriptorError as exc:
+            return self._error(exc, request.url.path, request_id)
+
+    async def dispatch(self, request: Request) -> Response:
+        query = request.scope.get("query_string", b"").decode("latin-1")
+        if request.method == "POST" and EXTENSION_QUERY in query.split("&") and "/" not in request.path_params[
+                "bucket"]:
+            return await self.aggregate(request)
+        return await self.other(request)
+
+    async def metrics_endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    def app(self) -> Starlette:
+        async def health(request: Request) -> Response:
+            return PlainTextResponse("ok")
+
+        @contextlib.asynccontextmanager
+        async def lifespan(app: Starlette):
+            yield
+            self.aggregator.close()
+
+        return Starlette(routes=[
+            Route("/healthz", health, methods=["GET"]),
+            Route("/metrics", self.metrics_endpoint, methods=["GET"]),
+            Route("/{bucket:path}", self.dispatch, methods=["GET", "PUT", "POST", "HEAD", "DELETE"]),
+        ], lifespan=lifespan)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="s3agg-gateway", description=__doc__.splitlines()[0])
+    parser.add_argument("--config", required=True, help="YAML config (see configs/gateway.yaml)")
+    parser.add_argument("--host", help="override the config's host")
+    parser.add_argument("--port", type=int, help="override the config's port")
+    args = parser.parse_args(argv)
+    config = load_config(args.config)
+    config.host = args.host or config.host
+    config.port = args.port or config.port
+    logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logger.info("starting with %s", config)  # secrets are repr=False fields
+    gateway = Gateway(config, Aggregator(config))
+    uvicorn.run(gateway.app(), host=config.host, port=config.port, log_level="warning", access_log=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The gateway's configuration: one dataclass, read from YAML and validated once.
+
+String values of the form ``${NAME}`` are taken from the environment, so
+secrets can stay out of the file. Secret fields never appear in a repr, a log
+line or an error message.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from nixl_backends.configuration import ConfigError, from_dict
+
+_ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
+MIB = 1 << 20
+GIB = 1 << 30
+
+Policy = Literal["equal", "kv_prop", "bw_prop", "stall_opt", "calibrated_stall_opt"]
+
+
+@dataclass
+class GatewayConfig:
+    """Everything ``s3agg-gateway`` needs; see ``configs/gateway.yaml`` for a commented example."""
+
+    # The S3-compatible store behind the gateway.
+    store_endpoint: str
+    buckets: list
+    store_access_key: str | None = None
+    store_secret_key: str | None = field(default=None, repr=False)
+    region: str = "us-east-1"
+    addressing_style: Literal["path", "virtual"] = "path"
+    # The SigV4 identity clients sign extension requests with.
+    client_access_key: str = ""
+    client_secret_key: str = field(default="", repr=False)
+    host: str = "127.0.0.1"
+    port: int = 9100
+    # Mode selection: payloads W = N*L*S below theta are served chunkwise.
+    theta_bytes: int = 512 * MIB
+    # Descriptor limits: anything larger is refused before a byte is read.
+    max_layers: int = 1024
+    max_layer_chunk_bytes: int = 64 * MIB
+    max_chunks: int = 1 << 17
+    max_payload_bytes: int = 16 * GIB
+    # Storage reads: NIXL OBJ threads, and the smallest ranged GET the engine
+    # issues (consecutive layers of a chunk are read together up to this size;
+    # 0 = exactly one layer per GET, the paper's schedule).
+    io_threads: int = 16
+    io_timeout_s: float = 60.0
+    min_read_bytes: int = 0
+    # Bandwidth scheduling of layerwise deliveries (0 = no cap, no pacing).
+    policy: Policy = "calibrated_stall_opt"
+    bandwidth_cap_bytes_s: float = 0.0
+    margin_bytes_s: float = 0.0
+    epoch_s: float = 0.02
+    quantum_bytes: int = 256 * 1024
+    # Used for scheduling when a descriptor declares no per-layer compute window.
+    default_compute_window_s: float = 0.01
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+
+    def validate(self) -> None:
+        if not self.store_endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"store_endpoint must start with http:// or https://, got {self.store_endpoint!r}")
+        if not self.buckets or not all(isinstance(b, str) and 3 <= len(b) <= 63 for b in self.buckets):
+            raise ConfigError(f"buckets must be a non-empty list of 3-63 character names, got {self.buckets!r}")
+        if (self.store_access_key is None) != (self.store_secret_key is None):
+            raise ConfigError("store_access_key and store_secret_key must be given together")
+        if not self.client_access_key or not self.client_secret_key:
+            raise ConfigError("client_access_key and client_secret_key are required (SigV4 identity of clients)")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port must be in 1..65535, got {self.port}")
+        positive = ("theta_bytes", "max_layers", "max_layer_chunk_bytes", "max_chunks", "max_payload_bytes",
+                    "io_threads", "io_timeout_s", "epoch_s", "quantum_bytes", "default_compute_window_s")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("min_read_bytes", "bandwidth_cap_bytes_s", "margin_bytes_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
+
+
+def _expand_env(value: Any, where: str) -> Any:
+    if isinstance(value, str):
+        match = _ENV_REF.match(value)
+        if match:
+            if match.group(1) not in os.environ:
+                raise ConfigError(f"{where}: environment variable {match.group(1)} is not set")
+            return os.environ[match.group(1)]
+    return value
+
+
+def parse_config(data: dict[str, Any]) -> GatewayConfig:
+    """Validate a plain dict (already parsed YAML) into :class:`GatewayConfig`."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"gateway config must be a mapping, got {type(data).__name__}")
+    return from_dict(GatewayConfig, {k: _expand_env(v, k) for k, v in data.items()}, "")
+
+
+def load_config(path: str | os.PathLike[str]) -> GatewayConfig:
+    """Read and validate a YAML config file."""
+    return parse_config(yaml.safe_load(Path(path).read_text()) or {})
