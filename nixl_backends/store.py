@@ -146,8 +146,13 @@ def _backends() -> dict[str, tuple[type, type[KVStore]]]:
     # Imported here: each backend module imports this one.
     from nixl_backends.posix import PosixStore, PosixStoreConfig
     from nixl_backends.s3 import S3Store, S3StoreConfig
+    from nixl_backends.s3agg import S3AggStore, S3AggStoreConfig
 
-    return {"posix": (PosixStoreConfig, PosixStore), "s3": (S3StoreConfig, S3Store)}
+    return {
+        "posix": (PosixStoreConfig, PosixStore),
+        "s3": (S3StoreConfig, S3Store),
+        "s3agg": (S3AggStoreConfig, S3AggStore),
+    }
 
 
 def parse_store_config(data: dict[str, Any], where: str = "store.") -> Any:
