@@ -35,7 +35,8 @@ class StandInEngine:
     """A vLLM-like OpenAI server: records bodies, answers prefill or decode, fails on demand.
 
     ``mode``: ``ok``; ``http500`` (5xx before any byte); ``close`` (drops the
-    connection without answering); ``http400`` (refuses the request).
+    connection without answering); ``http400`` (refuses the request);
+    ``hold`` (streams the first event, then waits for ``release``).
     """
 
     def __init__(self, name: str, role: str) -> None:
@@ -44,6 +45,7 @@ class StandInEngine:
         self.mode = "ok"
         self.received: list[dict] = []
         self.sent_kv_transfer_params: list[dict] = []
+        self.release = threading.Event()
         self.metrics_text = (
             "# TYPE vllm:num_requests_running gauge\n"
             f'vllm:num_requests_running{{engine="0",model_name="{MODEL}"}} 0\n'
@@ -96,10 +98,15 @@ class StandInEngine:
                 self.send_header("content-type", "text/event-stream; charset=utf-8")
                 self.send_header("transfer-encoding", "chunked")
                 self.end_headers()
-                for event in engine.decode_events(body):
+                for i, event in enumerate(engine.decode_events(body)):
+                    if i == 1 and engine.mode == "hold":
+                        engine.release.wait(30)
                     data = f"data: {event}\n\n".encode()
-                    self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
-                    self.wfile.flush()
+                    try:
+                        self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
+                        self.wfile.flush()
+                    except OSError:  # the router hung up
+                        return
                 self.wfile.write(b"0\r\n\r\n")
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
@@ -142,6 +149,7 @@ class StandInEngine:
         return [*events, "[DONE]"]
 
     def stop(self) -> None:
+        self.release.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -158,7 +166,7 @@ class RouterProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.proc: subprocess.Popen | None = None
 
-    def start(self, timeout_s: float = 60.0) -> RouterProcess:
+    def start(self, timeout_s: float = 180.0) -> RouterProcess:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dualpath_connector.router.app", "--config", str(self.config_path)],
@@ -409,3 +417,26 @@ def test_health_and_metrics(engines, start_router):
     assert 'dualpath_router_node_read_queue_tokens{node="node-pe0"} 640.0' in metrics
     assert 'dualpath_router_requests_total{policy="dualpath",read_side=' in metrics
     assert "dualpath_router_beta_tokens" in metrics
+
+
+def unfinished_tokens(router: RouterProcess) -> dict[str, float]:
+    metrics = httpx.get(f"{router.url}/metrics").text
+    return {line.split('engine="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines() if line.startswith("dualpath_router_engine_unfinished_tokens{")}
+
+
+def test_client_leaving_mid_stream_releases_the_booking(engines, start_router):
+    pe, de = engines("pe0", "prefill"), engines("de0", "decode")
+    de.mode = "hold"
+    router = start_router(router_config([pe], [de]))
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=30.0) as response:
+        chunks = response.iter_raw()  # held: dropping the iterator closes the stream
+        assert next(chunks).startswith(b"data: ")
+        assert unfinished_tokens(router)["de0"] == len(PROMPT)
+    # The client hung up; the DE is still holding its stream open.
+    deadline = time.monotonic() + 10
+    while unfinished_tokens(router)["de0"] != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert unfinished_tokens(router) == {"pe0": 0, "de0": 0}
+    de.release.set()

@@ -17,6 +17,7 @@ import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
@@ -311,9 +312,14 @@ class Router:
                     media_type = "application/json"
                 return Response(content, upstream.status_code, headers=headers, media_type=media_type)
             chunks = self.prompts.chat_stream(upstream.aiter_lines()) if chat else upstream.aiter_raw()
+
+            async def close_stream() -> None:
+                self.dispatcher.finish_decode(placement)
+                await upstream.aclose()
+
             booked = False  # the stream releases it when it ends
-            return StreamingResponse(self._pass_through(upstream, chunks, placement), upstream.status_code,
-                                     headers=headers, media_type=media_type)
+            return UpstreamStream(self._pass_through(chunks, placement), close_stream,
+                                  status_code=upstream.status_code, headers=headers, media_type=media_type)
         finally:
             if booked:
                 self.dispatcher.finish_decode(placement)
@@ -339,17 +345,34 @@ class Router:
             raise EngineFailed(f"HTTP {upstream.status_code}: {upstream.text[:200]}")
         return upstream
 
-    async def _pass_through(self, upstream: httpx.Response, chunks: AsyncIterator[bytes],
-                            placement: Placement) -> AsyncIterator[bytes]:
+    async def _pass_through(self, chunks: AsyncIterator[bytes], placement: Placement) -> AsyncIterator[bytes]:
         try:
             async for chunk in chunks:
                 yield chunk
         except httpx.HTTPError as exc:
             # Bytes already reached the client: no retry; the client sees the stream end early.
             logger.warning("decode engine %s broke off the stream: %s", placement.decode.name, exc)
+
+
+class UpstreamStream(StreamingResponse):
+    """A streamed upstream answer whose ``on_close`` runs exactly once when the response ends.
+
+    However it ends: finished, upstream broke off, or the client went away
+    before the first chunk (an async generator that never started would
+    never run its ``finally``).
+    """
+
+    def __init__(self, content: AsyncIterator[bytes], on_close, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
         finally:
-            await upstream.aclose()
-            self.dispatcher.finish_decode(placement)
+            # Starlette cancels through anyio, which would cancel this await too.
+            with anyio.CancelScope(shield=True):
+                await self._on_close()
 
 
 def _kv_transfer_params(response: httpx.Response) -> dict | None:

@@ -135,7 +135,10 @@ class Dispatcher:
     async def refresh_forever(self, client: httpx.AsyncClient) -> None:
         """Scrape every engine's /metrics each interval; the first scrape runs at once."""
         while True:
-            await self.refresh(client)
+            try:
+                await self.refresh(client)
+            except Exception:  # a bad scrape must not end refreshing for good
+                logger.exception("engine metrics refresh failed")
             await asyncio.sleep(self.config.metrics_refresh_interval_s)
 
     async def refresh(self, client: httpx.AsyncClient) -> None:
