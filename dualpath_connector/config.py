@@ -14,6 +14,9 @@ from nixl_backends.layout import KVNamespace
 from nixl_backends.store import parse_store_config
 
 _WHERE = "kv_connector_extra_config."
+LOAD_MODES = ("layerwise", "bulk")
+# kv_producer: prefill engine (PE); kv_consumer: decode engine (DE).
+KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
 
 @dataclass
@@ -34,8 +37,22 @@ class DualPathConfig:
     # Names the model in the namespace; set it when engines load the same
     # weights from different paths (default: vLLM's --model value).
     model_id: str | None = None
-    # Bulk only for now: all hit layers land before the request's first forward.
-    load_mode: str = "bulk"
+    # "layerwise": a hit's Layer Blocks land in the KV cache layer by layer,
+    # just before each attention layer of the next forward; "bulk": the whole
+    # hit lands before the load is reported.
+    load_mode: str = "layerwise"
+    # PD roles (kv_producer / kv_consumer): where this engine's side channel
+    # listens for its peers (agent metadata, DE-side read requests).
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int | None = None
+    # How long one side keeps memory for the other: a PE's prompt blocks
+    # awaiting the DE's pull, a DE's host buffer awaiting the PE's pull.
+    pd_lease_s: float = 120.0
+    # A PE waits this long for a DE to read a hit into its buffer, then reads
+    # the store itself.
+    de_read_timeout_s: float = 10.0
+    # Deadline of one NIXL transfer between engines.
+    pd_transfer_timeout_s: float = 30.0
     # Parsed from `store` by validate(); not a user key.
     store_config: Any = field(default=None, init=False, repr=False)
 
@@ -52,14 +69,33 @@ class DualPathConfig:
         for name in ("load_buffer_chunks", "save_buffer_chunks", "lookup_cache_chunks"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{_WHERE}{name} must be positive, got {getattr(self, name)}")
-        if self.load_mode != "bulk":
-            raise ConfigError(f"bad value for {_WHERE}'load_mode': {self.load_mode!r}; supported: 'bulk'")
+        if self.load_mode not in LOAD_MODES:
+            raise ConfigError(f"bad value for {_WHERE}'load_mode': {self.load_mode!r}; supported: {LOAD_MODES}")
+        for name in ("pd_lease_s", "de_read_timeout_s", "pd_transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{_WHERE}{name} must be positive, got {getattr(self, name)}")
+        if self.pd_lease_s <= self.de_read_timeout_s + self.pd_transfer_timeout_s:
+            # A lease must outlive the peer's own deadlines, or memory could be
+            # reused under a transfer the peer still counts on.
+            raise ConfigError(
+                f"{_WHERE}pd_lease_s ({self.pd_lease_s}) must exceed de_read_timeout_s + pd_transfer_timeout_s"
+            )
+        if self.side_channel_port is not None and not 0 < self.side_channel_port < 65536:
+            raise ConfigError(f"{_WHERE}side_channel_port must be a TCP port, got {self.side_channel_port}")
+
+    def validate_role(self, kv_role: str) -> None:
+        if kv_role not in KV_ROLES:
+            raise ConfigError(f"kv_role {kv_role!r} is not supported by DualPathConnector; supported: {KV_ROLES}")
+        if kv_role != "kv_both" and self.side_channel_port is None:
+            raise ConfigError(f"{_WHERE}side_channel_port is required with kv_role {kv_role!r}")
 
 
-def parse_config(extra_config: dict[str, Any] | None) -> DualPathConfig:
+def parse_config(extra_config: dict[str, Any] | None, kv_role: str = "kv_both") -> DualPathConfig:
     if not extra_config or "store" not in (extra_config or {}):
         raise ConfigError(f"missing required key {_WHERE}'store' (e.g. {{\"backend\": \"posix\", \"root\": ...}})")
-    return from_dict(DualPathConfig, extra_config, _WHERE)
+    config = from_dict(DualPathConfig, extra_config, _WHERE)
+    config.validate_role(kv_role)
+    return config
 
 
 def resolve_chunk_tokens(config: DualPathConfig, block_size: int) -> int:

@@ -36,30 +36,32 @@ class DualPathConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         kv_role = self._kv_transfer_config.kv_role
-        if kv_role != "kv_both":
-            raise ValueError(f"kv_role {kv_role!r} is not supported yet: DualPathConnector runs as 'kv_both'")
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
         groups = kv_cache_config.kv_cache_groups
         if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
             # Sliding-window groups pad skipped blocks with vLLM's shared null block.
             raise ValueError("DualPathConnector supports models with one full-attention KV cache group")
-        self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config)
+        self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config, kv_role)
+        if kv_role != "kv_both" and vllm_config.parallel_config.world_size > 1:
+            # One side channel per engine: PD hand-off between sharded engines is not built yet.
+            raise ValueError(f"kv_role {kv_role!r} needs tensor/pipeline parallel size 1 for now")
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
             from dualpath_connector.scheduler import DualPathScheduler
 
-            self._scheduler = DualPathScheduler(vllm_config, self.config)
+            self._scheduler = DualPathScheduler(vllm_config, self.config, kv_role)
         else:
             from dualpath_connector.worker import DualPathWorker
 
-            self._worker = DualPathWorker(vllm_config, self.config)
+            self._worker = DualPathWorker(vllm_config, self.config, kv_role)
 
     @property
     def requires_kv_delivery(self) -> bool:
-        # A cache, not a hand-off: a dropped save is only a future miss.
-        return False
+        # A PE hands prompts off to its DE; otherwise this is a cache, and a
+        # dropped save is only a future miss.
+        return self._kv_transfer_config.kv_role == "kv_producer"
 
     # -- worker side ----------------------------------------------------------
 
@@ -70,8 +72,7 @@ class DualPathConnector(KVConnectorBase_V1):
         self._worker.start_load_kv(self._meta())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        # Bulk mode: a request's whole hit is in the cache before its first forward.
-        return
+        self._worker.wait_for_layer_load(layer_name, self._meta())
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         # Completed chunks are copied out once per step, in wait_for_save.
@@ -81,7 +82,7 @@ class DualPathConnector(KVConnectorBase_V1):
         self._worker.wait_for_save(self._meta())
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._worker.get_finished()
+        return self._worker.get_finished()
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()
@@ -111,7 +112,7 @@ class DualPathConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self._scheduler.build_connector_meta(scheduler_output)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
     # -- class-level hooks ----------------------------------------------------

@@ -240,20 +240,38 @@ def make_tiny_llama(target: str | os.PathLike[str]) -> Path:
     return target
 
 
-SINGLE_ENGINE_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "single.json"
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
 class VLLMServer:
     """vLLM's OpenAI server (CPU build, tiny Llama) with DualPathConnector on an S3 server.
 
+    ``config`` names a file in ``configs/`` (``single.json``, ``pe.json``,
+    ``de.json``); the store endpoint, the side-channel port (a free one) and
+    ``extra`` keys of ``kv_connector_extra_config`` are filled in here.
     Credentials travel in the standard AWS variables, never on the command
     line, where vLLM would log them with its arguments. vLLM's local prefix
     cache is off, so every hit it reports was read from the store.
     """
 
-    def __init__(self, model: Path, s3: SeaweedFS, log_path: Path, max_model_len: int = 8192) -> None:
-        self.kv_config = json.loads(SINGLE_ENGINE_CONFIG.read_text())
-        self.kv_config["kv_connector_extra_config"]["store"]["endpoint"] = s3.endpoint
+    def __init__(
+        self,
+        model: Path,
+        s3: SeaweedFS,
+        log_path: Path,
+        max_model_len: int = 8192,
+        config: str = "single.json",
+        extra: dict | None = None,
+        max_num_batched_tokens: int | None = None,
+    ) -> None:
+        self.kv_config = json.loads((CONFIGS / config).read_text())
+        extra_config = self.kv_config["kv_connector_extra_config"]
+        extra_config["store"]["endpoint"] = s3.endpoint
+        extra_config.update(extra or {})
+        self.side_channel = None
+        if self.kv_config["kv_role"] != "kv_both":
+            extra_config["side_channel_port"] = free_port()
+            self.side_channel = f"{extra_config['side_channel_host']}:{extra_config['side_channel_port']}"
         self.model = model
         self.log_path = log_path
         self.port = free_port()
@@ -275,6 +293,8 @@ class VLLMServer:
             "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
             "--kv-transfer-config", json.dumps(self.kv_config),
         ]  # fmt: skip
+        if max_num_batched_tokens is not None:
+            self.args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 600.0) -> VLLMServer:

@@ -27,6 +27,10 @@ class ChunkLoad:
 class LoadSpec:
     req_id: str
     chunks: list[ChunkLoad]
+    # "pe": this engine reads the store; "de": the decode engine whose side
+    # channel is ``de_side_channel`` reads it into its buffer, this engine pulls.
+    read_side: str = "pe"
+    de_side_channel: str | None = None
 
 
 @dataclass
@@ -40,6 +44,36 @@ class SaveSpec:
 
 
 @dataclass
+class PullSpec:
+    """DE: pull a prefilled prompt's KV from the PE that computed it.
+
+    ``remote_block_ids[i]`` (PE) is copied into ``block_ids[i]`` (here).
+    No ``block_ids``: nothing to pull (a local prefix hit, an aborted request),
+    only the PE's blocks to release. ``block_ids`` without matching remote
+    blocks: the PE's answer was unusable, so the pull fails and vLLM recomputes.
+    """
+
+    req_id: str
+    remote_side_channel: str
+    remote_req_id: str
+    remote_block_ids: list[int]
+    block_ids: list[int]
+
+
+@dataclass
+class SendSpec:
+    """PE: a finished prefill's blocks are held until the DE's pull or ``expires_at`` (time.time())."""
+
+    req_id: str
+    expires_at: float
+
+
+@dataclass
 class DualPathMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    pulls: list[PullSpec] = field(default_factory=list)
+    sends: list[SendSpec] = field(default_factory=list)
+    # Requests that ended before their loaded KV was injected: their blocks
+    # may already belong to another request, so the injection is dropped.
+    dropped_req_ids: list[str] = field(default_factory=list)

@@ -12,7 +12,7 @@ from nixl_backends.layout import BlockLayout, chunk_hashes, chunk_key
 from nixl_backends.store import make_store
 
 from dualpath_connector.config import ChunkGeometry, DualPathConfig, namespace_for
-from dualpath_connector.metadata import ChunkLoad, DualPathMetadata, LoadSpec, SaveSpec
+from dualpath_connector.metadata import ChunkLoad, DualPathMetadata, LoadSpec, PullSpec, SaveSpec, SendSpec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -39,11 +39,16 @@ class _RequestState:
     block_ids: list[int] = field(default_factory=list)
     # Loads issued for this request; a second ask follows a failed load.
     loads_issued: int = 0
+    # PE: the router asked for prefill only; the DE persists the chunks.
+    remote_decode: bool = False
+    # DE: the PE's kv_transfer_params, until the pull is planned.
+    remote_prefill: dict[str, Any] | None = None
 
 
 class DualPathScheduler:
-    def __init__(self, vllm_config: VllmConfig, config: DualPathConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, config: DualPathConfig, kv_role: str) -> None:
         self.config = config
+        self.kv_role = kv_role
         self.geometry = ChunkGeometry.of(config, vllm_config)
         # The scheduler looks up rank 0's keys: every rank stores its own shard
         # of the same chunks at the same time.
@@ -56,6 +61,9 @@ class DualPathScheduler:
         # Hit found by get_num_new_matched_tokens, consumed by update_state_after_alloc.
         self._pending_hit_chunks: dict[str, int] = {}
         self._loads: list[LoadSpec] = []
+        self._pulls: list[PullSpec] = []
+        self._sends: list[SendSpec] = []
+        self._dropped: list[str] = []
         self._last_lookup_error_log = 0.0
         logger.info(
             "DualPath scheduler: namespace %s, chunk %d tokens, store %s",
@@ -118,9 +126,18 @@ class DualPathScheduler:
         )
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params or {}
+        if self.kv_role == "kv_consumer" and params.get("do_remote_prefill"):
+            # The whole prompt was prefilled by a PE; vLLM itself recomputes
+            # the last token to sample the next one.
+            state = self._state(request)
+            state.remote_prefill = params
+            count = max(0, len(request.prompt_token_ids or ()) - num_computed_tokens)
+            return count, count > 0
         if not self._cacheable(request):
             return 0, False
         state = self._state(request)
+        state.remote_decode = self.kv_role == "kv_producer" and bool(params.get("do_remote_decode"))
         if state.loads_issued >= MAX_LOAD_ATTEMPTS:
             return 0, False
         # Never claim the last token: vLLM must compute it to sample the next one.
@@ -152,6 +169,9 @@ class DualPathScheduler:
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         state = self._state(request)
         state.block_ids = list(blocks.get_block_ids()[0])
+        if state.remote_prefill is not None:
+            self._plan_pull(state, num_external_tokens)
+            return
         hit_chunks = self._pending_hit_chunks.pop(request.request_id, 0)
         if num_external_tokens == 0 or hit_chunks == 0:
             return
@@ -168,13 +188,51 @@ class DualPathScheduler:
                     block_ids=state.block_ids[first_block + skip : first_block + self.geometry.blocks_per_chunk],
                 )
             )
-        self._loads.append(LoadSpec(request.request_id, chunks))
+        self._loads.append(LoadSpec(request.request_id, chunks, *self._read_side(request)))
         state.loads_issued += 1
         logger.debug("request %s: loading %d tokens from the store", request.request_id, num_external_tokens)
 
+    def _read_side(self, request: Request) -> tuple[str, str | None]:
+        """Who reads this request's hit from the store, as the router asked (PE role only)."""
+        params = request.kv_transfer_params or {}
+        if self.kv_role != "kv_producer" or params.get("read_side", "pe") == "pe":
+            return "pe", None
+        side, de = params.get("read_side"), params.get("de_side_channel")
+        if side == "de" and isinstance(de, str) and de:
+            return "de", de
+        logger.warning("request %s: bad read side %r / de_side_channel %r; reading here", request.request_id, side, de)
+        return "pe", None
+
+    def _plan_pull(self, state: _RequestState, num_external_tokens: int) -> None:
+        params, state.remote_prefill = state.remote_prefill, None
+        request = state.request
+        # vLLM would ask again after a failed pull: then it recomputes.
+        request.kv_transfer_params = {**params, "do_remote_prefill": False}
+        num_prompt = len(request.prompt_token_ids or ())
+        stored = int(params.get("stored_chunks") or 0)
+        state.stored_chunks = state.saved_chunks = stored
+        remote_blocks = list(params.get("remote_block_ids") or ())
+        wanted = -(-num_prompt // self.geometry.block_size)
+        # Leading blocks the local prefix cache already held are not pulled.
+        first = (num_prompt - num_external_tokens) // self.geometry.block_size
+        local = state.block_ids[first:wanted] if num_external_tokens else []
+        if len(remote_blocks) < wanted:
+            # The worker reports every local block failed: vLLM recomputes.
+            logger.warning("request %s: PE sent %d blocks for %d prompt tokens", request.request_id, len(remote_blocks), num_prompt)
+            remote_blocks = []
+        self._pulls.append(
+            PullSpec(
+                req_id=request.request_id,
+                remote_side_channel=str(params.get("remote_side_channel")),
+                remote_req_id=str(params.get("remote_request_id")),
+                remote_block_ids=remote_blocks[first:wanted] if local else [],
+                block_ids=local,
+            )
+        )
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DualPathMetadata:
-        meta = DualPathMetadata(loads=self._loads)
-        self._loads = []
+        meta = DualPathMetadata(loads=self._loads, pulls=self._pulls, sends=self._sends, dropped_req_ids=self._dropped)
+        self._loads, self._pulls, self._sends, self._dropped = [], [], [], []
         for new in scheduler_output.scheduled_new_reqs:
             state = self._states.get(new.req_id)
             if state is None or not self._cacheable(state.request):
@@ -196,6 +254,8 @@ class DualPathScheduler:
         return meta
 
     def _plan_save(self, state: _RequestState, computed_after_step: int, meta: DualPathMetadata) -> None:
+        if state.remote_decode:
+            return  # its DE persists the chunks, with the decoded ones
         # Only tokens that exist (not async-scheduling placeholders) are hashed.
         complete = min(computed_after_step, len(state.request.all_token_ids)) // self.geometry.chunk_tokens
         if complete <= state.saved_chunks:
@@ -221,13 +281,35 @@ class DualPathScheduler:
             self._last_lookup_error_log = now
             logger.warning("store lookup failed, serving without hits: %s", exc)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         # Saves copy their blocks out of the KV cache in the step that computed
         # them, and vLLM itself keeps blocks of an in-flight load until it is
-        # reported: nothing here needs the blocks held.
-        self._states.pop(request.request_id, None)
+        # reported: only a PE's hand-off to its DE holds blocks longer.
+        from vllm.v1.request import RequestStatus
+
+        state = self._states.pop(request.request_id, None)
         self._pending_hit_chunks.pop(request.request_id, None)
-        return False, None
+        self._dropped.append(request.request_id)
+        if state is None:
+            return False, None
+        if state.remote_prefill is not None:
+            # Aborted before its pull was planned: the PE still holds blocks.
+            self._pulls.append(
+                PullSpec(request.request_id, str(state.remote_prefill.get("remote_side_channel")),
+                         str(state.remote_prefill.get("remote_request_id")), [], [])
+            )  # fmt: skip
+            return False, None
+        prefilled = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if not (state.remote_decode and prefilled and block_ids and block_ids[0]):
+            return False, None
+        self._sends.append(SendSpec(request.request_id, time.time() + self.config.pd_lease_s))
+        return True, {
+            "do_remote_prefill": True,
+            "remote_side_channel": f"{self.config.side_channel_host}:{self.config.side_channel_port}",
+            "remote_request_id": request.request_id,
+            "remote_block_ids": list(block_ids[0]),
+            "stored_chunks": state.stored_chunks,
+        }
 
     def shutdown(self) -> None:
         self.store.close()

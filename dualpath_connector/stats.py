@@ -20,16 +20,26 @@ COUNTERS = {
     "bytes_written": "Bytes written to the store",
     "saved_chunks": "Chunks written to the store",
     "save_skipped_chunks": "Chunks not saved because the save buffer was full or the write failed",
+    "bytes_read_for_peer": "Bytes read from the store into this engine's buffer for a PE (DE-side reads)",
+    "bytes_pulled_from_peer": "Bytes pulled from another engine: DE-read hits on a PE, prefilled prompts on a DE",
+    "pulled_tokens": "Prompt tokens whose KV a DE pulled from its PE",
+    "de_read_fallbacks": "DE-side reads that failed or timed out, read from the store by the PE instead",
 }
 TIMINGS = {
-    "load_seconds": "Time from a load's start to its KV being in the cache",
+    "load_seconds": "Time from a load's start to its hit being readable (bulk: in the KV cache)",
     "save_seconds": "Time to write one step's completed chunks to the store",
+    "pull_seconds": "Time for a DE to pull a prefilled prompt's KV from its PE",
+}
+GAUGES = {
+    "read_queue_tokens": "Tokens queued or in flight in this engine's store reads, including reads served for a PE",
 }
 
 
 def _empty() -> dict[str, Any]:
     data: dict[str, Any] = dict.fromkeys(COUNTERS, 0)
     data.update({name: [] for name in TIMINGS})
+    # Latest values only; absent until set.
+    data["gauges"] = {}
     return data
 
 
@@ -45,6 +55,7 @@ class DualPathStats(KVConnectorStats):
             self.data[name] += other.data.get(name, 0)
         for name in TIMINGS:
             self.data[name].extend(other.data.get(name, []))
+        self.data["gauges"].update(other.data.get("gauges", {}))
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -52,10 +63,15 @@ class DualPathStats(KVConnectorStats):
         for name in TIMINGS:
             values = self.data[name]
             out[f"{name}_median"] = round(statistics.median(values), 4) if values else 0.0
+        out.update(self.data["gauges"])
         return out
 
     def is_empty(self) -> bool:
-        return not any(self.data[name] for name in COUNTERS) and not any(self.data[n] for n in TIMINGS)
+        return (
+            not any(self.data[name] for name in COUNTERS)
+            and not any(self.data[n] for n in TIMINGS)
+            and not self.data["gauges"]
+        )
 
 
 class StatsRecorder:
@@ -69,6 +85,10 @@ class StatsRecorder:
         with self._lock:
             for name, value in counters.items():
                 self._stats.data[name] += value
+
+    def gauge(self, **values: int) -> None:
+        with self._lock:
+            self._stats.data["gauges"].update(values)
 
     def time(self, name: str, seconds: float) -> None:
         with self._lock:
@@ -104,6 +124,38 @@ class DualPathPromMetrics(KVConnectorPromMetrics):
             )
             for name, doc in TIMINGS.items()
         }
+        self._gauges = {
+            name: create_metric_per_engine(
+                self._gauge_cls(name=f"dualpath_kv:{name}", documentation=doc, labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for name, doc in GAUGES.items()
+        }
+        self._export_namespace(vllm_config, labelnames, per_engine_labelvalues)
+
+    def _export_namespace(self, vllm_config, labelnames, per_engine_labelvalues) -> None:
+        """What a router needs to compute this engine's keys: one info series per engine."""
+        from dualpath_connector.config import ChunkGeometry, namespace_for, parse_config
+
+        kv_transfer = vllm_config.kv_transfer_config
+        config = parse_config(kv_transfer.kv_connector_extra_config, kv_transfer.kv_role)
+        chunk_tokens = ChunkGeometry.of(config, vllm_config).chunk_tokens
+        namespace = namespace_for(vllm_config, config, chunk_tokens, tp_rank=0, pp_rank=0)
+        info = {
+            "namespace": namespace.digest(),
+            "key_prefix": config.key_prefix,
+            "chunk_tokens": str(chunk_tokens),
+            "num_layers": str(namespace.num_layers),
+            "layer_block_bytes": str(namespace.layer_block_bytes),
+            "kv_role": kv_transfer.kv_role,
+        }
+        gauge = self._gauge_cls(
+            name="dualpath_kv:store_namespace_info",
+            documentation="The store namespace and chunk geometry of this engine's keys (value 1)",
+            labelnames=[*labelnames, *info],
+        )
+        for values in per_engine_labelvalues.values():
+            gauge.labels(*values, *info.values()).set(1)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         for name, per_engine in self._counters.items():
@@ -113,3 +165,5 @@ class DualPathPromMetrics(KVConnectorPromMetrics):
         for name, per_engine in self._histograms.items():
             for seconds in transfer_stats_data.get(name, []):
                 per_engine[engine_idx].observe(seconds)
+        for name, value in transfer_stats_data.get("gauges", {}).items():
+            self._gauges[name][engine_idx].set(value)

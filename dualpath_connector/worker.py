@@ -1,13 +1,27 @@
-"""Worker half: reads hit chunks into the host pool and copies them into the KV cache; saves new chunks.
+"""Worker half: reads hit chunks, moves them into the KV cache, saves new chunks; PD transfers.
 
-All bytes between the host pool and the store move through NIXL; between the
-pool and the KV cache they move as one indexed tensor copy per layer (a
-contiguous copy per block per layer underneath), never in a Python loop.
+All bytes between host buffers and the store, and between engines, move
+through NIXL; between a host buffer and the KV cache they move as one indexed
+tensor copy per layer, never in a Python loop.
 
-Loads are asynchronous in vLLM's sense: they run on the I/O thread and the
-request is reported in ``finished_recving`` once its KV is in the cache. vLLM
-keeps those blocks away from every other request until then, so the I/O
-thread may write them while forwards of other requests run.
+Loads are asynchronous in vLLM's sense. The *read* runs on the I/O thread:
+from the store into this engine's pool (read side ``pe``), or, asked over the
+side channel, by the DE into its own pool (read side ``de``); a DE that does
+not answer in time makes this engine read the store itself. The *injection*
+into the KV cache then depends on ``load_mode``:
+
+- ``bulk``: on the I/O thread, every layer at once, before the load is reported;
+- ``layerwise``: the load is reported as soon as the bytes sit in a buffer, and
+  the next forward injects layer ``l`` of every such hit right before attention
+  layer ``l`` (a local indexed copy, or a NIXL READ from the DE's buffer posted
+  for all layers at the first one, so later layers move while earlier ones
+  compute). vLLM schedules a loaded request only after the report, so no
+  attention layer reads a block before its layer is in; a request that ends
+  before that forward has its injection dropped.
+
+PD roles: a DE pulls a prefilled prompt's blocks straight from the PE's KV
+cache (NIXL READ, whose completion notifies the PE to free them); the PE holds
+them until then or until the lease expires (:mod:`dualpath_connector.peer`).
 
 Saves copy a step's completed chunks out of the KV cache in ``wait_for_save``
 of the very step that computed them, before the scheduler can hand the blocks
@@ -26,16 +40,20 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.layout import BlockLayout, chunk_key
 from nixl_backends.store import TransferAbandoned, make_store
+from nixl_backends.transport import UCX, PeerRead, add_ucx_backend, mem_type, post_read
 
 from dualpath_connector.config import ChunkGeometry, DualPathConfig, namespace_for
-from dualpath_connector.metadata import DualPathMetadata, LoadSpec, SaveSpec
+from dualpath_connector.metadata import ChunkLoad, DualPathMetadata, LoadSpec, PullSpec, SaveSpec
+from dualpath_connector.peer import PULLED, RELEASE, PeerKV, PeerLink
 from dualpath_connector.stats import DualPathStats, StatsRecorder
 
 if TYPE_CHECKING:
@@ -43,7 +61,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_LOAD_PRIORITY, _SAVE_PRIORITY, _STOP_PRIORITY = 0, 1, 2
+# A repair blocks a forward, so it jumps every queue.
+_REPAIR_PRIORITY, _LOAD_PRIORITY, _SAVE_PRIORITY, _STOP_PRIORITY = -1, 0, 1, 2
 
 
 class _IOThread:
@@ -95,12 +114,74 @@ def _physical_block_view(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return physical.reshape(outer, num_blocks, -1).view(torch.uint8)
 
 
+def _rows(addrs: np.ndarray, length: int, device_id: int) -> np.ndarray:
+    """Nx3 NIXL descriptor rows ``(addr, length, device)`` for every address in ``addrs``."""
+    flat = addrs.reshape(-1)
+    rows = np.empty((flat.size, 3), dtype=np.uint64)
+    rows[:, 0] = flat
+    rows[:, 1] = length
+    rows[:, 2] = device_id
+    return rows
+
+
+@dataclass
+class _RemoteBuffer:
+    """Hit chunks a DE read into its host buffer, leased to this engine until released."""
+
+    address: str
+    peer: PeerKV
+    lease: str
+    chunk_addrs: list[int]
+
+
+@dataclass
+class _LoadedHit:
+    """A hit whose leading readable chunks sit in a host buffer: this engine's pool slots, or a DE's."""
+
+    req_id: str
+    chunks: list[ChunkLoad]
+    slots: list[int] = field(default_factory=list)
+    remote: _RemoteBuffer | None = None
+
+
+class _Injection:
+    """One forward's layerwise injection of every loaded hit.
+
+    Local hits are copied layer by layer as each attention layer asks; remote
+    hits have every layer's READ posted at the first layer, so later layers
+    move over the network while earlier layers compute.
+    """
+
+    def __init__(self, worker: DualPathWorker, hits: list[_LoadedHit]) -> None:
+        self.worker = worker
+        self.local = [h for h in hits if h.remote is None]
+        self.remote = [h for h in hits if h.remote is not None]
+        self.reads = {id(h): worker._post_remote_reads(h) for h in self.remote}
+
+    def layer(self, layer: int) -> None:
+        for hit in list(self.remote):
+            reads = self.reads[id(hit)]
+            if reads is None or not reads[layer].wait(self.worker.config.pd_transfer_timeout_s):
+                # Earlier layers are in; this one onwards come from the store here.
+                self.worker._repair_from_store(hit)
+                self.remote.remove(hit)
+                self.local.append(hit)
+        if self.local:
+            self.worker._copy_in(self.local, [layer])
+
+    def finish(self) -> None:
+        for hit in self.remote:
+            self.worker._end_remote(hit)
+        self.worker._release_hits(self.local)
+
+
 class DualPathWorker:
-    def __init__(self, vllm_config: VllmConfig, config: DualPathConfig) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config
+    def __init__(self, vllm_config: VllmConfig, config: DualPathConfig, kv_role: str) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
 
         self.config = config
+        self.kv_role = kv_role
         self.geometry = ChunkGeometry.of(config, vllm_config)
         self.namespace = namespace_for(
             vllm_config, config, self.geometry.chunk_tokens, get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
@@ -108,18 +189,34 @@ class DualPathWorker:
         self._digest = self.namespace.digest()
         self.layout = BlockLayout(self.namespace.num_layers, self.namespace.layer_block_bytes)
         agent_name = f"dualpath-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.agent = nixl_agent(agent_name, nixl_agent_config(backends=[]))
+        # The I/O thread, the side channel and (layerwise) the forward all use the agent.
+        self.agent = nixl_agent(
+            agent_name, nixl_agent_config(backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        )
+        if kv_role != "kv_both":
+            # Before any registration: pools and KV cache must be readable by peers.
+            add_ucx_backend(self.agent)
         # The backend must exist before the pools register memory with the agent.
         self.store = make_store(config.store_config, self.layout, self.agent)
         self.load_pool = HostBufferPool(self.agent, self.layout.full_block_bytes, config.load_buffer_chunks)
         self.save_pool = HostBufferPool(self.agent, self.layout.full_block_bytes, config.save_buffer_chunks)
         self.stats = StatsRecorder()
+        self.peers: PeerLink | None = None
         self._io = _IOThread()
         self._lock = threading.Lock()
         self._done_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
         self._reported_failed_blocks: set[int] = set()
+        # Layerwise: hits read and reported, waiting for the next forward.
+        self._loaded: list[_LoadedHit] = []
+        # Loads submitted and not yet injected or failed; and those of them whose request ended.
+        self._in_flight: set[str] = set()
+        self._dropped: set[str] = set()
+        self._injection: _Injection | None = None
+        self._read_queue_tokens = 0
         self._layers: list[torch.Tensor] = []
+        self._layer_index: dict[str, int] = {}
+        self._kv_registration = None
 
     # -- KV cache views -------------------------------------------------------
 
@@ -130,6 +227,7 @@ class DualPathWorker:
         if len(names) != self.layout.num_layers:
             raise ValueError(f"expected {self.layout.num_layers} KV cache layers, got {len(names)}")
         self._layers = [_physical_block_view(kv_caches[name], num_blocks) for name in names]
+        self._layer_index = {name: i for i, name in enumerate(names)}
         outer, _, block_bytes = self._layers[0].shape
         layer_block_bytes = outer * block_bytes * self.geometry.blocks_per_chunk
         if layer_block_bytes != self.layout.layer_block_bytes:
@@ -137,12 +235,39 @@ class DualPathWorker:
                 f"KV cache holds {layer_block_bytes} bytes per layer per chunk, the namespace "
                 f"expects {self.layout.layer_block_bytes}: unsupported KV cache layout"
             )
+        if self.kv_role != "kv_both":
+            kv = self.local_kv()
+            regions = [(addr, kv["outer"] * kv["outer_stride"], kv["device_id"], "") for addr in kv["layer_addrs"]]
+            self._kv_registration = self.agent.register_memory(regions, kv["mem_type"], backends=[UCX])
+            self.peers = PeerLink(
+                self.agent,
+                self.config.side_channel_host,
+                self.config.side_channel_port,
+                self._digest,
+                self.local_kv,
+                self._serve_read,
+                self.config.pd_lease_s,
+            )
         logger.info(
-            "DualPath worker: %d layers, %d-byte Layer Blocks, namespace %s",
+            "DualPath worker (%s, %s): %d layers, %d-byte Layer Blocks, namespace %s",
+            self.kv_role,
+            self.config.load_mode,
             len(names),
             layer_block_bytes,
-            self.namespace.digest(),
+            self._digest,
         )
+
+    def local_kv(self) -> dict[str, Any]:
+        """Where this engine's KV cache lives, as peers need it to READ blocks (see :class:`PeerKV`)."""
+        first = self._layers[0]
+        return {
+            "layer_addrs": [kv.data_ptr() for kv in self._layers],
+            "outer": first.shape[0],
+            "outer_stride": first.stride(0),
+            "block_bytes": first.shape[2],
+            "mem_type": mem_type(first.device.type),
+            "device_id": first.device.index or 0,
+        }
 
     def _slot_blocks(self, pool: HostBufferPool) -> torch.Tensor:
         """The pool as ``[slot, layer, sub_block, outer, block_bytes]`` (a view, no copy)."""
@@ -151,38 +276,79 @@ class DualPathWorker:
             pool.num_slots, self.layout.num_layers, self.geometry.blocks_per_chunk, outer, block_bytes
         )
 
-    # -- loads ----------------------------------------------------------------
+    def _kv_rows(self, kv: PeerKV | dict[str, Any], layers: list[int], block_ids: np.ndarray) -> np.ndarray:
+        """NIXL rows of KV cache blocks, ordered layer, block, outer."""
+        get = kv.get if isinstance(kv, dict) else lambda name: getattr(kv, name)
+        bases = np.asarray(get("layer_addrs"), dtype=np.uint64)[layers]
+        outer = np.arange(get("outer"), dtype=np.uint64) * np.uint64(get("outer_stride"))
+        addrs = bases[:, None, None] + block_ids.astype(np.uint64)[None, :, None] * np.uint64(get("block_bytes")) + outer
+        return _rows(addrs, get("block_bytes"), get("device_id"))
+
+    def _buffer_rows(self, chunk_addrs: list[int], chunks: list[ChunkLoad], layers: list[int]) -> np.ndarray:
+        """NIXL rows of hit blocks inside Full Blocks at ``chunk_addrs``, ordered like :meth:`_kv_rows`."""
+        outer, _, block_bytes = self._layers[0].shape
+        first = np.asarray(
+            [addr + (c.first_sub_block + i) * outer * block_bytes for c, addr in zip(chunks, chunk_addrs) for i in range(len(c.block_ids))],
+            dtype=np.uint64,
+        )  # fmt: skip
+        layer_offsets = np.asarray(layers, dtype=np.uint64) * np.uint64(self.layout.layer_block_bytes)
+        outer_offsets = np.arange(outer, dtype=np.uint64) * np.uint64(block_bytes)
+        return _rows(layer_offsets[:, None, None] + first[None, :, None] + outer_offsets, block_bytes, 0)
+
+    @staticmethod
+    def _block_ids(chunks: list[ChunkLoad]) -> np.ndarray:
+        return np.asarray([b for c in chunks for b in c.block_ids], dtype=np.int64)
+
+    # -- loads: reading hits ----------------------------------------------------
 
     def start_load_kv(self, meta: DualPathMetadata) -> None:
+        self._note_ended(meta)
+        for send in meta.sends:
+            self.peers.hold(send.req_id, send.expires_at)
         for spec in meta.loads:
+            with self._lock:
+                self._in_flight.add(spec.req_id)
+            self._count_read_queue(self._spec_tokens(spec))
             self._io.submit(_LOAD_PRIORITY, lambda spec=spec: self._load(spec))
+        for pull in meta.pulls:
+            self._io.submit(_LOAD_PRIORITY, lambda pull=pull: self._pull(pull))
+
+    def _spec_tokens(self, spec: LoadSpec) -> int:
+        return sum(len(c.block_ids) for c in spec.chunks) * self.geometry.block_size
+
+    def _count_read_queue(self, tokens: int) -> None:
+        with self._lock:
+            self._read_queue_tokens += tokens
+            queued = self._read_queue_tokens
+        self.stats.gauge(read_queue_tokens=queued)
+
+    def _note_ended(self, meta: DualPathMetadata) -> None:
+        """Requests that ended: a hit of theirs not yet injected must never be."""
+        with self._lock:
+            self._dropped.update(r for r in meta.dropped_req_ids if r in self._in_flight)
+            dropped = [h for h in self._loaded if h.req_id in self._dropped]
+            self._loaded = [h for h in self._loaded if h.req_id not in self._dropped]
+        self._release_hits(dropped)
 
     def _load(self, spec: LoadSpec) -> None:
         started = time.perf_counter()
-        good = 0  # leading chunks whose KV is in the cache
+        hit = None
         try:
-            slots = self.load_pool.acquire(len(spec.chunks))
-            try:
-                keys = [self._key(c.chunk_hash) for c in spec.chunks]
-                ok = self.store.read(keys, [self.load_pool.slot_addr(s) for s in slots])
-            except TransferAbandoned:
-                # NIXL may still write these slots: they never return to the pool.
-                logger.error("request %s: store read abandoned; %d load slots retired", spec.req_id, len(slots))
-                raise
-            try:
-                # The hit ends at the first bad chunk; later chunks are not used
-                # even if they arrived, so the loaded prefix stays contiguous.
-                readable = next((i for i, flag in enumerate(ok) if not flag), len(ok))
-                self._inject(spec, slots[:readable])
-                good = readable
-            finally:
-                self.load_pool.release(slots)
+            if spec.read_side == "de":
+                hit = self._read_through_de(spec)
+            if hit is None:
+                hit = self._read_here(spec)
+            if self.config.load_mode == "bulk":
+                self._inject_whole(hit)
         except Exception:
             # Whatever went wrong, the request must still be reported, or it
             # would wait in WAITING_FOR_REMOTE_KVS forever.
             logger.exception("request %s: load failed", spec.req_id)
+            hit = None
+        finally:
+            self._count_read_queue(-self._spec_tokens(spec))
+        good = len(hit.chunks) if hit is not None else 0
         failed = [b for chunk in spec.chunks[good:] for b in chunk.block_ids]
-        loaded_blocks = sum(len(chunk.block_ids) for chunk in spec.chunks[:good])
         if failed:
             logger.warning(
                 "request %s: chunk %s unreadable; hit shortened by %d blocks",
@@ -190,46 +356,288 @@ class DualPathWorker:
                 self._key(spec.chunks[good].chunk_hash),
                 len(failed),
             )
+        loaded_blocks = sum(len(chunk.block_ids) for chunk in spec.chunks[:good])
         self.stats.add(
             loaded_tokens=loaded_blocks * self.geometry.block_size,
             load_failed_tokens=len(failed) * self.geometry.block_size,
-            bytes_read=good * self.layout.full_block_bytes,
         )
         self.stats.time("load_seconds", time.perf_counter() - started)
         with self._lock:
+            dropped = spec.req_id in self._dropped
+            if self.config.load_mode == "layerwise" and hit is not None and hit.chunks and not dropped:
+                self._loaded.append(hit)
+            else:
+                self._in_flight.discard(spec.req_id)
+                self._dropped.discard(spec.req_id)
             self._failed_blocks.update(failed)
             self._done_loads.add(spec.req_id)
+        if dropped and self.config.load_mode == "layerwise" and hit is not None:
+            self._release_hits([hit])
 
-    def _inject(self, spec: LoadSpec, slots: list[int]) -> None:
-        if not slots:
-            return
+    def _read_here(self, spec: LoadSpec) -> _LoadedHit:
+        """Read the hit from the store into this engine's pool; the leading readable chunks."""
+        slots = self.load_pool.acquire(len(spec.chunks))
+        try:
+            ok = self.store.read([self._key(c.chunk_hash) for c in spec.chunks], [self.load_pool.slot_addr(s) for s in slots])
+        except TransferAbandoned:
+            # NIXL may still write these slots: they never return to the pool.
+            logger.error("request %s: store read abandoned; %d load slots retired", spec.req_id, len(slots))
+            raise
+        except BaseException:
+            self.load_pool.release(slots)
+            raise
+        # The hit ends at the first bad chunk; later chunks are not used even
+        # if they arrived, so the loaded prefix stays contiguous.
+        readable = next((i for i, flag in enumerate(ok) if not flag), len(ok))
+        self.load_pool.release(slots[readable:])
+        self.stats.add(bytes_read=readable * self.layout.full_block_bytes)
+        return _LoadedHit(spec.req_id, spec.chunks[:readable], slots=slots[:readable])
+
+    def _read_through_de(self, spec: LoadSpec) -> _LoadedHit | None:
+        """Ask the DE to read the hit into its buffer; None if it cannot (then this engine reads)."""
+        address = spec.de_side_channel
+        timeout_s = self.config.de_read_timeout_s
+        try:
+            peer = self.peers.peer(address, timeout_s)
+            answer = PeerLink.read_request(address, self._digest, [c.chunk_hash for c in spec.chunks], timeout_s)
+        except Exception as exc:
+            logger.warning("request %s: DE %s did not read the hit (%s); reading it here", spec.req_id, address, exc)
+            self.peers.forget(address)
+            self.stats.add(de_read_fallbacks=1)
+            return None
+        readable = int(answer["readable"])
+        if not readable:
+            return _LoadedHit(spec.req_id, [])
+        remote = _RemoteBuffer(address, peer, answer["lease"], [int(a) for a in answer["chunk_addrs"]])
+        return _LoadedHit(spec.req_id, spec.chunks[:readable], remote=remote)
+
+    def _serve_read(self, chunk_hashes: list[str], reply: Callable[[dict[str, Any]], None]) -> None:
+        """DE side: a PE asked this engine to read a hit into its buffer (side-channel thread)."""
+        tokens = len(chunk_hashes) * self.geometry.chunk_tokens
+        self._count_read_queue(tokens)
+
+        def job() -> None:
+            try:
+                reply(self._read_for_peer(chunk_hashes))
+            finally:
+                self._count_read_queue(-tokens)
+
+        self._io.submit(_LOAD_PRIORITY, job)
+
+    def _read_for_peer(self, chunk_hashes: list[str]) -> dict[str, Any]:
+        try:
+            slots = self.load_pool.acquire(len(chunk_hashes))
+        except PoolExhausted:
+            return {"error": f"host buffer has no room for {len(chunk_hashes)} chunks"}
+        try:
+            ok = self.store.read([self._key(h) for h in chunk_hashes], [self.load_pool.slot_addr(s) for s in slots])
+        except TransferAbandoned:
+            logger.error("store read for a peer abandoned; %d load slots retired", len(slots))
+            return {"error": "store read timed out"}
+        except Exception as exc:
+            self.load_pool.release(slots)
+            return {"error": f"store read failed: {exc}"}
+        readable = next((i for i, flag in enumerate(ok) if not flag), len(ok))
+        self.load_pool.release(slots[readable:])
+        nbytes = readable * self.layout.full_block_bytes
+        self.stats.add(bytes_read=nbytes, bytes_read_for_peer=nbytes)
+        return {
+            "readable": readable,
+            "lease": self.peers.lease(self.load_pool, slots[:readable]) if readable else None,
+            "chunk_addrs": [self.load_pool.slot_addr(s) for s in slots[:readable]],
+        }
+
+    # -- loads: injecting hits into the KV cache ------------------------------
+
+    def _inject_whole(self, hit: _LoadedHit) -> None:
+        """Bulk mode, on the I/O thread: every layer now, then the buffer is free."""
+        if hit.remote is not None:
+            reads = self._post_remote_reads(hit)
+            if reads is not None and all(r.wait(self.config.pd_transfer_timeout_s) for r in reads):
+                self._end_remote(hit)
+                return
+            self._repair_from_store(hit, on_io_thread=True)
+        try:
+            self._copy_in([hit], list(range(self.layout.num_layers)))
+        finally:
+            self._release_hits([hit])
+
+    def _post_remote_reads(self, hit: _LoadedHit) -> list[PeerRead] | None:
+        """One READ per layer from the DE's buffer straight into the KV cache; None if NIXL refuses."""
+        remote = hit.remote
+        block_ids = self._block_ids(hit.chunks)
+        local_type = mem_type(self._layers[0].device.type)
+        try:
+            return [
+                post_read(
+                    self.agent,
+                    remote.peer.agent,
+                    self._kv_rows(self.local_kv(), [layer], block_ids),
+                    local_type,
+                    self._buffer_rows(remote.chunk_addrs, hit.chunks, [layer]),
+                    "DRAM",
+                )
+                for layer in range(self.layout.num_layers)
+            ]
+        except Exception as exc:
+            logger.warning("request %s: cannot READ from DE %s: %s", hit.req_id, remote.address, exc)
+            return None
+
+    def _end_remote(self, hit: _LoadedHit) -> None:
+        """Every layer of a DE-read hit arrived: count it and hand the DE its buffer back."""
+        self.stats.add(bytes_pulled_from_peer=len(hit.chunks) * self.layout.full_block_bytes)
+        self._release_hits([hit])
+
+    def _repair_from_store(self, hit: _LoadedHit, on_io_thread: bool = False) -> None:
+        """A READ from the DE failed after the hit was reported: read the same chunks here.
+
+        On the forward thread (layerwise) this stalls the step, but the KV must
+        be right before attention runs; a store that cannot serve it either
+        leaves no correct answer, so that is an error.
+        """
+        remote, hit.remote = hit.remote, None
+        logger.warning("request %s: READ from DE %s failed; reading the hit from the store here", hit.req_id, remote.address)
+        self.peers.forget(remote.address)
+        self.stats.add(de_read_fallbacks=1)
+        done = threading.Event()
+        result: list[_LoadedHit] = []
+
+        def job() -> None:
+            try:
+                result.append(self._read_here(LoadSpec(hit.req_id, hit.chunks)))
+            finally:
+                done.set()
+
+        if on_io_thread:
+            job()
+        else:
+            self._io.submit(_REPAIR_PRIORITY, job)
+            done.wait()
+        if not result or len(result[0].chunks) != len(hit.chunks):
+            if result:
+                self._release_hits(result)
+            raise RuntimeError(f"request {hit.req_id}: hit KV lost with its DE and unreadable from the store")
+        hit.slots = result[0].slots
+
+    def _copy_in(self, hits: list[_LoadedHit], layers: list[int]) -> None:
+        """Copy ``layers`` of hits held in this engine's pool into the KV cache."""
         slot_index, sub_index, block_index = [], [], []
-        for chunk, slot in zip(spec.chunks, slots):
-            for i, block_id in enumerate(chunk.block_ids):
-                slot_index.append(slot)
-                sub_index.append(chunk.first_sub_block + i)
-                block_index.append(block_id)
+        for hit in hits:
+            for chunk, slot in zip(hit.chunks, hit.slots):
+                for i, block_id in enumerate(chunk.block_ids):
+                    slot_index.append(slot)
+                    sub_index.append(chunk.first_sub_block + i)
+                    block_index.append(block_id)
+        if not block_index:
+            return
         slot_t, sub_t, block_t = (torch.tensor(x, dtype=torch.long) for x in (slot_index, sub_index, block_index))
         host = self._slot_blocks(self.load_pool)
         device = self._layers[0].device
         block_t = block_t.to(device)
-        for layer, kv in enumerate(self._layers):
+        for layer in layers:
             # host[...] is [n, outer, bytes]; the cache view wants [outer, n, bytes].
-            kv.index_copy_(1, block_t, host[slot_t, layer, sub_t].transpose(0, 1).to(device))
+            self._layers[layer].index_copy_(1, block_t, host[slot_t, layer, sub_t].transpose(0, 1).to(device))
         if device.type != "cpu":
-            # Reported loads must be in the cache, not merely queued on a stream.
+            # The KV must be in the cache, not merely queued on a stream.
             torch.accelerator.synchronize(device)
+
+    def _release_hits(self, hits: list[_LoadedHit]) -> None:
+        for hit in hits:
+            if hit.remote is not None:
+                self.peers.notify(hit.remote.peer.agent, RELEASE + hit.remote.lease.encode())
+            if hit.slots:
+                self.load_pool.release(hit.slots)
+                hit.slots = []
+            with self._lock:
+                self._in_flight.discard(hit.req_id)
+                self._dropped.discard(hit.req_id)
+
+    def wait_for_layer_load(self, layer_name: str, meta: DualPathMetadata) -> None:
+        """Layerwise: before attention layer ``l`` runs, layer ``l`` of every loaded hit is in the cache."""
+        if self.config.load_mode != "layerwise":
+            return
+        layer = self._layer_index[layer_name]
+        if layer == 0 or self._injection is None:
+            self._finish_injection()
+            self._note_ended(meta)
+            with self._lock:
+                hits, self._loaded = self._loaded, []
+            self._injection = _Injection(self, hits) if hits else None
+            if self._injection is None:
+                return
+        if self._injection is None:
+            return
+        self._injection.layer(layer)
+        if layer == self.layout.num_layers - 1:
+            self._finish_injection()
+
+    def _finish_injection(self) -> None:
+        injection, self._injection = self._injection, None
+        if injection is not None:
+            injection.finish()
 
     def _key(self, chunk_hash: str) -> str:
         return chunk_key(self.config.key_prefix, self._digest, chunk_hash)
 
-    def get_finished(self) -> set[str] | None:
+    # -- PD: the DE pulls a prefilled prompt from its PE -----------------------
+
+    def _pull(self, spec: PullSpec) -> None:
+        started = time.perf_counter()
+        address = spec.remote_side_channel
+        notification = PULLED + spec.remote_req_id.encode()
+        ok = False
+        try:
+            peer = self.peers.peer(address, self.config.pd_transfer_timeout_s)
+            if not spec.block_ids:
+                # Nothing to copy: only the PE's blocks to release.
+                self.peers.notify(peer.agent, notification)
+                return
+            if len(spec.remote_block_ids) == len(spec.block_ids) and self._same_block_geometry(peer):
+                layers = list(range(self.layout.num_layers))
+                read = post_read(
+                    self.agent,
+                    peer.agent,
+                    self._kv_rows(self.local_kv(), layers, np.asarray(spec.block_ids)),
+                    mem_type(self._layers[0].device.type),
+                    self._kv_rows(peer, layers, np.asarray(spec.remote_block_ids)),
+                    peer.mem_type,
+                    notification,
+                )
+                ok = read.wait(self.config.pd_transfer_timeout_s)
+        except Exception as exc:
+            logger.warning("request %s: pulling its prompt KV from PE %s failed: %s", spec.req_id, address, exc)
+        if not spec.block_ids:
+            return
+        if ok:
+            self.stats.add(
+                bytes_pulled_from_peer=len(spec.block_ids) * self.layout.layer_block_bytes
+                * self.layout.num_layers // self.geometry.blocks_per_chunk,
+                pulled_tokens=len(spec.block_ids) * self.geometry.block_size,
+            )  # fmt: skip
+        else:
+            self.peers.forget(address)
+            logger.warning("request %s: prompt KV not pulled from PE %s; recomputing it", spec.req_id, address)
+        self.stats.time("pull_seconds", time.perf_counter() - started)
+        with self._lock:
+            if not ok:
+                self._failed_blocks.update(spec.block_ids)
+            self._done_loads.add(spec.req_id)
+
+    def _same_block_geometry(self, peer: PeerKV) -> bool:
+        outer, _, block_bytes = self._layers[0].shape
+        if (peer.outer, peer.block_bytes, len(peer.layer_addrs)) != (outer, block_bytes, len(self._layers)):
+            logger.warning("PE %s has another KV block geometry; prompts from it are recomputed", peer.agent)
+            return False
+        return True
+
+    def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        sending = self.peers.take_released_holds() if self.peers is not None else set()
         with self._lock:
             done, self._done_loads = self._done_loads, set()
             # Failed blocks are reported in the same pass as their request.
             self._reported_failed_blocks |= self._failed_blocks
             self._failed_blocks = set()
-        return done or None
+        return sending or None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         reported, self._reported_failed_blocks = self._reported_failed_blocks, set()
@@ -288,10 +696,14 @@ class DualPathWorker:
         return self.stats.take()
 
     def shutdown(self) -> None:
+        if self.peers is not None:
+            self.peers.close()
         if not self._io.stop(timeout_s=60.0):
             # A transfer is still running: its memory stays registered.
             logger.warning("DualPath I/O thread still busy at shutdown; host buffers left registered")
             return
+        if self._kv_registration is not None:
+            self.agent.deregister_memory(self._kv_registration)
         self.load_pool.close()
         self.save_pool.close()
         self.store.close()

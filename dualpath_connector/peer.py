@@ -1,0 +1,196 @@
+"""The PD side of a worker: side-channel service, peer handshakes, leases, notifications.
+
+Both PD roles run one :class:`PeerLink`. It answers peers on the side channel:
+
+- ``hello``: this agent's NIXL metadata and where its KV cache lives, so a DE
+  can READ a prefilled prompt's blocks straight out of the PE's KV cache;
+- ``read`` (served by a DE for a PE): read hit chunks from the store into this
+  engine's registered host buffer and lease them until the PE has pulled them.
+
+It also owns NIXL notifications (one reader per agent): ``pulled:<req>`` from
+a DE ends a PE's hold on a finished prefill's blocks; ``release:<lease>`` from
+a PE ends a DE's lease on its buffer. Every hold has an expiry, so a peer that
+vanishes never pins memory for good.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nixl_backends.buffers import HostBufferPool
+
+from dualpath_connector.side_channel import SideChannelServer, decode_bytes, encode_bytes, request
+
+logger = logging.getLogger(__name__)
+
+PULLED = b"pulled:"
+RELEASE = b"release:"
+
+@dataclass(frozen=True)
+class PeerKV:
+    """Where a peer's KV cache lives: layer ``l``, outer ``o``, block ``b`` is at
+    ``layer_addrs[l] + o * outer_stride + b * block_bytes``."""
+
+    agent: str
+    layer_addrs: list[int]
+    outer: int
+    outer_stride: int
+    block_bytes: int
+    mem_type: str
+    device_id: int
+
+
+class PeerLink:
+    def __init__(
+        self,
+        agent,
+        host: str,
+        port: int,
+        namespace_digest: str,
+        local_kv: Callable[[], dict[str, Any]],
+        serve_read: Callable[[list[str], Callable[[dict[str, Any]], None]], None],
+        lease_s: float,
+    ) -> None:
+        self.agent = agent
+        self.namespace_digest = namespace_digest
+        self._local_kv = local_kv
+        self._serve_read = serve_read
+        self._lease_s = lease_s
+        self._lock = threading.Lock()
+        self._peers: dict[str, PeerKV] = {}
+        # PE: requests whose blocks a DE may still pull -> expiry.
+        self._holds: dict[str, float] = {}
+        self._pulled: set[str] = set()
+        self._released_holds: set[str] = set()
+        # DE: buffer slots lent to a PE -> (pool, slots, expiry).
+        self._leases: dict[str, tuple[HostBufferPool, list[int], float]] = {}
+        self._server = SideChannelServer(host, port, {"hello": self._hello, "read": self._read}, self._tick)
+
+    # -- serving peers --------------------------------------------------------
+
+    def _hello(self, message: dict[str, Any], reply: Callable[[dict[str, Any]], None]) -> None:
+        reply(
+            {
+                "agent": self.agent.name,
+                "metadata": encode_bytes(self.agent.get_agent_metadata()),
+                "namespace": self.namespace_digest,
+                "kv": self._local_kv(),
+            }
+        )
+
+    def _read(self, message: dict[str, Any], reply: Callable[[dict[str, Any]], None]) -> None:
+        if message.get("namespace") != self.namespace_digest:
+            # Different model/layout/rank: these bytes would be garbage there.
+            reply({"error": f"namespace {message.get('namespace')} is not this engine's ({self.namespace_digest})"})
+            return
+        self._serve_read(list(message["chunk_hashes"]), reply)
+
+    def lease(self, pool: HostBufferPool, slots: list[int]) -> str:
+        """Lend ``slots`` of ``pool`` to a peer until it sends ``release:<lease>`` or the lease expires."""
+        lease = uuid.uuid4().hex
+        with self._lock:
+            self._leases[lease] = (pool, slots, time.monotonic() + self._lease_s)
+        return lease
+
+    # -- PE holds -------------------------------------------------------------
+
+    def hold(self, req_id: str, expires_at: float) -> None:
+        """Keep a finished prefill's blocks for its DE until pulled or ``expires_at`` (time.time())."""
+        with self._lock:
+            self._holds[req_id] = expires_at
+
+    def take_released_holds(self) -> set[str]:
+        """Holds ended since the last call: pulled by the DE, or expired."""
+        with self._lock:
+            done, self._released_holds = self._released_holds, set()
+        return done
+
+    # -- notifications and expiry (side-channel thread) -----------------------
+
+    def _tick(self) -> None:
+        for messages in self.agent.get_new_notifs().values():
+            for message in messages:
+                self._on_notification(message)
+        now_wall, now = time.time(), time.monotonic()
+        with self._lock:
+            for req_id in [r for r in self._holds if r in self._pulled or self._holds[r] < now_wall]:
+                if req_id not in self._pulled:
+                    logger.warning("request %s: no DE pulled its KV within the lease; blocks released", req_id)
+                self._pulled.discard(req_id)
+                del self._holds[req_id]
+                self._released_holds.add(req_id)
+            expired = [lease for lease, (_, _, expiry) in self._leases.items() if expiry < now]
+        for lease in expired:
+            logger.warning("buffer lease %s expired before the PE released it", lease)
+            self._end_lease(lease)
+
+    def _on_notification(self, message: bytes) -> None:
+        if message.startswith(PULLED):
+            with self._lock:
+                # A pull may finish before this engine's next step registers the hold.
+                self._pulled.add(message[len(PULLED) :].decode())
+        elif message.startswith(RELEASE):
+            self._end_lease(message[len(RELEASE) :].decode())
+        else:
+            logger.warning("unexpected NIXL notification %r", message[:64])
+
+    def _end_lease(self, lease: str) -> None:
+        with self._lock:
+            held = self._leases.pop(lease, None)
+        if held is not None:
+            pool, slots, _ = held
+            pool.release(slots)
+
+    # -- talking to peers -----------------------------------------------------
+
+    def peer(self, address: str, timeout_s: float) -> PeerKV:
+        """The peer at ``address`` (side channel ``host:port``), handshaking once."""
+        with self._lock:
+            known = self._peers.get(address)
+        if known is not None:
+            return known
+        answer = request(address, {"op": "hello"}, timeout_s)
+        name = self.agent.add_remote_agent(decode_bytes(answer["metadata"]))
+        kv = answer["kv"]
+        peer = PeerKV(
+            agent=name if isinstance(name, str) else name.decode(),
+            layer_addrs=[int(a) for a in kv["layer_addrs"]],
+            outer=int(kv["outer"]),
+            outer_stride=int(kv["outer_stride"]),
+            block_bytes=int(kv["block_bytes"]),
+            mem_type=kv["mem_type"],
+            device_id=int(kv["device_id"]),
+        )
+        with self._lock:
+            self._peers[address] = peer
+        return peer
+
+    def forget(self, address: str) -> None:
+        """Drop a peer after a failure; the next use handshakes again (it may have restarted)."""
+        with self._lock:
+            peer = self._peers.pop(address, None)
+        if peer is not None:
+            try:
+                self.agent.remove_remote_agent(peer.agent)
+            except Exception as exc:
+                logger.debug("removing peer agent %s: %s", peer.agent, exc)
+
+    def notify(self, peer_agent: str, message: bytes) -> None:
+        try:
+            self.agent.send_notif(peer_agent, message)
+        except Exception as exc:  # the peer's own expiry covers a lost message
+            logger.warning("could not notify peer %s: %s", peer_agent, exc)
+
+    def close(self) -> None:
+        self._server.stop()
+
+    @staticmethod
+    def read_request(address: str, namespace_digest: str, chunk_hashes: list[str], timeout_s: float) -> dict[str, Any]:
+        return request(address, {"op": "read", "namespace": namespace_digest, "chunk_hashes": chunk_hashes}, timeout_s)
+

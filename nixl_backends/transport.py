@@ -1,0 +1,93 @@
+"""Engine-to-engine transfers over NIXL's UCX backend (PE <-> DE).
+
+Peers exchange agent metadata out of band (the connector's side channel),
+then one engine READs registered memory of the other: the DE pulls a prefilled
+prompt's KV blocks from the PE, the PE pulls DE-read Full Blocks from the DE's
+host buffer. A READ may carry a notification, which NIXL delivers to the peer
+once the READ is complete; that is how the owner learns it may reuse the memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+UCX = "UCX"
+
+
+def add_ucx_backend(agent) -> None:
+    """Give ``agent`` a UCX backend; call before registering memory peers will read."""
+    # "peer": a vanished peer fails its transfers instead of hanging them.
+    agent.create_backend(UCX, {"ucx_error_handling_mode": "peer"})
+
+
+def mem_type(device_type: str) -> str:
+    return "DRAM" if device_type == "cpu" else "VRAM"
+
+
+class PeerRead:
+    """One posted READ from a peer's registered memory into local registered memory."""
+
+    def __init__(self, agent, handle) -> None:
+        self._agent = agent
+        self._handle = handle
+        self._state = "PROC"
+
+    def state(self) -> str:
+        """``"PROC"``, ``"DONE"`` or ``"ERR"``; a finished READ releases its handle."""
+        if self._state != "PROC":
+            return self._state
+        try:
+            self._state = self._agent.check_xfer_state(self._handle)
+        except Exception as exc:  # nixlRemoteDisconnectError and friends
+            logger.warning("NIXL READ from a peer failed: %s", exc)
+            self._state = "ERR"
+        if self._state != "PROC":
+            self._agent.release_xfer_handle(self._handle)
+        return self._state
+
+    def wait(self, timeout_s: float) -> bool:
+        """True once the bytes are here; False on error or at the deadline.
+
+        A READ still in flight at the deadline keeps its handle: NIXL may still
+        write the local memory, so the caller must treat it as not loaded.
+        """
+        deadline = time.monotonic() + timeout_s
+        while self.state() == "PROC":
+            if time.monotonic() > deadline:
+                logger.warning("NIXL READ from a peer still in flight after %.1fs", timeout_s)
+                return False
+            time.sleep(0.0002)
+        return self._state == "DONE"
+
+
+def post_read(
+    agent,
+    peer: str,
+    local: np.ndarray,
+    local_mem_type: str,
+    remote: np.ndarray,
+    remote_mem_type: str,
+    notification: bytes = b"",
+) -> PeerRead:
+    """Post a READ of ``remote`` rows (peer memory) into ``local`` rows; Nx3 descriptor arrays.
+
+    Raises if NIXL cannot even start the READ (unknown peer, unregistered memory).
+    """
+    handle = agent.initialize_xfer(
+        "READ",
+        agent.get_xfer_descs(local, local_mem_type),
+        agent.get_xfer_descs(remote, remote_mem_type),
+        peer,
+        notification,
+        backends=[UCX],
+    )
+    read = PeerRead(agent, handle)
+    if agent.transfer(handle) == "ERR":
+        agent.release_xfer_handle(handle)
+        raise RuntimeError(f"NIXL could not post a READ from peer {peer}")
+    return read
