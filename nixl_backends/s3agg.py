@@ -68,8 +68,8 @@ FRAME = struct.Struct("<IIQ")  # kind, index (layer), payload length
 FRAME_LAYER, FRAME_CHUNKS, FRAME_END, FRAME_ERROR = 1, 2, 3, 4
 _NOTIF_PREFIX = "s3agg:"
 # OBJ device ids name objects inside one agent; the s3 store counts up from 1,
-# fallback reads take theirs from a disjoint range.
-_FALLBACK_DEV_IDS = itertools.count(1 << 31)
+# ranged reads here take theirs from a disjoint range.
+_RANGE_DEV_IDS = itertools.count(1 << 31)
 
 FALLBACKS = Counter("s3agg_client_fallbacks_total", "Reads served by plain S3 because the gateway was unreachable",
                     ["op"])
@@ -396,13 +396,22 @@ class S3AggStore(KVStore):
     def _fallback_layers(
         self, keys: Sequence[str], layer_addrs: Sequence[int], start: int, on_layer: Callable[[int], None]
     ) -> None:
-        """Layers ``start..L-1`` by ranged GETs (one per chunk and layer) straight into their places."""
         if self._inner.lookup(keys) < len(keys):
             raise RuntimeError("s3agg fallback: a chunk is missing or short in the bucket")
+        self.read_ranges(keys, layer_addrs, on_layer, start=start)
+
+    def read_ranges(
+        self, keys: Sequence[str], layer_addrs: Sequence[int], on_layer: Callable[[int], None], *, start: int = 0
+    ) -> None:
+        """Without the gateway: layers ``start..L-1`` by plain ranged GETs, one per chunk and layer.
+
+        Same target and callback contract as :meth:`read_layerwise`; each layer's
+        N GETs run in parallel and land straight at their assembled offsets.
+        """
         n, s = len(keys), self.layout.layer_block_bytes
-        dev_ids = [next(_FALLBACK_DEV_IDS) for _ in keys]
+        dev_ids = np.fromiter(itertools.islice(_RANGE_DEV_IDS, n), dtype=np.int64, count=n)
         registration = self._agent.register_memory(
-            [(0, self.layout.full_block_bytes, d, key) for d, key in zip(dev_ids, keys)], "OBJ")
+            [(0, self.layout.full_block_bytes, int(d), key) for d, key in zip(dev_ids, keys)], "OBJ")
         offsets = np.arange(n, dtype=np.int64) * s
         lengths = np.full(n, s)
         abandoned = False
@@ -412,7 +421,7 @@ class S3AggStore(KVStore):
                 remote = descriptors(np.column_stack((np.full(n, layer * s), lengths, dev_ids)))
                 if not run_nixl_transfers(self._agent, "READ", [(local, remote)], "OBJ",
                                           self.config.s3_config.io_timeout_s)[0]:
-                    raise RuntimeError(f"s3agg fallback: ranged reads of layer {layer} failed")
+                    raise RuntimeError(f"s3agg: ranged reads of layer {layer} failed")
                 on_layer(layer)
         except TransferAbandoned:
             abandoned = True  # NIXL may still use the registration

@@ -175,18 +175,21 @@ class LinkScheduler:
                     len(batch), [round(f.rate) for f in batch], self.policy, free, self.cap)
 
     def _run(self) -> None:
-        next_epoch = time.monotonic()
+        # Epochs tick while the link is busy; the first arrival at an idle link
+        # opens a batch window of one epoch, so requests arriving together share it.
+        next_epoch: float | None = None
         with self._cond:
             while not self._closed:
                 now = time.monotonic()
-                if now >= next_epoch:
-                    self._start_epoch(now)
+                if next_epoch is None and self._waiting:
                     next_epoch = now + self.epoch_s
+                if next_epoch is not None and now >= next_epoch:
+                    self._start_epoch(now)
+                    next_epoch = now + self.epoch_s if self._active or self._waiting else None
                 for item in [f for f in self._finishing if f[0] <= now]:
                     self._finishing.remove(item)
                     item[1].set()
-                wake = next_epoch if self._waiting else math.inf
-                wake = min([wake] + [f[0] for f in self._finishing])
+                wake = min([next_epoch or math.inf] + [f[0] for f in self._finishing])
                 backlog = [f for f in self._active if f.pending]
                 if backlog:
                     wake = min(wake, self._dispatch(backlog, now))
