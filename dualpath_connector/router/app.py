@@ -47,9 +47,8 @@ def error_response(status: int, message: str, *, err_type: str, param: str | Non
 class RouterMetrics:
     """The router's own /metrics: counters it increments, gauges read from accounting at scrape time."""
 
-    def __init__(self, dispatcher: Dispatcher, policy: str) -> None:
+    def __init__(self, dispatcher: Dispatcher) -> None:
         self.registry = CollectorRegistry()
-        self.policy = policy
         self.requests = Counter(
             "dualpath_router_requests", "Requests prefilled, by policy and read side",
             ["policy", "read_side"], registry=self.registry,
@@ -115,7 +114,7 @@ class Router:
             lookup.namespace = config.namespace
         self.dispatcher = Dispatcher(config, accounting, make_policy(config.policy, config.scheduling), lookup)
         self.prompts = PromptBuilder(config.tokenizer, config.served_model_names)
-        self.metrics = RouterMetrics(self.dispatcher, config.policy)
+        self.metrics = RouterMetrics(self.dispatcher)
         self.client: httpx.AsyncClient | None = None
 
     @contextlib.asynccontextmanager
@@ -267,9 +266,11 @@ class Router:
             raise EngineFailed(f"HTTP {response.status_code}: {response.text[:200]}")
         if response.status_code < 400:
             try:
-                response.json()
+                answer = response.json()
             except ValueError:
-                raise EngineFailed("answer is not JSON") from None
+                answer = None
+            if not isinstance(answer, dict):
+                raise EngineFailed("answer is not a JSON object")
         return response
 
     async def _decode(self, routed: RoutedRequest, placement: Placement, kv_transfer_params: dict | None,

@@ -66,9 +66,7 @@ class SchedulingConfig:
     queue_timeout_s: float = 600.0
 
     def validate(self) -> None:
-        for name in ("alpha_s", "beta_s", "read_tokens_per_s", "prefill_tokens_per_s", "queue_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        _require_positive(self, "alpha_s", "beta_s", "read_tokens_per_s", "prefill_tokens_per_s", "queue_timeout_s")
         if not 0 < self.rate_ewma_weight <= 1:
             raise ConfigError(f"rate_ewma_weight must be in (0, 1], got {self.rate_ewma_weight}")
         if self.de_token_threshold_factor < 1:
@@ -88,9 +86,7 @@ class TimeoutsConfig:
     metrics_s: float = 2.0
 
     def validate(self) -> None:
-        for f in dataclasses.fields(self):
-            if getattr(self, f.name) <= 0:
-                raise ConfigError(f"{f.name} must be positive, got {getattr(self, f.name)}")
+        _require_positive(self, *(f.name for f in dataclasses.fields(self)))
 
 
 @dataclass(frozen=True)
@@ -106,9 +102,7 @@ class StoreNamespace:
     def validate(self) -> None:
         if not self.digest or self.digest.strip("0123456789abcdef"):
             raise ConfigError(f"digest must be a lowercase hex string, got {self.digest!r}")
-        for name in ("chunk_tokens", "num_layers", "layer_block_bytes"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
+        _require_positive(self, "chunk_tokens", "num_layers", "layer_block_bytes")
 
 
 @dataclass
@@ -149,11 +143,16 @@ class RouterConfig:
                 raise ConfigError(f"missing required key decode_engines[{i}].'side_channel'")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
-        if self.metrics_refresh_interval_s <= 0 or self.lookup_cache_chunks <= 0:
-            raise ConfigError("metrics_refresh_interval_s and lookup_cache_chunks must be positive")
+        _require_positive(self, "metrics_refresh_interval_s", "lookup_cache_chunks")
 
     def engines(self) -> list[EngineConfig]:
         return [*self.prefill_engines, *self.decode_engines]
+
+
+def _require_positive(section: object, *names: str) -> None:
+    for name in names:
+        if getattr(section, name) <= 0:
+            raise ConfigError(f"{name} must be positive, got {getattr(section, name)}")
 
 
 def _section(data: Any, where: str) -> dict[str, Any]:

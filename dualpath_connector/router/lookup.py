@@ -23,6 +23,9 @@ from dualpath_connector.router.config import StoreNamespace
 logger = logging.getLogger(__name__)
 
 _OUTAGE_LOG_INTERVAL_S = 30.0
+# After a failed lookup the store is left alone this long: a store that
+# hangs must not add its timeouts to every request's latency.
+_OUTAGE_BACKOFF_S = 5.0
 
 
 class HitLookup:
@@ -35,6 +38,7 @@ class HitLookup:
         self._store: KVStore | None = None
         self._store_layout: BlockLayout | None = None
         self._last_outage_log = float("-inf")
+        self._skip_store_until = float("-inf")
         self.namespace: StoreNamespace | None = None
 
     @property
@@ -65,11 +69,12 @@ class HitLookup:
             while cached < len(keys) and keys[cached] in self._present:
                 self._present.move_to_end(keys[cached])
                 cached += 1
-        if cached == len(keys):
+        if cached == len(keys) or time.monotonic() < self._skip_store_until:
             return cached * namespace.chunk_tokens
         try:
             found = self._open_store(namespace).lookup(keys[cached:])
         except Exception as exc:  # any store failure: a miss, never a failed request
+            self._skip_store_until = time.monotonic() + _OUTAGE_BACKOFF_S
             self._log_outage(exc)
             found = 0
         with self._lock:

@@ -89,6 +89,8 @@ class PromptBuilder:
         else:
             token_ids = self._prompt_token_ids(body)
             out = dict(body)
+            # The router owns the PD handoff; a client's own parameters would mislead the engines.
+            out.pop("kv_transfer_params", None)
         max_tokens = out.get("max_tokens")
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
                                        or max_tokens < 1):
