@@ -36,7 +36,7 @@ class StandInEngine:
 
     ``mode``: ``ok``; ``http500`` (5xx before any byte); ``close`` (drops the
     connection without answering); ``http400`` (refuses the request);
-    ``hold`` (streams the first event, then waits for ``release``).
+    ``hold`` (a PE answers, a DE streams past its first event, only after ``release``).
     """
 
     def __init__(self, name: str, role: str) -> None:
@@ -87,6 +87,8 @@ class StandInEngine:
                     self._send(400, b'{"error": {"message": "prompt too long"}}', "application/json")
                     return
                 if engine.role == "prefill":
+                    if engine.mode == "hold":
+                        engine.release.wait(30)
                     self._send(200, json.dumps(engine.prefill_answer(body)).encode(), "application/json")
                 elif body.get("stream"):
                     self._stream(body)
@@ -382,6 +384,28 @@ def test_chat_without_tokenizer_is_refused(engines, start_router):
     assert "text prompts need `tokenizer` in the router config" in response.json()["error"]["message"]
 
 
+def router_gauge(router: RouterProcess, series: str) -> float | None:
+    for line in httpx.get(f"{router.url}/metrics").text.splitlines():
+        if line.startswith(series + " "):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def wait_until(condition, what: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def wait_for_gauge(router: RouterProcess, series: str, value: float) -> None:
+    wait_until(lambda: router_gauge(router, series) == value, f"{series} == {value}")
+
+
+def engine_tokens(engine: str, role: str) -> str:
+    return f'dualpath_router_engine_unfinished_tokens{{engine="{engine}",role="{role}"}}'
+
+
 def test_every_accepted_request_is_answered(engines, start_router):
     """Concurrent requests while engines fail in every way: each gets a response, the books balance."""
     pe_ok, pe_close = engines("pe-ok", "prefill"), engines("pe-close", "prefill")
@@ -395,11 +419,9 @@ def test_every_accepted_request_is_answered(engines, start_router):
     with ThreadPoolExecutor(8) as pool:
         statuses = list(pool.map(one, range(24)))
     assert statuses == [200] * 24
-    metrics = httpx.get(f"{router.url}/metrics").text
-    for engine in ("pe-ok", "pe-close", "de-ok", "de-500"):
-        assert f'dualpath_router_engine_unfinished_tokens{{engine="{engine}"' in metrics
-    assert not [line for line in metrics.splitlines()
-                if line.startswith("dualpath_router_engine_unfinished_tokens") and not line.endswith(" 0.0")]
+    # A stream's booking is released just after its last byte: poll.
+    for engine, role in (("pe-ok", "prefill"), ("pe-close", "prefill"), ("de-ok", "decode"), ("de-500", "decode")):
+        wait_for_gauge(router, engine_tokens(engine, role), 0.0)
 
 
 def test_health_and_metrics(engines, start_router):
@@ -408,21 +430,10 @@ def test_health_and_metrics(engines, start_router):
     router = start_router(router_config([pe], [de]))
     assert httpx.get(f"{router.url}/health").status_code == 200
     complete(router, prompt=PROMPT, max_tokens=2)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        metrics = httpx.get(f"{router.url}/metrics").text
-        if 'dualpath_router_node_read_queue_tokens{node="node-pe0"} 640.0' in metrics:
-            break
-        time.sleep(0.1)
-    assert 'dualpath_router_node_read_queue_tokens{node="node-pe0"} 640.0' in metrics
+    wait_for_gauge(router, 'dualpath_router_node_read_queue_tokens{node="node-pe0"}', 640.0)
+    metrics = httpx.get(f"{router.url}/metrics").text
     assert 'dualpath_router_requests_total{policy="dualpath",read_side=' in metrics
     assert "dualpath_router_beta_tokens" in metrics
-
-
-def unfinished_tokens(router: RouterProcess) -> dict[str, float]:
-    metrics = httpx.get(f"{router.url}/metrics").text
-    return {line.split('engine="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
-            for line in metrics.splitlines() if line.startswith("dualpath_router_engine_unfinished_tokens{")}
 
 
 def test_client_leaving_mid_stream_releases_the_booking(engines, start_router):
@@ -433,10 +444,42 @@ def test_client_leaving_mid_stream_releases_the_booking(engines, start_router):
     with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=30.0) as response:
         chunks = response.iter_raw()  # held: dropping the iterator closes the stream
         assert next(chunks).startswith(b"data: ")
-        assert unfinished_tokens(router)["de0"] == len(PROMPT)
+        assert router_gauge(router, engine_tokens("de0", "decode")) == len(PROMPT)
     # The client hung up; the DE is still holding its stream open.
-    deadline = time.monotonic() + 10
-    while unfinished_tokens(router)["de0"] != 0 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert unfinished_tokens(router) == {"pe0": 0, "de0": 0}
+    wait_for_gauge(router, engine_tokens("de0", "decode"), 0.0)
+    assert router_gauge(router, engine_tokens("pe0", "prefill")) == 0.0
     de.release.set()
+
+
+def test_overloaded_pe_queues_the_request_until_it_has_room(engines, start_router):
+    pe, de = engines("pe0", "prefill"), engines("de0", "decode")
+    pe.mode = "hold"
+    # beta = 0.01 s x 1000 tokens/s = 10 tokens: one 70-token prompt overloads the PE.
+    router = start_router(router_config([pe], [de], scheduling={"beta_s": 0.01, "prefill_tokens_per_s": 1000.0}))
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(complete, router, prompt=PROMPT, max_tokens=2)
+        wait_until(lambda: len(pe.received) == 1, "the first prefill to arrive")
+        second = pool.submit(complete, router, prompt=PROMPT[:20], max_tokens=2)
+        wait_for_gauge(router, "dualpath_router_queued_requests", 1.0)
+        assert len(pe.received) == 1  # the second waits in the router, not at the engine
+        pe.release.set()
+        assert first.result().status_code == 200 and second.result().status_code == 200
+    assert [len(body["prompt"]) for body in pe.received] == [len(PROMPT), 20]
+    assert router_gauge(router, "dualpath_router_queued_requests") == 0.0
+
+
+def test_dualpath_reads_on_the_side_with_the_shorter_queue(engines, start_router):
+    pe, de = engines("pe0", "prefill"), engines("de0", "decode")
+    pe.metrics_text += 'dualpath_kv:read_queue_tokens{engine="1"} 5000\n'  # the PE node's NIC is busy
+    router = start_router(router_config([pe], [de]))
+    wait_for_gauge(router, 'dualpath_router_node_read_queue_tokens{node="node-pe0"}', 5000.0)
+    response = complete(router, prompt=PROMPT, max_tokens=2)
+    assert response.headers["x-dualpath-read-side"] == "de"
+    assert pe.received[-1]["kv_transfer_params"]["read_side"] == "de"
+
+
+def test_round_robin_alternates_read_sides(engines, start_router):
+    pe, de = engines("pe0", "prefill"), engines("de0", "decode")
+    router = start_router(router_config([pe], [de], policy="round_robin"))
+    sides = [complete(router, prompt=PROMPT, max_tokens=1).headers["x-dualpath-read-side"] for _ in range(4)]
+    assert sides == ["pe", "de", "pe", "de"]
