@@ -67,6 +67,7 @@ MODE_HEADER = "x-s3agg-mode"
 FRAME = struct.Struct("<IIQ")  # kind, index (layer), payload length
 FRAME_LAYER, FRAME_CHUNKS, FRAME_END, FRAME_ERROR = 1, 2, 3, 4
 _NOTIF_PREFIX = "s3agg:"
+_POLL_MIN_S, _POLL_MAX_S = 50e-6, 1e-3  # notification polling interval bounds
 # OBJ device ids name objects inside one agent; the s3 store counts up from 1,
 # ranged reads here take theirs from a disjoint range.
 _RANGE_DEV_IDS = itertools.count(1 << 31)
@@ -330,11 +331,15 @@ class S3AggStore(KVStore):
         thread.start()
         received: list[str] = []
         deadline = time.monotonic() + self.config.request_timeout_s
+        idle_s = _POLL_MIN_S
         try:
             while True:
-                for token in self._inbox.take(request_id):
+                tokens = self._inbox.take(request_id)
+                for token in tokens:
                     received.append(token)
                     on_token(token)
+                # Poll fast while layers flow, back off while they do not (bounded latency, little CPU).
+                idle_s = _POLL_MIN_S if tokens else min(2 * idle_s, _POLL_MAX_S)
                 finished = not thread.is_alive()
                 if "error" in outcome:
                     raise outcome["error"]
@@ -345,7 +350,7 @@ class S3AggStore(KVStore):
                         return mode, outcome["summary"]
                 if time.monotonic() > deadline:
                     raise GatewayUnavailable(f"no complete delivery within {self.config.request_timeout_s}s")
-                time.sleep(0.0002)
+                time.sleep(idle_s)
         finally:
             # The gateway may still be writing our buffers: never return before the request ends.
             thread.join(self.config.request_timeout_s)

@@ -31,8 +31,7 @@ from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
-# A request is not admitted into an epoch with less than this share of the cap free.
-_MIN_ADMIT_SHARE = 0.01
+_ADMIT_FRACTION = 0.5
 
 
 @dataclass(frozen=True)
@@ -160,14 +159,16 @@ class LinkScheduler:
         self._thread.join(timeout=5)
 
     def _start_epoch(self, now: float) -> None:
-        held = sum(f.rate for f in self._active)
-        free = self.cap - held
-        if not self._waiting or free < _MIN_ADMIT_SHARE * self.cap:
+        free = self.cap - sum(f.rate for f in self._active)
+        # A batch waits for running flows to return bandwidth rather than start on a
+        # trickle: it needs at least half of its head-count share of the cap.
+        share = self.cap * len(self._waiting) / (len(self._active) + len(self._waiting) or 1)
+        if not self._waiting or free < _ADMIT_FRACTION * share:
             return
         batch, self._waiting = self._waiting, []
         rates = allocate(self.policy, [f.demand for f in batch], free, self.margin)
         for flow, rate in zip(batch, rates):
-            flow.rate = max(rate, _MIN_ADMIT_SHARE * self.cap / len(batch))
+            flow.rate = rate
             flow.next_time = now
             self._active.append(flow)
             flow.admitted.set()

@@ -76,7 +76,7 @@ def test_epoch_rates_are_held_and_freed_bandwidth_waits_for_the_next_epoch() -> 
     link = LinkScheduler("equal", cap=1000.0, margin=0.0, epoch_s=0.3, quantum=100)
     one = Demand(layer_bytes=100, compute_window_s=1.0, total_bytes=1000)
     try:
-        # Both arrive within one epoch and are admitted together.
+        # Both arrive within one epoch's batch window and are admitted together.
         with ThreadPoolExecutor(2) as pool:
             flows = list(pool.map(lambda _: link.admit(one, timeout_s=5), range(2)))
         assert [f.rate for f in flows] == pytest.approx([500.0, 500.0])

@@ -1,0 +1,396 @@
+"""s3agg-gateway side by side: read paths by chunk size and context, and bandwidth policies under a cap.
+
+Part 1 (paths). For every context length and chunk size, the same chunk objects
+(``L`` layers of ``S = G * bytes_per_token`` bytes) in SeaweedFS on 127.0.0.1 are
+read into NIXL-registered layer buffers by
+
+- ``per-chunk``: plain ranged GETs, one per chunk and layer, each layer's GETs
+  in parallel through NIXL OBJ (what a layerwise reader does without the gateway);
+- ``chunkwise``: one gateway request, whole objects (a gateway whose Theta is
+  above every payload);
+- ``aggregated``: one gateway request, layerwise with aggregation (Theta = 1 byte),
+  one ranged GET per chunk and layer inside the gateway;
+- ``aggregated-win``: the same with ``min_read_bytes`` so each GET covers several layers;
+
+plus the store's large-object GET throughput (``S3Store.read`` of 16 MiB objects).
+Every read is checked byte for byte; medians over ``--reps`` after one warm-up.
+
+Part 2 (scheduling). ObjectCache's workloads A, B, C (Table A8 requests, caps 80,
+50, 50 Gbps, margin 5 Gbps) scaled to this machine by ``--byte-scale`` and
+``--time-scale``: every request of a workload is sent at once to a gateway with
+that policy and cap; each layer's arrival time is recorded and the prefill is
+modelled by ObjectCache's Equation 3 (layer l computes for ``c_i`` once it has
+arrived and layer l-1 is done). Added TTFT = sum over requests of TTFT minus the
+same request's TTFT through an effectively unthrottled gateway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import RESULTS_DIR, environment, exit_on_sigterm, markdown_table, median, run_and_report  # noqa: E402
+
+from dualpath_connector.devstack import SeaweedFS  # noqa: E402
+from nixl_backends.layout import BlockLayout  # noqa: E402
+from nixl_backends.store import make_store, parse_store_config  # noqa: E402
+from s3agg_gateway_ext.devserver import GatewayProcess  # noqa: E402
+from s3agg_gateway_ext.scheduling import allocate  # noqa: E402
+
+MIB = 1 << 20
+MB = 1e6
+GBPS = 1e9 / 8
+CLIENT_KEY, CLIENT_SECRET = "bench-client", "bench-client-secret"
+PATHS = ("per-chunk", "chunkwise", "aggregated", "aggregated-win")
+POLICIES = ("equal", "kv_prop", "bw_prop", "stall_opt", "calibrated_stall_opt")
+# Table A8 (Llama 3.1 8B, A100): cached tokens and total prefill ms per request.
+A8 = {"16K, 50%": (8192, 955.89), "16K, 87.5%": (14336, 281.76), "32K, 50%": (16384, 2589.25),
+      "32K, 87.5%": (28672, 763.19), "64K, 50%": (32768, 8672.79), "64K, 87.5%": (57344, 2423.90)}
+WORKLOADS = {"A": (80, ["16K, 50%", "16K, 87.5%", "64K, 50%", "64K, 87.5%"]),
+             "B": (50, ["16K, 50%", "16K, 87.5%", "64K, 50%", "64K, 87.5%"]),
+             "C": (50, list(A8))}
+A8_LAYERS, A8_BYTES_PER_TOKEN = 32, 4096
+
+
+class Client:
+    """A NIXL agent and an s3agg store for one layout, with registered layer buffers."""
+
+    def __init__(self, s3: SeaweedFS, bucket: str, layout: BlockLayout, num_chunks: int) -> None:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        self.agent = nixl_agent(f"bench-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=[]))
+        config = parse_store_config({
+            "backend": "s3agg", "gateway": "http://127.0.0.1:1", "s3": {**s3.store_config(bucket), "create_bucket": False},
+            "access_key": CLIENT_KEY, "secret_key": CLIENT_SECRET, "request_timeout_s": 300.0,
+        })
+        self.store = make_store(config, layout, self.agent)
+        self.layout = layout
+        self.layers = np.zeros((layout.num_layers, num_chunks * layout.layer_block_bytes), dtype=np.uint8)
+        self.agent.register_memory([(self.layers.ctypes.data, self.layers.nbytes, 0, "")], "DRAM")
+        self.addrs = [self.layers.ctypes.data + l * self.layers.shape[1] for l in range(layout.num_layers)]
+
+    def use(self, gateway: GatewayProcess) -> Client:
+        """Send the next reads to ``gateway``. The store reads its gateway URL per request; pointing
+        one client at each gateway in turn pays the client set-up (NIXL agent, OBJ backend) once."""
+        self.store.config.gateway = gateway.url
+        return self
+
+    def read(self, keys: list[str], plain: bool = False, window_s: float | None = None) -> tuple[list[float], str]:
+        """Read every layer; returns each layer's arrival time (monotonic) and the mode used."""
+        arrivals: list[float] = []
+
+        def on_layer(layer: int) -> None:
+            arrivals.append(time.monotonic())
+
+        self.layers.fill(0)
+        if plain:
+            self.store.read_ranges(keys, self.addrs, on_layer)
+            return arrivals, "per-chunk"
+        result = self.store.read_layerwise(keys, self.addrs, on_layer, compute_window_s=window_s)
+        return arrivals, result.mode
+
+    def check(self, blocks: np.ndarray) -> None:
+        n, num_layers = blocks.shape[0], self.layout.num_layers
+        expected = blocks.reshape(n, num_layers, -1).transpose(1, 0, 2).reshape(num_layers, -1)
+        if not np.array_equal(self.layers[:, : expected.shape[1]], expected):
+            raise AssertionError("bytes read differ from bytes written")
+
+
+def write_chunks(client: Client, rng: np.random.Generator, count: int, tag: str) -> tuple[list[str], np.ndarray]:
+    """Random Full Blocks written through the store (NIXL OBJ PUTs)."""
+    blocks = rng.integers(0, 256, size=(count, client.layout.full_block_bytes), dtype=np.uint8)
+    client.agent.register_memory([(blocks.ctypes.data, blocks.nbytes, 0, "")], "DRAM")
+    keys = [f"bench/{tag}/{j:05d}" for j in range(count)]
+    addrs = [blocks.ctypes.data + j * blocks.shape[1] for j in range(count)]
+    for start in range(0, count, 256):
+        if not all(client.store.write(keys[start:start + 256], addrs[start:start + 256])):
+            raise RuntimeError("writing benchmark chunks failed")
+    return keys, blocks
+
+
+def gateway_config(s3: SeaweedFS, bucket: str, **overrides) -> dict:
+    return {"store_endpoint": s3.endpoint, "buckets": [bucket], "store_access_key": s3.access_key,
+            "store_secret_key": s3.secret_key, "client_access_key": CLIENT_KEY, "client_secret_key": CLIENT_SECRET,
+            "io_threads": 8, "log_level": "WARNING", **overrides}
+
+
+def delete_all(s3: SeaweedFS, bucket: str) -> None:
+    client = s3.client()
+    for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+        if objects:
+            client.delete_objects(Bucket=bucket, Delete={"Objects": objects})
+
+
+# --- part 1 --------------------------------------------------------------------------------------
+
+
+def large_object_mbps(s3: SeaweedFS, bucket: str, reps: int) -> list[float]:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    layout, count = BlockLayout(1, 16 * MIB), 8
+    agent = nixl_agent(f"bench-large-{uuid.uuid4().hex[:6]}", nixl_agent_config(backends=[]))
+    store = make_store(parse_store_config({**s3.store_config(bucket), "create_bucket": False}), layout, agent)
+    data = np.random.default_rng(1).integers(0, 256, size=(2, count, layout.full_block_bytes), dtype=np.uint8)
+    agent.register_memory([(data.ctypes.data, data.nbytes, 0, "")], "DRAM")
+    keys = [f"bench/large/{j}" for j in range(count)]
+    src = [data[0, j].ctypes.data for j in range(count)]
+    dst = [data[1, j].ctypes.data for j in range(count)]
+    assert all(store.write(keys, src))
+    samples = []
+    for rep in range(reps + 1):
+        data[1].fill(0)
+        started = time.monotonic()
+        assert all(store.read(keys, dst))
+        elapsed = time.monotonic() - started
+        assert np.array_equal(data[0], data[1])
+        if rep:  # the first is the warm-up
+            samples.append(data[1].nbytes / elapsed / MB)
+    store.close()
+    return samples
+
+
+def part_paths(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
+    gateways = {
+        "chunkwise": GatewayProcess(gateway_config(s3, bucket, theta_bytes=16 << 30), workdir),
+        "aggregated": GatewayProcess(gateway_config(s3, bucket, theta_bytes=1), workdir),
+        "aggregated-win": GatewayProcess(gateway_config(s3, bucket, theta_bytes=1, min_read_bytes=args.min_read),
+                                         workdir),
+    }
+    rows = []
+    with contextlib.ExitStack() as stack:
+        for gateway in gateways.values():
+            stack.enter_context(gateway)
+        large = large_object_mbps(s3, bucket, args.reps)
+        rng = np.random.default_rng(0)
+        for context, chunk in args.grid:
+            layout = BlockLayout(args.layers, chunk * args.bytes_per_token)
+            n = context // chunk
+            client = Client(s3, bucket, layout, n)
+            keys, blocks = write_chunks(client, rng, n, f"{context}-{chunk}")
+            payload = n * layout.full_block_bytes
+            for path in PATHS:
+                client.use(gateways.get(path, gateways["aggregated"]))
+                seconds, firsts = [], []
+                for rep in range(args.reps + 1):
+                    started = time.monotonic()
+                    arrivals, mode = client.read(keys, plain=path == "per-chunk")
+                    client.check(blocks)
+                    if rep:
+                        seconds.append(arrivals[-1] - started)
+                        firsts.append(arrivals[0] - started)
+                k = 1 if path != "aggregated-win" else min(args.layers, -(-args.min_read // layout.layer_block_bytes))
+                gets = {"per-chunk": n * args.layers, "chunkwise": n}.get(path, n * -(-args.layers // k))
+                rows.append({
+                    "context": context, "chunk_tokens": chunk, "chunks": n, "path": path, "mode": mode,
+                    "payload_bytes": payload, "client_requests": n * args.layers if path == "per-chunk" else 1,
+                    "store_gets": gets, "seconds": seconds, "first_layer_seconds": firsts,
+                    "mb_s": payload / median(seconds) / MB, "first_layer_ms": median(firsts) * 1e3,
+                })
+                logging.info("%s", {k: v for k, v in rows[-1].items() if k not in ("seconds", "first_layer_seconds")})
+            client.store.close()
+            delete_all(s3, bucket)
+    return {"large_object_mb_s": large, "rows": rows}
+
+
+# --- part 2 --------------------------------------------------------------------------------------
+
+
+def eq3_ttft(arrivals: list[float], start: float, window_s: float) -> float:
+    """ObjectCache Eq. 3 on measured arrivals: layer l computes once it arrived and l-1 finished."""
+    done = start
+    for arrival in arrivals:
+        done = max(done, arrival) + window_s
+    return done - start
+
+
+def part_scheduling(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
+    scale_rate = args.byte_scale / args.time_scale
+    bytes_per_token = int(A8_BYTES_PER_TOKEN * args.byte_scale)
+    layout = BlockLayout(A8_LAYERS, args.sched_chunk * bytes_per_token)
+    windows = {name: ms / 1000 / A8_LAYERS * args.time_scale for name, (_, ms) in A8.items()}
+    rng = np.random.default_rng(2)
+    # One client per request of the largest workload, reused for every gateway.
+    clients = {name: Client(s3, bucket, layout, tokens // args.sched_chunk) for name, (tokens, _) in A8.items()}
+    chunks = {name: write_chunks(clients[name], rng, tokens // args.sched_chunk, f"sched-{i}")
+              for i, (name, (tokens, _)) in enumerate(A8.items())}
+    # A 0.2 s batch window: all requests of a workload share one epoch even on a loaded machine.
+    common = {"min_read_bytes": args.sched_min_read, "epoch_s": 0.2, "quantum_bytes": 64 * 1024,
+              "margin_bytes_s": 5 * GBPS * scale_rate, "theta_bytes": 1}
+
+    def run_workload(gateway: GatewayProcess, names: list[str]) -> list[float]:
+        ttfts = [0.0] * len(names)
+        barrier = threading.Barrier(len(names))
+
+        def one(i: int) -> None:
+            barrier.wait()
+            start = time.monotonic()
+            arrivals, _ = clients[names[i]].use(gateway).read(chunks[names[i]][0], window_s=windows[names[i]])
+            ttfts[i] = eq3_ttft(arrivals, start, windows[names[i]])
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(names))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for name in names:
+            clients[name].check(chunks[name][1])
+        return ttfts
+
+    def measure(gateway_overrides: dict, names: list[str]) -> list[list[float]]:
+        with GatewayProcess(gateway_config(s3, bucket, **common, **gateway_overrides), workdir) as gateway:
+            run_workload(gateway, names)  # warm-up: connections, size cache
+            return [run_workload(gateway, names) for _ in range(args.reps)]
+
+    unthrottled = {w: measure({"policy": "equal", "bandwidth_cap_bytes_s": 1e12}, names)
+                   for w, (_, names) in WORKLOADS.items()}
+    rows = []
+    for workload, (cap, names) in WORKLOADS.items():
+        base = [median([rep[i] for rep in unthrottled[workload]]) for i in range(len(names))]
+        for policy in POLICIES:
+            reps = measure({"policy": policy, "bandwidth_cap_bytes_s": cap * GBPS * scale_rate}, names)
+            added = [sum(t - b for t, b in zip(rep, base)) for rep in reps]
+            rates = allocate(policy, [_demand(name, args) for name in names], cap * GBPS * scale_rate,
+                             5 * GBPS * scale_rate)
+            rows.append({"workload": workload, "cap_gbps": cap, "policy": policy, "requests": names,
+                         "rates_gbps_unscaled": [r / scale_rate / GBPS for r in rates],
+                         "ttft_s": reps, "base_ttft_s": base, "added_s": added, "added_median_s": median(added)})
+            logging.info("%s %s added %.3f s", workload, policy, median(added))
+    for client in clients.values():
+        client.store.close()
+    delete_all(s3, bucket)
+    return {"rows": rows, "byte_scale": args.byte_scale, "time_scale": args.time_scale}
+
+
+def _demand(name: str, args):
+    from s3agg_gateway_ext.scheduling import Demand
+
+    tokens, ms = A8[name]
+    layer_bytes = tokens * A8_BYTES_PER_TOKEN * args.byte_scale
+    return Demand(layer_bytes, ms / 1000 / A8_LAYERS * args.time_scale, layer_bytes * A8_LAYERS)
+
+
+# --- report --------------------------------------------------------------------------------------
+
+
+def run(args) -> dict:
+    exit_on_sigterm()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    payload: dict = {"environment": environment(), "args": {k: v for k, v in vars(args).items() if k != "grid"}}
+    with tempfile.TemporaryDirectory(prefix="bench-s3agg-") as tmp, SeaweedFS(Path(tmp) / "s3") as s3:
+        bucket = f"bench-{uuid.uuid4().hex[:8]}"
+        s3.client().create_bucket(Bucket=bucket)
+        if "paths" in args.parts:
+            payload["paths"] = part_paths(args, s3, bucket, Path(tmp))
+        if "scheduling" in args.parts:
+            payload["scheduling"] = part_scheduling(args, s3, bucket, Path(tmp))
+    plot(payload, args.name)
+    return payload
+
+
+def table(payload: dict) -> str:
+    out = []
+    if "paths" in payload:
+        paths = payload["paths"]
+        large = median(paths["large_object_mb_s"])
+        rows = paths["rows"]
+        per_chunk = {(r["context"], r["chunk_tokens"]): r["mb_s"] for r in rows if r["path"] == "per-chunk"}
+        body = [[f"{r['context'] // 1024}K", r["chunk_tokens"], r["chunks"], r["path"], r["mode"],
+                 r["client_requests"], r["store_gets"], f"{r['mb_s']:.0f}", f"{r['first_layer_ms']:.0f}",
+                 f"{r['mb_s'] / per_chunk[(r['context'], r['chunk_tokens'])]:.2f}x", f"{100 * r['mb_s'] / large:.0f}"]
+                for r in rows]
+        out.append(markdown_table(
+            ["context", "G", "chunks", "path", "mode", "client req", "store GETs", "MB/s", "1st layer ms",
+             "vs per-chunk", "% of large GET"], body,
+            f"Read paths, median of {payload['args']['reps']} after a warm-up; L={payload['args']['layers']}, "
+            f"S = G x {payload['args']['bytes_per_token']} B; every read checked byte for byte. Store's "
+            f"large-object GET (8 x 16 MiB, NIXL OBJ): {large:.0f} MB/s."))
+    if "scheduling" in payload:
+        sched = payload["scheduling"]
+        by = {(r["workload"], r["policy"]): r for r in sched["rows"]}
+        body = []
+        for workload in WORKLOADS:
+            equal = by[(workload, "equal")]["added_median_s"]
+            for policy in POLICIES:
+                r = by[(workload, policy)]
+                rates = ", ".join(f"{x:.2f}" for x in r["rates_gbps_unscaled"])
+                body.append([workload, r["cap_gbps"], policy, rates, f"{r['added_median_s'] * 1e3:.0f}",
+                             f"{equal / r['added_median_s']:.2f}x" if r["added_median_s"] > 0 else "inf"])
+        out.append(markdown_table(
+            ["workload", "cap Gbps", "policy", "rates (Gbps, paper scale)", "added TTFT ms", "Equal / policy"],
+            body, f"Scheduling: added TTFT (Eq. 3 on measured layer arrivals) over an unthrottled gateway, median "
+                  f"of {payload['args']['reps']}; bytes x{sched['byte_scale']}, time x{sched['time_scale']}."))
+    return "\n\n".join(out)
+
+
+def plot(payload: dict, name: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
+    if "paths" in payload:
+        rows = payload["paths"]["rows"]
+        context = max(r["context"] for r in rows)
+        for path in PATHS:
+            pts = sorted((r["chunk_tokens"], r["mb_s"]) for r in rows if r["path"] == path and r["context"] == context)
+            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=path)
+        axes[0].axhline(median(payload["paths"]["large_object_mb_s"]), color="gray", ls="--", label="large-object GET")
+        axes[0].set(xscale="log", xlabel="chunk tokens G", ylabel="MB/s",
+                    title=f"read paths, {context // 1024}K-token context")
+        axes[0].legend(fontsize=8)
+    if "scheduling" in payload:
+        rows = payload["scheduling"]["rows"]
+        width = 0.16
+        for i, policy in enumerate(POLICIES):
+            vals = [next(r["added_median_s"] for r in rows if r["workload"] == w and r["policy"] == policy)
+                    for w in WORKLOADS]
+            axes[1].bar(np.arange(len(WORKLOADS)) + i * width, vals, width, label=policy)
+        axes[1].set_xticks(np.arange(len(WORKLOADS)) + 2 * width, list(WORKLOADS))
+        axes[1].set(ylabel="added TTFT (s, scaled)", title="bandwidth policies")
+        axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    fig.savefig(RESULTS_DIR / f"{name}.png", dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="one small context, one repetition")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--parts", nargs="+", default=["paths", "scheduling"], choices=["paths", "scheduling"])
+    parser.add_argument("--layers", type=int, default=4, help="L for part 1")
+    parser.add_argument("--bytes-per-token", type=int, default=1024, help="bytes per token per layer, part 1")
+    parser.add_argument("--min-read", type=int, default=MIB, help="min_read_bytes of the aggregated-win gateway")
+    parser.add_argument("--byte-scale", type=float, default=1 / 1024, help="part 2: bytes relative to the paper")
+    parser.add_argument("--time-scale", type=float, default=1 / 4, help="part 2: time relative to the paper")
+    parser.add_argument("--sched-chunk", type=int, default=2048, help="part 2: tokens per chunk")
+    parser.add_argument("--sched-min-read", type=int, default=64 * 1024, help="part 2: min_read_bytes")
+    args = parser.parse_args()
+    if args.quick:
+        args.reps = 1
+        args.grid = [(4096, 32), (4096, 256)]
+    else:
+        # 64K tokens at 32-token chunks would be 8192 ranged GETs per read on this 2-core
+        # machine (~200 GETs/s under load): the largest context is measured at G = 256.
+        args.grid = [(4096, 32), (16384, 32), (16384, 64), (16384, 128), (16384, 256), (65536, 256)]
+    args.name = "s3agg-quick" if args.quick else "s3agg"
+    run_and_report(run, table, args, f"{args.name}.json")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    main()
