@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
-.PHONY: setup test demo bench clean mma
+.PHONY: setup test demo bench clean mma bench-s3agg
 
 setup: $(STAMP) mma
 
@@ -31,6 +31,10 @@ bench: setup
 	$(PY) benchmarks/bench_store.py
 	$(PY) benchmarks/bench_ttft.py
 	$(PY) benchmarks/bench_mma.py
+
+# s3agg-gateway: read paths by chunk size and context, bandwidth policies on workloads A, B, C.
+bench-s3agg: setup
+	$(PY) benchmarks/bench_s3agg.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info
