@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,3 +68,12 @@ def test_errors_name_the_key(tmp_path, change, message):
     assert str(info.value).startswith("router.yaml: ")
     assert message in str(info.value)
     assert "s3cr3t" not in str(info.value)
+
+
+def test_cli_refuses_a_bad_config_naming_the_key(tmp_path):
+    path = tmp_path / "router.yaml"
+    path.write_text(yaml.safe_dump({**VALID, "scheduling": {"beta": 5}}))
+    result = subprocess.run([sys.executable, "-m", "dualpath_connector.router.app", "--config", str(path)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "router.yaml: unknown key scheduling.'beta'" in result.stderr

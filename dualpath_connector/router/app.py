@@ -392,6 +392,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.log_level != "debug":
+        # httpx logs every upstream request at INFO, scrapes included.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         config = load_router_config(args.config)
         if args.host:
