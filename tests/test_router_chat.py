@@ -62,6 +62,19 @@ def test_text_prompt_is_tokenized_for_the_engines(stack):
                           json={"model": MODEL, "prompt": "hello world how are you", "max_tokens": 2}, timeout=30.0)
     assert response.status_code == 200, response.text
     assert pe.received[-1]["prompt"] == de.received[-1]["prompt"] == ids("hello world how are you")
+    # The engines answer token ids only; the router writes the text.
+    assert de.received[-1]["return_token_ids"] is True
+    assert response.json()["choices"][0]["text"] == ANSWER
+
+
+def test_text_prompt_streaming_gets_text(stack):
+    _, _, router = stack
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "stream": True}
+    with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=30.0) as response:
+        events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    text = "".join(json.loads(event)["choices"][0]["text"] for event in events[:-1])
+    assert text.split() == ANSWER.split()
 
 
 def test_chat_completion(stack):

@@ -172,13 +172,13 @@ class Router:
             self.metrics.rejected.labels(exc.reason).inc()
             return error_response(exc.status, exc.message, err_type=exc.err_type, param=exc.param)
         try:
-            return await self._route(routed, chat=chat)
+            return await self._route(routed)
         except Exception:  # every accepted request gets an answer, even on a router bug
             logger.exception("request failed inside the router")
             self.metrics.rejected.labels("internal").inc()
             return error_response(500, "internal router error; see the router log", err_type="InternalServerError")
 
-    async def _route(self, routed: RoutedRequest, *, chat: bool) -> Response:
+    async def _route(self, routed: RoutedRequest) -> Response:
         hit_tokens = await self.dispatcher.lookup.hit_tokens(routed.token_ids)
         try:
             placement, kv_transfer_params, failure = await self._prefill(routed, hit_tokens)
@@ -193,7 +193,7 @@ class Router:
             )
         if placement is None:
             return failure
-        return await self._decode(routed, placement, kv_transfer_params, chat=chat)
+        return await self._decode(routed, placement, kv_transfer_params)
 
     async def _prefill(self, routed: RoutedRequest, hit_tokens: int):
         """Prefill on a PE, moving to another PE while attempts fail.
@@ -273,8 +273,7 @@ class Router:
                 raise EngineFailed("answer is not a JSON object")
         return response
 
-    async def _decode(self, routed: RoutedRequest, placement: Placement, kv_transfer_params: dict | None,
-                      *, chat: bool) -> Response:
+    async def _decode(self, routed: RoutedRequest, placement: Placement, kv_transfer_params: dict | None) -> Response:
         """Decode on a DE, moving to another DE while attempts fail before any byte reached the client.
 
         Releases the DE booking exactly once: here, or when a stream ends.
@@ -306,13 +305,16 @@ class Router:
                 "x-dualpath-decode-engine": placement.decode.name,
             }
             media_type = upstream.headers.get("content-type")
+            form = routed.answer_form
             if upstream.is_closed:  # read whole: not streamed, or an error answer
                 content = upstream.content
-                if chat and upstream.status_code < 400:
-                    content = self.prompts.chat_response(content)
-                    media_type = "application/json"
+                if upstream.status_code < 400:
+                    content = self.prompts.answer(content, form)
                 return Response(content, upstream.status_code, headers=headers, media_type=media_type)
-            chunks = self.prompts.chat_stream(upstream.aiter_lines()) if chat else upstream.aiter_raw()
+            if form == "raw":
+                chunks = upstream.aiter_raw()
+            else:
+                chunks = self.prompts.answer_stream(upstream.aiter_lines(), form)
 
             async def close_stream() -> None:
                 self.dispatcher.finish_decode(placement)

@@ -13,7 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 NO_TOKENIZER = "text prompts need `tokenizer` in the router config"
 
@@ -38,6 +38,11 @@ class BadRequest(Exception):
         self.err_type = err_type
 
 
+# What the client gets back: the DE's answer as is (token-id prompts), with
+# text filled in from token ids (text prompts), or as chat (chat requests).
+AnswerForm = Literal["raw", "text", "chat"]
+
+
 @dataclass
 class RoutedRequest:
     """A validated client request, ready for the engines."""
@@ -45,6 +50,7 @@ class RoutedRequest:
     body: dict[str, Any]  # a completions body with the prompt as token ids
     token_ids: list[int]
     stream: bool
+    answer_form: AnswerForm = "raw"
 
 
 def _token_ids(value: Any, vocab_size: int | None) -> list[int] | None:
@@ -84,20 +90,22 @@ class PromptBuilder:
                 body["max_tokens"] = body["max_completion_tokens"]
             token_ids = self._chat_token_ids(body)
             out = {k: body[k] for k in _CHAT_TO_COMPLETION_FIELDS if k in body}
-            # The router turns the engine's token ids back into text.
-            out["return_token_ids"] = True
+            answer_form: AnswerForm = "chat"
         else:
-            token_ids = self._prompt_token_ids(body)
+            token_ids, answer_form = self._prompt_token_ids(body)
             out = dict(body)
             # The router owns the PD handoff; a client's own parameters would mislead the engines.
             out.pop("kv_transfer_params", None)
+        if answer_form != "raw":
+            # Engines without a tokenizer answer token ids; the router makes the text.
+            out["return_token_ids"] = True
         max_tokens = out.get("max_tokens")
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
                                        or max_tokens < 1):
             raise BadRequest(f"`max_tokens` must be a positive integer, got {max_tokens!r}", param="max_tokens",
                              reason="bad_max_tokens")
         out["prompt"] = token_ids
-        return RoutedRequest(out, token_ids, stream)
+        return RoutedRequest(out, token_ids, stream, answer_form)
 
     def _check_model(self, body: dict[str, Any]) -> None:
         if "model" not in body:
@@ -113,7 +121,7 @@ class PromptBuilder:
     def _vocab_size(self) -> int | None:
         return len(self.tokenizer) if self.tokenizer is not None else None
 
-    def _prompt_token_ids(self, body: dict[str, Any]) -> list[int]:
+    def _prompt_token_ids(self, body: dict[str, Any]) -> tuple[list[int], AnswerForm]:
         if "prompt" not in body:
             raise BadRequest("missing required field `prompt`", param="prompt", reason="missing_prompt")
         prompt = body["prompt"]
@@ -122,11 +130,11 @@ class PromptBuilder:
             prompt = prompt[0]
         token_ids = _token_ids(prompt, self._vocab_size)
         if token_ids is not None:
-            return token_ids
+            return token_ids, "raw"
         if isinstance(prompt, str) and prompt:
             if self.tokenizer is None:
                 raise BadRequest(NO_TOKENIZER, param="prompt", reason="no_tokenizer")
-            return list(self.tokenizer.encode(prompt))
+            return list(self.tokenizer.encode(prompt)), "text"
         raise BadRequest(
             "`prompt` must be one non-empty string or one non-empty list of token ids "
             "(batched prompts are not supported: send one request per prompt)",
@@ -151,9 +159,15 @@ class PromptBuilder:
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def chat_response(self, content: bytes) -> bytes:
-        """An engine's completions answer as a chat.completion."""
+    def answer(self, content: bytes, form: AnswerForm) -> bytes:
+        """A whole completions answer from an engine, in the client's form."""
+        if form == "raw":
+            return content
         completion = json.loads(content)
+        if form == "text":
+            for choice in completion.get("choices", []):
+                choice["text"] = self._decode(choice.get("token_ids") or [])
+            return json.dumps(completion).encode()
         choices = [
             {
                 "index": choice.get("index", 0),
@@ -172,15 +186,24 @@ class PromptBuilder:
             "usage": completion.get("usage"),
         }).encode()
 
-    async def chat_stream(self, lines: AsyncIterator[str]) -> AsyncIterator[bytes]:
-        """An engine's completions SSE stream as chat.completion.chunk events.
+    async def answer_stream(self, lines: AsyncIterator[str], form: AnswerForm) -> AsyncIterator[bytes]:
+        """An engine's completions SSE stream (form "text" or "chat") in the client's form.
 
-        Text is decoded from all tokens so far and only the new suffix sent,
-        so multi-token characters come out whole.
+        Text is decoded from all of a choice's tokens so far and only the new
+        suffix sent, so characters spanning several tokens come out whole.
         """
         chat_id = f"chatcmpl-{uuid.uuid4().hex}"
         tokens: dict[int, list[int]] = {}
         sent: dict[int, str] = {}
+
+        def new_text(index: int, token_ids: list[int]) -> str:
+            tokens.setdefault(index, []).extend(token_ids)
+            text = self._decode(tokens[index])
+            if text.endswith("\ufffd"):  # wait for the rest of a split character
+                return ""
+            delta, sent[index] = text[len(sent.get(index, "")):], text
+            return delta
+
         async for line in lines:
             if not line.startswith("data:"):
                 continue
@@ -189,15 +212,16 @@ class PromptBuilder:
                 yield b"data: [DONE]\n\n"
                 continue
             event = json.loads(data)
+            if form == "text":
+                for choice in event.get("choices", []):
+                    choice["text"] = new_text(choice.get("index", 0), choice.get("token_ids") or [])
+                yield f"data: {json.dumps(event)}\n\n".encode()
+                continue
             choices = []
             for choice in event.get("choices", []):
                 index = choice.get("index", 0)
-                delta: dict[str, Any] = {} if index in tokens else {"role": "assistant", "content": ""}
-                tokens.setdefault(index, []).extend(choice.get("token_ids") or [])
-                text = self._decode(tokens[index])
-                if not text.endswith("\ufffd"):  # wait for the rest of a split character
-                    delta["content"] = text[len(sent.get(index, "")):]
-                    sent[index] = text
+                delta: dict[str, Any] = {} if index in tokens else {"role": "assistant"}
+                delta["content"] = new_text(index, choice.get("token_ids") or [])
                 choices.append({"index": index, "delta": delta, "finish_reason": choice.get("finish_reason"),
                                 "logprobs": None})
             chunk = {"id": chat_id, "object": "chat.completion.chunk", "created": event.get("created"),
