@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
-.PHONY: setup test demo bench clean mma bench-s3agg
+.PHONY: setup test demo demo-single bench clean mma bench-s3agg bench-injection
 
 setup: $(STAMP) mma
 
@@ -24,7 +24,12 @@ $(STAMP): pyproject.toml setup.py overrides.txt nixl_backends/csrc/cuobj_compat.
 test: setup
 	$(PY) -m pytest tests -v
 
+# The 1P1D stack (SeaweedFS, PE, DE, dualpath-router) and a two-agent session.
 demo: setup
+	PYTHON=$(PY) bash examples/disagg_demo.sh
+
+# One engine (kv_both) and a five-turn conversation.
+demo-single: setup
 	$(PY) -m dualpath_connector.demo
 
 bench: setup
@@ -35,6 +40,10 @@ bench: setup
 # s3agg-gateway: read paths by chunk size and context, bandwidth policies on workloads A, B, C.
 bench-s3agg: setup
 	$(PY) benchmarks/bench_s3agg.py
+
+# TTFT with bulk vs layerwise injection of a 90% store hit at 8k/16k/32k-token prompts.
+bench-injection: setup
+	$(PY) benchmarks/bench_injection.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

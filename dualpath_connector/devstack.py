@@ -263,10 +263,13 @@ class VLLMServer:
         config: str = "single.json",
         extra: dict | None = None,
         max_num_batched_tokens: int | None = None,
+        bucket: str | None = None,
     ) -> None:
         self.kv_config = json.loads((CONFIGS / config).read_text())
         extra_config = self.kv_config["kv_connector_extra_config"]
         extra_config["store"]["endpoint"] = s3.endpoint
+        if bucket is not None:
+            extra_config["store"]["bucket"] = bucket
         extra_config.update(extra or {})
         self.side_channel = None
         if self.kv_config["kv_role"] != "kv_both":
@@ -376,6 +379,86 @@ class VLLMServer:
             self.proc = None
 
     def __enter__(self) -> VLLMServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class RouterProcess:
+    """``dualpath-router`` in its own process on a free port, in front of PD engines.
+
+    The store section is the PE's (credentials travel in the AWS variables);
+    ``overrides`` are top-level router config keys (``policy``, ``read_side``...).
+    """
+
+    def __init__(
+        self, prefill: list[VLLMServer], decode: list[VLLMServer], s3: SeaweedFS, workdir: Path, **overrides: object
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        store = prefill[0].kv_config["kv_connector_extra_config"]["store"]
+        config = {
+            "host": "127.0.0.1",
+            "port": self.port,
+            "served_model_names": [str(prefill[0].model)],
+            "policy": "dualpath",
+            "prefill_engines": [
+                {"name": f"pe{i}", "url": pe.base_url, "node": f"node-pe{i}"} for i, pe in enumerate(prefill)
+            ],
+            "decode_engines": [
+                {"name": f"de{i}", "url": de.base_url, "node": f"node-de{i}", "side_channel": de.side_channel}
+                for i, de in enumerate(decode)
+            ],
+            "store": store,
+            "namespace": "auto",
+            **overrides,
+        }
+        self.config_path = workdir / f"router-{self.port}.yaml"
+        self.config_path.write_text(json.dumps(config))  # JSON is YAML
+        self.log_path = workdir / f"router-{self.port}.log"
+        self.env = dict(os.environ, AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 60.0) -> RouterProcess:
+        import urllib.request
+
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "dualpath_connector.router.app", "--config", str(self.config_path)],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if urllib.request.urlopen(f"{self.url}/health", timeout=2).status == 200:
+                    return self
+            except OSError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"router did not come up; see {self.log_path}")
+            time.sleep(0.2)
+
+    def complete(self, body: dict, timeout_s: float = 600.0) -> tuple[dict, dict[str, str], float]:
+        """A non-streaming completion: (answer, x-dualpath-* headers, seconds)."""
+        import urllib.request
+
+        request = urllib.request.Request(
+            f"{self.url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        started = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            headers = {k.lower(): v for k, v in response.headers.items() if k.lower().startswith("x-dualpath")}
+            answer = json.loads(response.read())
+        return answer, headers, time.perf_counter() - started
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process_group(self.proc, grace_s=10.0)
+            self.proc = None
+
+    def __enter__(self) -> RouterProcess:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -281,7 +281,7 @@ class DualPathScheduler:
             self._last_lookup_error_log = now
             logger.warning("store lookup failed, serving without hits: %s", exc)
 
-    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Saves copy their blocks out of the KV cache in the step that computed
         # them, and vLLM itself keeps blocks of an in-flight load until it is
         # reported: only a PE's hand-off to its DE holds blocks longer.
@@ -300,14 +300,14 @@ class DualPathScheduler:
             )  # fmt: skip
             return False, None
         prefilled = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-        if not (state.remote_decode and prefilled and block_ids and block_ids[0]):
+        if not (state.remote_decode and prefilled and block_ids):
             return False, None
         self._sends.append(SendSpec(request.request_id, time.time() + self.config.pd_lease_s))
         return True, {
             "do_remote_prefill": True,
             "remote_side_channel": f"{self.config.side_channel_host}:{self.config.side_channel_port}",
             "remote_request_id": request.request_id,
-            "remote_block_ids": list(block_ids[0]),
+            "remote_block_ids": list(block_ids),
             "stored_chunks": state.stored_chunks,
         }
 

@@ -189,9 +189,15 @@ class DualPathWorker:
         self._digest = self.namespace.digest()
         self.layout = BlockLayout(self.namespace.num_layers, self.namespace.layer_block_bytes)
         agent_name = f"dualpath-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        # The I/O thread, the side channel and (layerwise) the forward all use the agent.
+        # The I/O thread, the side channel and (layerwise) the forward all use
+        # the agent. No progress thread: NIXL's spins on a core for good, and
+        # polling a transfer or the notifications (the side channel's tick)
+        # makes progress as well.
         self.agent = nixl_agent(
-            agent_name, nixl_agent_config(backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+            agent_name,
+            nixl_agent_config(
+                enable_prog_thread=False, backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+            ),
         )
         if kv_role != "kv_both":
             # Before any registration: pools and KV cache must be readable by peers.
@@ -703,7 +709,7 @@ class DualPathWorker:
             logger.warning("DualPath I/O thread still busy at shutdown; host buffers left registered")
             return
         if self._kv_registration is not None:
-            self.agent.deregister_memory(self._kv_registration)
+            self.agent.deregister_memory(self._kv_registration, backends=[UCX])
         self.load_pool.close()
         self.save_pool.close()
         self.store.close()

@@ -23,11 +23,30 @@ def test_defaults_and_store_section_are_parsed():
     assert config.chunk_tokens is None
 
 
-def test_shipped_single_config_parses():
-    shipped = json.loads((Path(__file__).parent.parent / "configs" / "single.json").read_text())
-    config = parse_config(shipped["kv_connector_extra_config"])
+@pytest.mark.parametrize("name", ["single.json", "pe.json", "de.json"])
+def test_shipped_configs_parse(name):
+    shipped = json.loads((Path(__file__).parent.parent / "configs" / name).read_text())
+    config = parse_config(shipped["kv_connector_extra_config"], shipped["kv_role"])
     assert isinstance(config.store_config, S3StoreConfig)
+    assert config.load_mode == "layerwise"
     assert shipped["kv_connector_module_path"] == "dualpath_connector"
+
+
+@pytest.mark.parametrize(
+    "kv_role, extra, named",
+    [
+        ("kv_producer", {}, "side_channel_port is required with kv_role 'kv_producer'"),
+        ("kv_consumer", {}, "side_channel_port is required with kv_role 'kv_consumer'"),
+        ("kv_both", {"side_channel_port": 70000}, "side_channel_port"),
+        ("kv_loader", {}, "kv_role 'kv_loader' is not supported"),
+        ("kv_producer", {"side_channel_port": 5600, "pd_lease_s": 0}, "pd_lease_s"),
+        ("kv_producer", {"side_channel_port": 5600, "pd_lease_s": 20, "de_read_timeout_s": 10}, "pd_lease_s (20)"),
+    ],
+)
+def test_bad_pd_settings_name_the_key(kv_role, extra, named):
+    with pytest.raises(ConfigError) as error:
+        parse_config({"store": POSIX, **extra}, kv_role)
+    assert named in str(error.value)
 
 
 @pytest.mark.parametrize(

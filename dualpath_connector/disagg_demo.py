@@ -1,0 +1,146 @@
+"""``make demo``: the 1P1D stack on one machine (run through ``examples/disagg_demo.sh``).
+
+SeaweedFS (S3), one prefill engine (``configs/pe.json``) and one decode engine
+(``configs/de.json``), both vLLM on CPU with the tiny test Llama, and
+``dualpath-router`` with the ``dualpath`` policy in front. Two agents run a
+multi-turn session at the same time; every turn appends the model's answer and
+a new observation to the agent's context. Per turn it prints the read side the
+router chose, the hit tokens and the time to first token (non-streaming here,
+so the time of the whole request), and at the end the bytes each side read
+from the store. Everything started here is stopped on exit, also on Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import re
+import signal
+import sys
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from nixl_backends.layout import chunk_hashes, chunk_key
+
+from dualpath_connector.devstack import RouterProcess, SeaweedFS, VLLMServer, make_tiny_llama
+
+CHUNK_TOKENS = 32  # configs/pe.json and de.json keep the default: one vLLM block
+
+
+def _namespace(server: VLLMServer) -> tuple[str, str]:
+    """(namespace digest, key prefix) from the engine's ``dualpath_kv:store_namespace_info``."""
+    text = urllib.request.urlopen(f"{server.base_url}/metrics", timeout=30).read().decode()
+    labels = dict(re.findall(r'(\w+)="([^"]*)"', next(l for l in text.splitlines() if l.startswith("dualpath_kv:store_namespace_info{"))))
+    return labels["namespace"], labels["key_prefix"]
+
+
+def _wait_stored(s3, bucket: str, key: str, timeout_s: float = 60.0) -> None:
+    """Saves are asynchronous: before the next turn, wait for this turn's last chunk, as a tool call would."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            s3.head_object(Bucket=bucket, Key=key)
+            return
+        except s3.exceptions.ClientError:
+            time.sleep(0.05)
+    print(f"  (chunk {key} not stored within {timeout_s:.0f}s)")
+
+
+def _agent(session: dict, agent: int, args: argparse.Namespace, rows: list, start: threading.Barrier) -> None:
+    try:
+        _turns(session, agent, args, rows, start)
+    except BaseException:
+        start.abort()  # the other agents stop waiting for this one
+        raise
+
+
+def _turns(session: dict, agent: int, args: argparse.Namespace, rows: list, start: threading.Barrier) -> None:
+    router, model = session["router"], session["model"]
+    rng = random.Random(agent)
+    context = [rng.randrange(1024) for _ in range(args.first_prompt_tokens)]
+    for turn in range(1, args.turns + 1):
+        # Agents send each turn together, as a batch of tool results would.
+        start.wait()
+        answer, headers, seconds = router.complete(
+            {"model": model, "prompt": context, "max_tokens": args.output_tokens, "temperature": 0.0,
+             "ignore_eos": True, "return_token_ids": True}
+        )  # fmt: skip
+        output = answer["choices"][0]["token_ids"]
+        rows.append(
+            {
+                "agent": agent, "turn": turn, "prompt_tokens": len(context),
+                "read_side": headers.get("x-dualpath-read-side", "?"),
+                "hit_tokens": int(headers.get("x-dualpath-hit-tokens", 0)), "seconds": seconds,
+            }
+        )  # fmt: skip
+        print(
+            f"agent {agent} turn {turn:>2}: {len(context):>6} prompt tokens, read side {rows[-1]['read_side']:>2}, "
+            f"{rows[-1]['hit_tokens']:>6} hit tokens, {seconds * 1000:>7.0f} ms",
+            flush=True,
+        )
+        computed = context + output[:-1]
+        last = chunk_hashes(session["namespace"], computed, CHUNK_TOKENS)[-1]
+        _wait_stored(session["s3"], session["bucket"], chunk_key(session["key_prefix"], session["namespace"], last))
+        context = context + output + [rng.randrange(1024) for _ in range(args.tokens_per_turn)]
+
+
+def run(args: argparse.Namespace) -> dict:
+    workdir = args.workdir.resolve()
+    model = make_tiny_llama(workdir / "tiny-llama")
+    rows: list[dict] = []
+    with SeaweedFS() as s3:
+        print(f"S3 (SeaweedFS) on {s3.endpoint}")
+        pe = VLLMServer(model, s3, workdir / "demo-pe.log", config="pe.json")
+        de = VLLMServer(model, s3, workdir / "demo-de.log", config="de.json")
+        print(f"PE {pe.base_url} (side channel {pe.side_channel}), DE {de.base_url} (side channel {de.side_channel})")
+        print(f"starting both engines (logs: {pe.log_path}, {de.log_path}) ...", flush=True)
+        with pe, de, RouterProcess([pe], [de], s3, workdir, policy="dualpath") as router:
+            print(f"dualpath-router on {router.url} (log: {router.log_path})\n", flush=True)
+            namespace, key_prefix = _namespace(pe)
+            session = {
+                "router": router, "model": str(model), "s3": s3.client(), "namespace": namespace,
+                "key_prefix": key_prefix, "bucket": pe.kv_config["kv_connector_extra_config"]["store"]["bucket"],
+            }  # fmt: skip
+            start = threading.Barrier(args.agents)
+            with ThreadPoolExecutor(args.agents) as pool:
+                # result() re-raises an agent's failure here.
+                for future in [pool.submit(_agent, session, a, args, rows, start) for a in range(args.agents)]:
+                    future.result()
+            # Connector stats reach /metrics with engine steps; the DE's last
+            # decode steps carry its reads.
+            time.sleep(2.0)
+            pe_read = pe.metric_total("dualpath_kv:bytes_read_total")
+            de_read = de.metric_total("dualpath_kv:bytes_read_for_peer_total")
+            pulled = pe.metric_total("dualpath_kv:bytes_pulled_from_peer_total")
+            written = de.metric_total("dualpath_kv:bytes_written_total")
+    sides = sorted({r["read_side"] for r in rows if r["hit_tokens"]})
+    print(f"\nread sides used for hits: {', '.join(sides) or 'none'}")
+    print(f"bytes read from the store: PE side {pe_read / 2**20:.1f} MiB, DE side {de_read / 2**20:.1f} MiB "
+          f"(pulled by the PE from the DE over NIXL: {pulled / 2**20:.1f} MiB); written by the DE {written / 2**20:.1f} MiB")  # fmt: skip
+    return {"turns": rows, "pe_bytes_read": pe_read, "de_bytes_read": de_read, "pulled": pulled, "written": written}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=Path(".cache"))
+    parser.add_argument("--agents", type=int, default=2)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--first-prompt-tokens", type=int, default=3000)
+    parser.add_argument("--tokens-per-turn", type=int, default=300)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    args = parse_args()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    # SIGTERM unwinds like Ctrl-C, so the context managers stop what was started.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    run(args)
+
+
+if __name__ == "__main__":
+    main()

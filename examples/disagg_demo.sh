@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The 1P1D stack on one machine: S3 (SeaweedFS), one prefill engine and one decode engine (vLLM on
+# CPU, the tiny test Llama, configs/pe.json and configs/de.json) and dualpath-router in front; two
+# agents replay a multi-turn session. Prints per turn the read side, hit tokens and time, and per
+# side the bytes read from the store. Extra arguments go to the driver (--turns, --agents, ...).
+#
+# Everything is started by the Python driver, which stops it by the PIDs it holds; the trap makes
+# Ctrl-C or a kill of this script reach the driver, so nothing is left running.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-.venv/bin/python}
+
+"$PYTHON" -m dualpath_connector.disagg_demo "$@" &
+driver=$!
+trap 'kill -TERM "$driver" 2>/dev/null || true; wait "$driver" 2>/dev/null || true' INT TERM EXIT
+wait "$driver"
