@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -70,8 +71,12 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
-def run_and_report(run, table, args, json_name: str) -> dict:
-    """Run a benchmark, print its table and write its JSON; Ctrl-C exits 130 after cleanup."""
+def run_and_report(run, table, args, json_name: str, chart=None) -> dict:
+    """Run a benchmark, print its table and write its JSON; Ctrl-C exits 130 after cleanup.
+
+    ``chart(payload, path)``, if given, draws the PNG beside the JSON (and returns
+    None when it cannot, e.g. without matplotlib).
+    """
     try:
         payload = run(args)
     except KeyboardInterrupt:
@@ -82,4 +87,186 @@ def run_and_report(run, table, args, json_name: str) -> dict:
     path = write_json(json_name, payload)
     print(text)
     print(f"\nresults: {path}")
+    if chart is not None and chart(payload, path.with_suffix(".png")) is not None:
+        print(f"chart: {path.with_suffix('.png')}")
     return payload
+
+
+def result_payload(args, **results: object) -> dict:
+    """A benchmark's JSON: its options, the machine, then ``results``."""
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    return {"config": config, "environment": environment(), **results}
+
+
+# --- vLLM server benchmarks (bench_ttft, bench_injection) ----------------------------------------
+
+VOCAB = 1024  # the tiny Llama's vocabulary
+PROBE_TOKENS = 8  # shorter than a chunk: a probe is never looked up and never saved
+
+
+def add_server_args(parser) -> None:
+    """The options every benchmark against vLLM servers takes (see :class:`SaveWaiter`)."""
+    parser.add_argument("--no-warmup", dest="warmup", action="store_false", help="skip the discarded warm-up")
+    parser.add_argument("--workdir", type=Path, default=REPO_ROOT / ".cache", help="model and vLLM logs go here")
+    parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds for vLLM to become healthy")
+    parser.add_argument("--request-timeout", type=float, default=900.0)
+    parser.add_argument("--save-timeout", type=float, default=120.0, help="seconds to wait for saves to land")
+    parser.add_argument("--save-settle", type=float, default=10.0,
+                        help="stop waiting when the save counters did not move for this long")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+@contextlib.contextmanager
+def vllm_stack(args, log_stem: str, servers: dict[str, dict]):
+    """SeaweedFS and vLLM servers with the connector on it, all healthy; stopped on exit.
+
+    ``servers`` maps a label to ``VLLMServer`` keyword arguments (``extra``...);
+    the servers start side by side and are yielded under the same labels. Every
+    server gets ``--max-model-len`` and logs to ``<workdir>/<log_stem>[-<label>]-vllm.log``.
+    """
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    from dualpath_connector.devstack import SeaweedFS, VLLMServer, make_tiny_llama
+
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    model = make_tiny_llama(args.workdir / "tiny-llama")
+    s3 = None
+    started: dict = {}
+    try:
+        s3 = SeaweedFS().start()
+        print(f"S3 (SeaweedFS) on {s3.endpoint}", file=sys.stderr)
+        for label, kwargs in servers.items():
+            log_path = (args.workdir / "-".join(filter(None, (log_stem, label, "vllm.log")))).resolve()
+            server = started[label] = VLLMServer(model, s3, log_path, max_model_len=args.max_model_len, **kwargs)
+            print(f"vLLM{' ' + label if label else ''} starting on {server.base_url}; log: {log_path}", file=sys.stderr)
+        clock = time.monotonic()
+        pool = ThreadPoolExecutor(len(started))
+        futures = [pool.submit(server.start, args.start_timeout) for server in started.values()]
+        pool.shutdown(wait=False)
+        # The first failure raises at once; stopping the others below ends their start-up waits.
+        for future in wait(futures, return_when=FIRST_EXCEPTION).done:
+            future.result()
+        print(f"vLLM healthy after {time.monotonic() - clock:.0f}s", file=sys.stderr)
+        yield started
+    finally:
+        for server in started.values():
+            server.stop()
+        if s3 is not None:
+            s3.stop()
+
+
+def chunk_tokens(server) -> int:
+    """Tokens per stored chunk of a server (the connector's default: one 32-token block)."""
+    return server.kv_config["kv_connector_extra_config"].get("chunk_tokens", 32)
+
+
+def ttft_caption(payload: dict) -> str:
+    """The first sentence of every TTFT table's caption: what ran, how often, where hits came from."""
+    return (
+        f"TTFT on vLLM's CPU build ({payload['environment']['cpu_count']} cores, tiny random Llama, bf16, "
+        f"max_tokens=1), median of {payload['config']['reps']} repetition(s) with fresh random prompts each; "
+        f"local prefix cache off, so every hit token was loaded from S3 (SeaweedFS on 127.0.0.1)."
+    )
+
+
+def store_traffic(server) -> dict[str, float]:
+    """The connector's store counters of one server, from its ``/metrics``."""
+    names = ("bytes_read_total", "bytes_written_total", "loaded_tokens_total", "load_failed_tokens_total")
+    return {name: server.metric_total(f"dualpath_kv:{name}") for name in names}
+
+
+def _save_counters(server) -> tuple[int, int]:
+    return (
+        int(server.metric_total("dualpath_kv:saved_chunks_total")),
+        int(server.metric_total("dualpath_kv:save_skipped_chunks_total")),
+    )
+
+
+class SaveWaiter:
+    """Waits for one server's store saves to land, so they never overlap a timed request."""
+
+    def __init__(self, server, args, fresh) -> None:
+        self.server = server
+        self.args = args
+        self.fresh = fresh  # n -> n never-seen token ids
+        self.saved, self.skipped = _save_counters(server)
+
+    def wait(self, expected_new: int) -> dict:
+        """Wait until ``expected_new`` more chunks were saved (or skipped) since the last wait.
+
+        The connector's counters reach ``/metrics`` only with an engine step, and
+        a save finishes on the I/O thread after the step that planned it; an idle
+        engine would never report it. So while the counters lag, a tiny probe
+        request (shorter than one chunk: never looked up, never saved) makes the
+        engine step. Gives up after ``--save-timeout`` seconds; also returns when
+        the counters stop increasing for ``--save-settle`` seconds of probing.
+        """
+        started = time.monotonic()
+        target = self.saved + self.skipped + expected_new
+        last_total, last_change = -1, started
+        probes = 0
+        while True:
+            saved, skipped = _save_counters(self.server)
+            total = saved + skipped
+            now = time.monotonic()
+            if total != last_total:
+                last_total, last_change = total, now
+            if total >= target:
+                status = "landed"
+                break
+            if now - started > self.args.save_timeout:
+                status = "timeout"
+                break
+            if now - last_change > self.args.save_settle:
+                status = "stopped increasing"
+                break
+            time.sleep(0.2)
+            self.server.complete(self.fresh(PROBE_TOKENS), 1, self.args.request_timeout)
+            probes += 1
+        info = {
+            "expected_chunks": expected_new,
+            "saved_chunks": saved - self.saved,
+            "skipped_chunks": skipped - self.skipped,
+            "wait_s": round(time.monotonic() - started, 3),
+            "probes": probes,
+            "status": status,
+        }
+        self.saved, self.skipped = saved, skipped
+        if status != "landed" or info["skipped_chunks"]:
+            print(f"  warning: save wait {info}", file=sys.stderr)
+        return info
+
+
+def size_label(tokens: int) -> str:
+    """2048 -> '2k', 8000 -> '8k', 1800 -> '1800'."""
+    for unit in (1024, 1000):
+        if tokens % unit == 0:
+            return f"{tokens // unit}k"
+    return str(tokens)
+
+
+def bar_chart(path: Path, labels: Sequence[str], series: dict[str, Sequence[float]], xlabel: str, title: str,
+              ylabel: str = "median TTFT (ms)") -> Path | None:
+    """Grouped bars, one group per label and one bar per series; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    width = 0.8 / len(series)
+    fig, ax = plt.subplots(figsize=(6.4 + 0.8 * max(0, len(series) - 2), 4.0))
+    for i, (name, values) in enumerate(series.items()):
+        offset = (i - (len(series) - 1) / 2) * width
+        bars = ax.bar([x + offset for x in range(len(labels))], values, width, label=name)
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks(list(range(len(labels))), labels)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
