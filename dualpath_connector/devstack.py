@@ -243,7 +243,57 @@ def make_tiny_llama(target: str | os.PathLike[str]) -> Path:
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 
 
-class VLLMServer:
+class ServiceProcess:
+    """A service in its own process group, logging to a file, ready when ``health_url`` answers 200.
+
+    Subclasses set ``args``, ``env``, ``log_path`` and ``health_url``; ``stop``
+    ends the whole group by the PID held here.
+    """
+
+    args: list[str]
+    env: dict[str, str] | None = None
+    log_path: Path
+    health_url: str
+    stop_grace_s = 20.0
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 600.0) -> ServiceProcess:
+        import urllib.request
+
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.args[:3]} exited during start-up; see {self.log_path}")
+                try:
+                    if urllib.request.urlopen(self.health_url, timeout=5).status == 200:
+                        return self
+                except OSError:
+                    pass  # not listening yet
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not healthy after {timeout_s}s; see {self.log_path}")
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process_group(self.proc, grace_s=self.stop_grace_s)
+            self.proc = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+class VLLMServer(ServiceProcess):
     """vLLM's OpenAI server (CPU build, tiny Llama) with DualPathConnector on an S3 server.
 
     ``config`` names a file in ``configs/`` (``single.json``, ``pe.json``,
@@ -298,34 +348,7 @@ class VLLMServer:
         ]  # fmt: skip
         if max_num_batched_tokens is not None:
             self.args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 600.0) -> VLLMServer:
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-            )
-        try:
-            self._wait_healthy(timeout_s)
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _wait_healthy(self, timeout_s: float) -> None:
-        import urllib.request
-
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc is None or self.proc.poll() is not None:
-                raise RuntimeError(f"vLLM exited during start-up; see {self.log_path}")
-            try:
-                if urllib.request.urlopen(f"{self.base_url}/health", timeout=5).status == 200:
-                    return
-            except OSError:
-                pass
-            time.sleep(1.0)
-        raise TimeoutError(f"vLLM not healthy after {timeout_s}s; see {self.log_path}")
+        self.health_url = f"{self.base_url}/health"
 
     def complete(self, prompt: list[int], max_tokens: int, timeout_s: float = 600.0) -> tuple[float, list[int], dict]:
         """A greedy streaming completion: (seconds to first token, token ids, usage)."""
@@ -373,19 +396,8 @@ class VLLMServer:
         pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
         return sum(float(v) for v in pattern.findall(text))
 
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process_group(self.proc, grace_s=20.0)
-            self.proc = None
 
-    def __enter__(self) -> VLLMServer:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-
-class RouterProcess:
+class RouterProcess(ServiceProcess):
     """``dualpath-router`` in its own process on a free port, in front of PD engines.
 
     The store section is the PE's (credentials travel in the AWS variables);
@@ -418,27 +430,10 @@ class RouterProcess:
         self.config_path.write_text(json.dumps(config))  # JSON is YAML
         self.log_path = workdir / f"router-{self.port}.log"
         self.env = dict(os.environ, AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key)
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    def start(self, timeout_s: float = 60.0) -> RouterProcess:
-        import urllib.request
-
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dualpath_connector.router.app", "--config", str(self.config_path)],
-                stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True,
-            )  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                if urllib.request.urlopen(f"{self.url}/health", timeout=2).status == 200:
-                    return self
-            except OSError:
-                pass
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.stop()
-                raise RuntimeError(f"router did not come up; see {self.log_path}")
-            time.sleep(0.2)
+        self.args = [sys.executable, "-m", "dualpath_connector.router.app", "--config", str(self.config_path)]
+        # /health is 200 once the router itself sees a healthy PE and DE.
+        self.health_url = f"{self.url}/health"
+        self.stop_grace_s = 10.0
 
     def complete(self, body: dict, timeout_s: float = 600.0) -> tuple[dict, dict[str, str], float]:
         """A non-streaming completion: (answer, x-dualpath-* headers, seconds)."""
@@ -452,17 +447,6 @@ class RouterProcess:
             headers = {k.lower(): v for k, v in response.headers.items() if k.lower().startswith("x-dualpath")}
             answer = json.loads(response.read())
         return answer, headers, time.perf_counter() - started
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            stop_process_group(self.proc, grace_s=10.0)
-            self.proc = None
-
-    def __enter__(self) -> RouterProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
 
 def cached_tokens(usage: dict) -> int:

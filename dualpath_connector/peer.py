@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nixl_backends.buffers import HostBufferPool
+from nixl_backends.transport import UCX
 
 from dualpath_connector.side_channel import SideChannelServer, decode_bytes, encode_bytes, request
 
@@ -114,7 +115,7 @@ class PeerLink:
     # -- notifications and expiry (side-channel thread) -----------------------
 
     def _tick(self) -> None:
-        for messages in self.agent.get_new_notifs().values():
+        for messages in self.agent.get_new_notifs([UCX]).values():
             for message in messages:
                 self._on_notification(message)
         now_wall, now = time.time(), time.monotonic()
