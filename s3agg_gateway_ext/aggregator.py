@@ -33,7 +33,7 @@ from typing import Literal
 import boto3
 import numpy as np
 from botocore.config import Config as BotoConfig
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from nixl_backends.layout import BlockLayout
 from nixl_backends.s3 import S3Store, S3StoreConfig
@@ -196,22 +196,31 @@ class Aggregator:
         self._abandoned: list[object] = []
 
     def prepare(self, request_id: str, desc: Descriptor) -> Job:
-        """Control path: bucket, objects, mode, target registration, epoch admission."""
+        """Control path: bucket, objects, mode, target registration; holds nothing that needs releasing."""
         started = time.monotonic()
         io = self._buckets.get(desc.bucket)
         if io is None:
             raise DescriptorError(404, "NoSuchBucket", f"bucket {desc.bucket} is not served by this gateway")
-        io.check_objects(desc)
+        try:
+            io.check_objects(desc)
+        except (ClientError, BotoCoreError) as exc:
+            raise DescriptorError(502, "StoreUnavailable", f"checking the chunk objects failed: {exc}") from None
         mode = "layerwise" if desc.payload_bytes >= self.config.theta_bytes else "chunkwise"
         remote = self._attach_target(io, desc.target) if isinstance(desc.target, NixlTarget) else None
-        flow = None
-        if mode == "layerwise" and self.scheduler is not None:
-            window = desc.compute_window_s or self.config.default_compute_window_s
-            layer_bytes = desc.num_chunks * desc.layer_bytes
-            flow = self.scheduler.admit(Demand(layer_bytes, window, desc.payload_bytes), self.config.io_timeout_s)
-        job = Job(request_id, desc, mode, io, remote, flow)
+        job = Job(request_id, desc, mode, io, remote, None)
         job.timings["control_s"] = time.monotonic() - started
         return job
+
+    def _admit(self, job: Job) -> None:
+        """Join the link's next epoch (layerwise under a cap only); the stream leaves it when done."""
+        if job.mode != "layerwise" or self.scheduler is None:
+            return
+        started = time.monotonic()
+        desc = job.desc
+        window = desc.compute_window_s or self.config.default_compute_window_s
+        demand = Demand(desc.num_chunks * desc.layer_bytes, window, desc.payload_bytes)
+        job.flow = self.scheduler.admit(demand, self.config.io_timeout_s)
+        job.timings["admission_s"] = time.monotonic() - started
 
     @staticmethod
     def _attach_target(io: BucketIO, target: NixlTarget) -> str:
@@ -234,7 +243,17 @@ class Aggregator:
         """Yield deliveries in order; reads of the next window overlap the current deliveries.
 
         The consumer must be done with a unit (sent or written) before asking for the next one.
+        Admission to the link happens here, on the first unit asked for, so that a stream
+        never started holds no bandwidth.
         """
+        self._admit(job)
+        try:
+            yield from self._deliveries(job)
+        finally:
+            if job.flow is not None:
+                self.scheduler.leave(job.flow)
+
+    def _deliveries(self, job: Job) -> Iterator[Unit]:
         desc, agent = job.desc, job.io.agent
         n, num_layers, s = desc.num_chunks, desc.num_layers, desc.layer_bytes
         k = num_layers if job.mode == "chunkwise" else min(
@@ -258,8 +277,12 @@ class Aggregator:
             # One NIXL request per group, so the OBJ backend's threads all work.
             groups = np.array_split(np.arange(n), min(n, self.config.io_threads))
             started = time.monotonic()
-            ok = run_nixl_transfers(agent, "READ", [(rows_local[g], rows_remote[g]) for g in groups],
-                                    "OBJ", self.config.io_timeout_s)
+            try:
+                ok = run_nixl_transfers(agent, "READ", [(rows_local[g], rows_remote[g]) for g in groups],
+                                        "OBJ", self.config.io_timeout_s)
+            except TransferAbandoned:
+                job.abandoned = True  # NIXL may still write the staging buffer
+                raise
             job.timings["storage_read_s"] += time.monotonic() - started
             if not all(ok):
                 raise StorageError(f"ranged reads of layers [{l0}, {l0 + kw}) failed for {ok.count(False)} groups")
@@ -293,12 +316,8 @@ class Aggregator:
             if pending is not None:
                 try:
                     pending.result()
-                except TransferAbandoned:
-                    job.abandoned = True
                 except Exception:  # already failing; the read's own error is not the one to report
                     pass
-            if job.flow is not None:
-                self.scheduler.leave(job.flow)
             if job.abandoned:
                 self._abandoned.append((staging, dram_reg, obj_reg))
                 logger.error("request %s: transfers abandoned; staging of %d bytes kept", job.request_id,

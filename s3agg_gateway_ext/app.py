@@ -61,7 +61,7 @@ class Metrics:
         self.refused = Counter("s3agg_refused_total", "Requests refused before any read, by S3 error code",
                                ["code"], registry=self.registry)
         self.phase = Histogram("s3agg_request_phase_seconds",
-                               "Per-request time split: control, storage_read, delivery, pacing, total",
+                               "Per-request time split: control, admission, storage_read, delivery, pacing, total",
                                ["phase"], registry=self.registry,
                                buckets=(0.001, 0.003, 0.01, 0.03, 0.1, 0.3, 1, 3, 10, 30))
         self.delivered = Counter("s3agg_delivered_bytes_total", "Payload bytes delivered",
@@ -70,7 +70,9 @@ class Metrics:
 
 
 def _runtime_code(exc: Exception) -> str:
-    return "StorageReadFailed" if isinstance(exc, StorageError) else "DeliveryFailed"
+    if isinstance(exc, StorageError):
+        return "StorageReadFailed"
+    return "SlowDown" if isinstance(exc, TimeoutError) else "DeliveryFailed"
 
 
 class Gateway:
@@ -103,10 +105,10 @@ class Gateway:
         t = job.timings
         logger.info(
             "request %s %s bucket=%s chunks=%d layers=%d S=%d mode=%s target=%s control=%.4fs "
-            "storage_read=%.4fs delivery=%.4fs pacing=%.4fs total=%.4fs",
+            "admission=%.4fs storage_read=%.4fs delivery=%.4fs pacing=%.4fs total=%.4fs",
             job.request_id, outcome, job.desc.bucket, job.desc.num_chunks, job.desc.num_layers,
-            job.desc.layer_bytes, job.mode, target, t["control_s"], t["storage_read_s"], t["delivery_s"],
-            t["pacing_s"], t["total_s"])
+            job.desc.layer_bytes, job.mode, target, t["control_s"], t["admission_s"], t["storage_read_s"],
+            t["delivery_s"], t["pacing_s"], t["total_s"])
 
     async def aggregate(self, request: Request) -> Response:
         started = time.monotonic()
