@@ -71,7 +71,9 @@ class Client:
 
         self.agent = nixl_agent(f"bench-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=[]))
         config = parse_store_config({
-            "backend": "s3agg", "gateway": "http://127.0.0.1:1", "s3": {**s3.store_config(bucket), "create_bucket": False},
+            # The gateway is chosen per read (use()); this placeholder is never contacted.
+            "backend": "s3agg", "gateway": "http://127.0.0.1:1",
+            "s3": {**s3.store_config(bucket), "create_bucket": False},
             "access_key": CLIENT_KEY, "secret_key": CLIENT_SECRET, "request_timeout_s": 300.0,
         })
         self.store = make_store(config, layout, self.agent)
@@ -345,7 +347,9 @@ def plot(payload: dict, name: str) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     if "paths" in payload:
         rows = payload["paths"]["rows"]
-        context = max(r["context"] for r in rows)
+        # The context measured at the most chunk sizes.
+        sizes = {c: {r["chunk_tokens"] for r in rows if r["context"] == c} for c in {r["context"] for r in rows}}
+        context = max(sizes, key=lambda c: len(sizes[c]))
         for path in PATHS:
             pts = sorted((r["chunk_tokens"], r["mb_s"]) for r in rows if r["path"] == path and r["context"] == context)
             axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=path)

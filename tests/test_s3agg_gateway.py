@@ -213,7 +213,8 @@ def test_malformed_bodies_are_refused(gateway, s3agg_bucket, body):
 def test_unserved_bucket_is_no_such_bucket(gateway, stored, ucx_agent):
     keys, _ = stored
     buffers = LayerBuffers(ucx_agent, 4, len(keys), 4096)
-    status, code, _, _ = signed(gateway.url, "some-other-bucket", json.dumps(descriptor(keys, buffers, ucx_agent)).encode())
+    body = json.dumps(descriptor(keys, buffers, ucx_agent)).encode()
+    status, code, _, _ = signed(gateway.url, "some-other-bucket", body)
     assert (status, code) == (404, "NoSuchBucket")
     assert buffers.untouched()
 
