@@ -69,7 +69,9 @@ class Client:
     def __init__(self, s3: SeaweedFS, bucket: str, layout: BlockLayout, num_chunks: int) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        self.agent = nixl_agent(f"bench-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=[]))
+        # No progress thread: NIXL's busy-polls a whole core; the store's polling progresses UCX.
+        self.agent = nixl_agent(f"bench-{uuid.uuid4().hex[:8]}",
+                                nixl_agent_config(enable_prog_thread=False, backends=[]))
         config = parse_store_config({
             # The gateway is chosen per read (use()); this placeholder is never contacted.
             "backend": "s3agg", "gateway": "http://127.0.0.1:1",
@@ -142,7 +144,8 @@ def large_object_mbps(s3: SeaweedFS, bucket: str, reps: int) -> list[float]:
     from nixl._api import nixl_agent, nixl_agent_config
 
     layout, count = BlockLayout(1, 16 * MIB), 8
-    agent = nixl_agent(f"bench-large-{uuid.uuid4().hex[:6]}", nixl_agent_config(backends=[]))
+    agent = nixl_agent(f"bench-large-{uuid.uuid4().hex[:6]}",
+                       nixl_agent_config(enable_prog_thread=False, backends=[]))
     store = make_store(parse_store_config({**s3.store_config(bucket), "create_bucket": False}), layout, agent)
     data = np.random.default_rng(1).integers(0, 256, size=(2, count, layout.full_block_bytes), dtype=np.uint8)
     agent.register_memory([(data.ctypes.data, data.nbytes, 0, "")], "DRAM")

@@ -115,10 +115,13 @@ class BucketIO:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.bucket = bucket
-        # Requests run on several threads; STRICT makes the agent safe for that.
+        # Requests run on several threads; STRICT makes the agent safe for that. No
+        # progress thread: NIXL's busy-polls a whole core per agent, and every WRITE here
+        # is polled to completion anyway, which progresses UCX.
         self.agent = nixl_agent(
             f"s3agg-gw-{os.getpid()}-{bucket}",
-            nixl_agent_config(backends=["UCX"], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT),
+            nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                              sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT),
         )
         store_config = S3StoreConfig(
             bucket=bucket, endpoint=config.store_endpoint, region=config.region,

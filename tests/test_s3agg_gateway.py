@@ -38,19 +38,24 @@ from tests.s3agg_fixtures import (  # noqa: F401  (fixtures)
 DELIVERIES = ("nixl", "http")
 
 
-@pytest.fixture
-def agent():
+def make_agent(prefix: str, backends: list[str]):
     from nixl._api import nixl_agent, nixl_agent_config
 
-    return nixl_agent(f"s3agg-test-{os.getpid()}-{uuid.uuid4().hex[:6]}", nixl_agent_config(backends=[]))
+    # No progress thread (NIXL's busy-polls a core); the client's own polling progresses UCX.
+    config = nixl_agent_config(enable_prog_thread=False, backends=backends)
+    return nixl_agent(f"{prefix}-{os.getpid()}-{uuid.uuid4().hex[:6]}", config)
+
+
+@pytest.fixture
+def agent():
+    """A client agent; the s3agg store adds the backends it needs."""
+    return make_agent("s3agg-test", [])
 
 
 @pytest.fixture
 def ucx_agent():
     """An agent the tests drive by hand (no store): UCX, so the gateway can reach its buffers."""
-    from nixl._api import nixl_agent, nixl_agent_config
-
-    return nixl_agent(f"s3agg-raw-{os.getpid()}-{uuid.uuid4().hex[:6]}", nixl_agent_config(backends=["UCX"]))
+    return make_agent("s3agg-raw", ["UCX"])
 
 
 def read_all(store, keys, buffers: LayerBuffers):
