@@ -117,16 +117,17 @@ def add_server_args(parser) -> None:
 
 
 @contextlib.contextmanager
-def vllm_stack(args, log_stem: str, servers: dict[str, dict]):
+def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None = None):
     """SeaweedFS and vLLM servers with the connector on it, all healthy; stopped on exit.
 
     ``servers`` maps a label to ``VLLMServer`` keyword arguments (``extra``...);
     the servers start side by side and are yielded under the same labels. Every
     server gets ``--max-model-len`` and logs to ``<workdir>/<log_stem>[-<label>]-vllm.log``.
+    ``store``: keys changed in the connector config's store section (``io_timeout_s``...).
     """
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
-    from dualpath_connector.devstack import SeaweedFS, VLLMServer, make_tiny_llama
+    from dualpath_connector.devstack import CONFIGS, SeaweedFS, VLLMServer, make_tiny_llama
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = make_tiny_llama(args.workdir / "tiny-llama")
@@ -136,6 +137,10 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict]):
         s3 = SeaweedFS().start()
         print(f"S3 (SeaweedFS) on {s3.endpoint}", file=sys.stderr)
         for label, kwargs in servers.items():
+            if store:
+                config = json.loads((CONFIGS / kwargs.get("config", "single.json")).read_text())
+                section = {**config["kv_connector_extra_config"]["store"], "endpoint": s3.endpoint, **store}
+                kwargs = {**kwargs, "extra": {**kwargs.get("extra", {}), "store": section}}
             log_path = (args.workdir / "-".join(filter(None, (log_stem, label, "vllm.log")))).resolve()
             server = started[label] = VLLMServer(model, s3, log_path, max_model_len=args.max_model_len, **kwargs)
             print(f"vLLM{' ' + label if label else ''} starting on {server.base_url}; log: {log_path}", file=sys.stderr)
