@@ -180,8 +180,8 @@ def table(payload: dict) -> str:
         f"a never-seen prompt of the same length (0% hit). "
         f"layerwise/bulk: ratio of the median TTFTs. load ms: the connector's load_seconds (store read, plus "
         f"the KV cache copy in bulk mode); TTFT-load: the rest of the TTFT, per sample (lookup, scheduling, the "
-        f"forward of the new tokens, with the layerwise copies in it). full hits: samples that got the whole stored hit, the only ones in the "
-        f"bulk and layerwise medians (a failed load is recomputed)."
+        f"forward of the new tokens, with the layerwise copies in it). full hits: samples that got the whole "
+        f"stored hit, the only ones in the bulk and layerwise medians (a failed load is recomputed)."
     )
     headers = ["prompt tokens", "stored tokens", "recompute TTFT ms", "bulk TTFT ms", "layerwise TTFT ms",
                "layerwise/bulk", "bulk load ms", "layerwise load ms", "bulk TTFT-load ms", "layerwise TTFT-load ms",
