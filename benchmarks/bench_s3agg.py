@@ -36,6 +36,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -90,8 +91,8 @@ class Client:
         self.store.config.gateway = gateway.url
         return self
 
-    def read(self, keys: list[str], plain: bool = False, window_s: float | None = None) -> tuple[list[float], str]:
-        """Read every layer; returns each layer's arrival time (monotonic) and the mode used."""
+    def read(self, keys: list[str], plain: bool = False, window_s: float | None = None) -> tuple[list[float], Any]:
+        """Read every layer; returns each layer's arrival time (monotonic) and the gateway's answer."""
         arrivals: list[float] = []
 
         def on_layer(layer: int) -> None:
@@ -100,9 +101,8 @@ class Client:
         self.layers.fill(0)
         if plain:
             self.store.read_ranges(keys, self.addrs, on_layer)
-            return arrivals, "per-chunk"
-        result = self.store.read_layerwise(keys, self.addrs, on_layer, compute_window_s=window_s)
-        return arrivals, result.mode
+            return arrivals, None
+        return arrivals, self.store.read_layerwise(keys, self.addrs, on_layer, compute_window_s=window_s)
 
     def check(self, blocks: np.ndarray) -> None:
         n, num_layers = blocks.shape[0], self.layout.num_layers
@@ -190,7 +190,8 @@ def part_paths(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
                 seconds, firsts = [], []
                 for rep in range(args.reps + 1):
                     started = time.monotonic()
-                    arrivals, mode = client.read(keys, plain=path == "per-chunk")
+                    arrivals, result = client.read(keys, plain=path == "per-chunk")
+                    mode = result.mode if result else path
                     client.check(blocks)
                     if rep:
                         seconds.append(arrivals[-1] - started)
@@ -234,15 +235,17 @@ def part_scheduling(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
     common = {"min_read_bytes": args.sched_min_read, "epoch_s": 0.5, "quantum_bytes": 64 * 1024,
               "margin_bytes_s": 5 * GBPS * scale_rate, "theta_bytes": 1}
 
-    def run_workload(gateway: GatewayProcess, names: list[str]) -> list[float]:
-        ttfts = [0.0] * len(names)
+    def run_workload(gateway: GatewayProcess, names: list[str]) -> tuple[list[float], list[float]]:
+        """All requests at once; each one's Eq. 3 TTFT and the rate the gateway gave it."""
+        ttfts, rates = [0.0] * len(names), [0.0] * len(names)
         barrier = threading.Barrier(len(names))
 
         def one(i: int) -> None:
             barrier.wait()
             start = time.monotonic()
-            arrivals, _ = clients[names[i]].use(gateway).read(chunks[names[i]][0], window_s=windows[names[i]])
+            arrivals, result = clients[names[i]].use(gateway).read(chunks[names[i]][0], window_s=windows[names[i]])
             ttfts[i] = eq3_ttft(arrivals, start, windows[names[i]])
+            rates[i] = result.summary["rate_bytes_s"]
 
         threads = [threading.Thread(target=one, args=(i,)) for i in range(len(names))]
         for thread in threads:
@@ -251,27 +254,44 @@ def part_scheduling(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
             thread.join()
         for name in names:
             clients[name].check(chunks[name][1])
-        return ttfts
+        return ttfts, rates
 
-    def measure(gateway_overrides: dict, names: list[str]) -> list[list[float]]:
+    def measure(gateway_overrides: dict, names: list[str], expected: list[float]) -> tuple[list[list[float]], int]:
+        """``reps`` samples in which every request got its allocation from one shared epoch.
+
+        On a starved CPU a request can reach the gateway after its workload's batch window
+        and land in a later epoch with what is left: such a sample measures the admission,
+        not the policy, so it is discarded and repeated (the count goes to the JSON).
+        """
+        samples, split = [], 0
         with GatewayProcess(gateway_config(s3, bucket, **common, **gateway_overrides), workdir) as gateway:
             for name in names:  # warm-up: one chunk each opens the UCX connections
                 clients[name].use(gateway).read(chunks[name][0][:1])
-            return [run_workload(gateway, names) for _ in range(args.reps)]
+            while len(samples) < args.reps and split <= 3 * args.reps:
+                ttfts, rates = run_workload(gateway, names)
+                if np.allclose(rates, expected, rtol=1e-6):
+                    samples.append(ttfts)
+                else:
+                    split += 1
+        return samples, split
 
-    unthrottled = {w: measure({"policy": "equal", "bandwidth_cap_bytes_s": 1e12}, names)
+    def allocation(policy: str, cap: float, names: list[str]) -> list[float]:
+        return allocate(policy, [_demand(name, args) for name in names], cap, 5 * GBPS * scale_rate)
+
+    unthrottled = {w: measure({"policy": "equal", "bandwidth_cap_bytes_s": 1e12}, names,
+                              allocation("equal", 1e12, names))[0]
                    for w, (_, names) in WORKLOADS.items()}
     rows = []
     for workload, (cap, names) in WORKLOADS.items():
         base = [median([rep[i] for rep in unthrottled[workload]]) for i in range(len(names))]
         for policy in POLICIES:
-            reps = measure({"policy": policy, "bandwidth_cap_bytes_s": cap * GBPS * scale_rate}, names)
+            rates = allocation(policy, cap * GBPS * scale_rate, names)
+            reps, split = measure({"policy": policy, "bandwidth_cap_bytes_s": cap * GBPS * scale_rate}, names, rates)
             added = [sum(t - b for t, b in zip(rep, base)) for rep in reps]
-            rates = allocate(policy, [_demand(name, args) for name in names], cap * GBPS * scale_rate,
-                             5 * GBPS * scale_rate)
             rows.append({"workload": workload, "cap_gbps": cap, "policy": policy, "requests": names,
-                         "rates_gbps_unscaled": [r / scale_rate / GBPS for r in rates],
-                         "ttft_s": reps, "base_ttft_s": base, "added_s": added, "added_median_s": median(added)})
+                         "rates_gbps_unscaled": [r / scale_rate / GBPS for r in rates], "ttft_s": reps,
+                         "base_ttft_s": base, "added_s": added, "added_median_s": median(added),
+                         "discarded_split_epoch": split})
             logging.info("%s %s added %.3f s", workload, policy, median(added))
     for client in clients.values():
         client.store.close()
@@ -294,7 +314,7 @@ def run(args) -> dict:
     exit_on_sigterm()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     logging.getLogger("nixl").setLevel(logging.WARNING)
-    payload: dict = {"environment": environment(), "args": {k: v for k, v in vars(args).items() if k != "grid"}}
+    payload: dict = {"environment": environment(), "args": vars(args)}
     with tempfile.TemporaryDirectory(prefix="bench-s3agg-") as tmp, SeaweedFS(Path(tmp) / "s3") as s3:
         bucket = f"bench-{uuid.uuid4().hex[:8]}"
         s3.client().create_bucket(Bucket=bucket)
@@ -333,9 +353,11 @@ def table(payload: dict) -> str:
                 r = by[(workload, policy)]
                 rates = ", ".join(f"{x:.2f}" for x in r["rates_gbps_unscaled"])
                 body.append([workload, r["cap_gbps"], policy, rates, f"{r['added_median_s'] * 1e3:.0f}",
-                             f"{equal / r['added_median_s']:.2f}x" if r["added_median_s"] > 0 else "inf"])
+                             f"{equal / r['added_median_s']:.2f}x" if r["added_median_s"] > 0 else "inf",
+                             r.get("discarded_split_epoch", "-")])
         out.append(markdown_table(
-            ["workload", "cap Gbps", "policy", "rates (Gbps, paper scale)", "added TTFT ms", "Equal / policy"],
+            ["workload", "cap Gbps", "policy", "rates (Gbps, paper scale)", "added TTFT ms", "Equal / policy",
+             "split-epoch samples discarded"],
             body, f"Scheduling: added TTFT (Eq. 3 on measured layer arrivals) over an unthrottled gateway, median "
                   f"of {payload['args']['reps']}; bytes x{sched['byte_scale']}, time x{sched['time_scale']}."))
     return "\n\n".join(out)
@@ -377,7 +399,7 @@ def plot(payload: dict, name: str) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="one small context, one repetition")
+    parser.add_argument("--quick", action="store_true", help="4K context only, one repetition")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--parts", nargs="+", default=["paths", "scheduling"], choices=["paths", "scheduling"])
     parser.add_argument("--layers", type=int, default=4, help="L for part 1")
@@ -393,10 +415,11 @@ def main() -> None:
         args.reps = 1
         args.grid = [(4096, 32), (4096, 256)]
     else:
-        # 64K tokens at 32-token chunks would be 8192 ranged GETs per read on this 2-core
-        # machine (~200 GETs/s under load): the largest context is measured at G = 256.
+        # Every chunk size at 16K; 64K at G = 32 would be 8192 ranged GETs per read (about
+        # 4 minutes for its 16 reads on this shared 2-core box), so 64K is measured at G = 256.
         args.grid = [(4096, 32), (16384, 32), (16384, 64), (16384, 128), (16384, 256), (65536, 256)]
-    args.name = "s3agg-quick" if args.quick else "s3agg"
+    # Results of a partial run do not overwrite the full run's.
+    args.name = "s3agg" + ("-quick" if args.quick else "") + ("" if len(args.parts) == 2 else f"-{args.parts[0]}")
     run_and_report(run, table, args, f"{args.name}.json")
 
 
