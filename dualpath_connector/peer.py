@@ -31,6 +31,8 @@ from dualpath_connector.side_channel import SideChannelServer, decode_bytes, enc
 logger = logging.getLogger(__name__)
 
 PULLED = b"pulled:"
+IDLE_TICK_S = 0.005
+LENT_TICK_S = 0.001
 RELEASE = b"release:"
 
 @dataclass(frozen=True)
@@ -114,7 +116,10 @@ class PeerLink:
 
     # -- notifications and expiry (side-channel thread) -----------------------
 
-    def _tick(self) -> None:
+    def _tick(self) -> float:
+        # Reading notifications also progresses UCX, which a peer's READ of
+        # memory lent out here may need (TCP emulates RMA with messages): poll
+        # fast while anything is lent, slowly otherwise.
         for messages in self.agent.get_new_notifs([UCX]).values():
             for message in messages:
                 self._on_notification(message)
@@ -127,9 +132,11 @@ class PeerLink:
                 del self._holds[req_id]
                 self._released_holds.add(req_id)
             expired = [lease for lease, (_, _, expiry) in self._leases.items() if expiry < now]
+            lent = bool(self._holds or self._leases)
         for lease in expired:
             logger.warning("buffer lease %s expired before the PE released it", lease)
             self._end_lease(lease)
+        return LENT_TICK_S if lent else IDLE_TICK_S
 
     def _on_notification(self, message: bytes) -> None:
         if message.startswith(PULLED):

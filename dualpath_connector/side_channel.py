@@ -40,15 +40,16 @@ def decode_bytes(text: str) -> bytes:
 
 
 class SideChannelServer:
-    """Answers ``{"op": ...}`` requests on ``tcp://host:port``; runs ``on_tick`` between messages."""
+    """Answers ``{"op": ...}`` requests on ``tcp://host:port``; runs ``on_tick`` between messages.
 
-    def __init__(
-        self, host: str, port: int, handlers: dict[str, Handler], on_tick: Callable[[], None], tick_s: float = 0.005
-    ) -> None:
+    ``on_tick`` returns how long the server may wait for a message before
+    calling it again (seconds).
+    """
+
+    def __init__(self, host: str, port: int, handlers: dict[str, Handler], on_tick: Callable[[], float]) -> None:
         self.address = f"{host}:{port}"
         self._handlers = handlers
         self._on_tick = on_tick
-        self._tick_ms = max(1, int(tick_s * 1000))
         self._context = zmq.Context()
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -80,8 +81,9 @@ class SideChannelServer:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._replies, zmq.POLLIN)
+        wait_s = 0.0
         while not self._stopping.is_set():
-            events = dict(poller.poll(self._tick_ms))
+            events = dict(poller.poll(wait_s * 1000))
             if self._replies in events:
                 while True:
                     try:
@@ -97,9 +99,10 @@ class SideChannelServer:
                         break
                     self._dispatch(identity, body)
             try:
-                self._on_tick()
+                wait_s = self._on_tick()
             except Exception:
                 logger.exception("side channel tick failed")
+                wait_s = 0.1
         self._router.close()
         self._replies.close()
 

@@ -157,6 +157,7 @@ class _Injection:
         self.local = [h for h in hits if h.remote is None]
         self.remote = [h for h in hits if h.remote is not None]
         self.reads = {id(h): worker._post_remote_reads(h) for h in self.remote}
+        self.plan = worker._copy_plan(self.local)
 
     def layer(self, layer: int) -> None:
         for hit in list(self.remote):
@@ -166,8 +167,8 @@ class _Injection:
                 self.worker._repair_from_store(hit)
                 self.remote.remove(hit)
                 self.local.append(hit)
-        if self.local:
-            self.worker._copy_in(self.local, [layer])
+                self.plan = self.worker._copy_plan(self.local)
+        self.worker._copy_in(self.plan, [layer])
 
     def finish(self) -> None:
         for hit in self.remote:
@@ -464,7 +465,7 @@ class DualPathWorker:
                 return
             self._repair_from_store(hit, on_io_thread=True)
         try:
-            self._copy_in([hit], list(range(self.layout.num_layers)))
+            self._copy_in(self._copy_plan([hit]), list(range(self.layout.num_layers)))
         finally:
             self._release_hits([hit])
 
@@ -525,8 +526,8 @@ class DualPathWorker:
             raise RuntimeError(f"request {hit.req_id}: hit KV lost with its DE and unreadable from the store")
         hit.slots = result[0].slots
 
-    def _copy_in(self, hits: list[_LoadedHit], layers: list[int]) -> None:
-        """Copy ``layers`` of hits held in this engine's pool into the KV cache."""
+    def _copy_plan(self, hits: list[_LoadedHit]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """Index tensors (pool slot, sub-block, KV block) of every block of hits held in this engine's pool."""
         slot_index, sub_index, block_index = [], [], []
         for hit in hits:
             for chunk, slot in zip(hit.chunks, hit.slots):
@@ -535,11 +536,17 @@ class DualPathWorker:
                     sub_index.append(chunk.first_sub_block + i)
                     block_index.append(block_id)
         if not block_index:
-            return
+            return None
         slot_t, sub_t, block_t = (torch.tensor(x, dtype=torch.long) for x in (slot_index, sub_index, block_index))
+        return slot_t, sub_t, block_t.to(self._layers[0].device)
+
+    def _copy_in(self, plan: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None, layers: list[int]) -> None:
+        """Copy ``layers`` of the planned blocks from the pool into the KV cache."""
+        if plan is None:
+            return
+        slot_t, sub_t, block_t = plan
         host = self._slot_blocks(self.load_pool)
         device = self._layers[0].device
-        block_t = block_t.to(device)
         for layer in layers:
             # host[...] is [n, outer, bytes]; the cache view wants [outer, n, bytes].
             self._layers[layer].index_copy_(1, block_t, host[slot_t, layer, sub_t].transpose(0, 1).to(device))
@@ -563,14 +570,15 @@ class DualPathWorker:
         if self.config.load_mode != "layerwise":
             return
         layer = self._layer_index[layer_name]
-        if layer == 0 or self._injection is None:
+        if layer == 0:
+            # Only here: a hit that turns up later in this forward would miss
+            # the layers already run, so it waits for the next forward (vLLM
+            # cannot schedule it before it is reported after this one).
             self._finish_injection()
             self._note_ended(meta)
             with self._lock:
                 hits, self._loaded = self._loaded, []
             self._injection = _Injection(self, hits) if hits else None
-            if self._injection is None:
-                return
         if self._injection is None:
             return
         self._injection.layer(layer)

@@ -65,6 +65,25 @@ class PeerRead:
         return self._state == "DONE"
 
 
+def coalesce(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Merge neighbouring descriptor pairs that are contiguous on both sides (same order kept).
+
+    vLLM hands out a prompt's blocks mostly in runs, so a pull of thousands
+    of blocks becomes a few large transfers instead of thousands of small ones.
+    """
+    if len(local) < 2:
+        return local, remote
+    ends_local = local[:-1, 0] + local[:-1, 1]
+    ends_remote = remote[:-1, 0] + remote[:-1, 1]
+    joined = (local[1:, 0] == ends_local) & (remote[1:, 0] == ends_remote)
+    joined &= (local[1:, 2] == local[:-1, 2]) & (remote[1:, 2] == remote[:-1, 2])
+    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
+    merged_local, merged_remote = local[starts].copy(), remote[starts].copy()
+    merged_local[:, 1] = np.add.reduceat(local[:, 1], starts)
+    merged_remote[:, 1] = np.add.reduceat(remote[:, 1], starts)
+    return merged_local, merged_remote
+
+
 def post_read(
     agent,
     peer: str,
@@ -78,6 +97,7 @@ def post_read(
 
     Raises if NIXL cannot even start the READ (unknown peer, unregistered memory).
     """
+    local, remote = coalesce(local, remote)
     handle = agent.initialize_xfer(
         "READ",
         agent.get_xfer_descs(local, local_mem_type),

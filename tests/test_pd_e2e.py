@@ -101,7 +101,7 @@ def through_router(router: RouterProcess, prompt: list[int]) -> tuple[dict, dict
     answer, headers, _ = router.complete(
         {
             "model": router_model(router), "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "logprobs": 0, "return_token_ids": True,
+            "ignore_eos": True, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
         }  # fmt: skip
     )
     choice = answer["choices"][0]
@@ -178,7 +178,7 @@ def test_de_killed_during_de_side_read_falls_back(cluster, baseline):
     def ask() -> None:
         body = {
             "model": str(pe.model), "prompt": expected["prompt"], "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "logprobs": 0, "return_token_ids": True,
+            "ignore_eos": True, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
             "kv_transfer_params": {"read_side": "de", "de_side_channel": de.side_channel},
         }  # fmt: skip
         request = urllib.request.Request(f"{pe.base_url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})

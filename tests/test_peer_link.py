@@ -153,3 +153,13 @@ def test_unknown_op_and_silent_peer_are_errors(pair):
     with pytest.raises(SideChannelError, match="no answer"):
         request(f"127.0.0.1:{free_port()}", {"op": "hello"}, timeout_s=0.5)
     assert time.monotonic() - started < 5
+
+
+def test_coalesce_merges_only_runs_contiguous_on_both_sides():
+    from nixl_backends.transport import coalesce
+
+    local = np.asarray([(0, 10, 0), (10, 10, 0), (20, 10, 0), (40, 10, 0), (50, 10, 0)], dtype=np.uint64)
+    remote = np.asarray([(100, 10, 0), (110, 10, 0), (500, 10, 0), (510, 10, 0), (520, 10, 1)], dtype=np.uint64)
+    merged_local, merged_remote = coalesce(local, remote)
+    assert merged_local.tolist() == [[0, 20, 0], [20, 10, 0], [40, 10, 0], [50, 10, 0]]
+    assert merged_remote.tolist() == [[100, 20, 0], [500, 10, 0], [510, 10, 0], [520, 10, 1]]
