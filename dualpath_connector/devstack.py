@@ -100,6 +100,14 @@ class SeaweedFS:
             "secret_key": self.secret_key,
         }
 
+    def head(self, bucket: str, key: str) -> bool:
+        """Whether ``key`` exists (a fresh client per call: callers may be on any thread)."""
+        try:
+            self.client().head_object(Bucket=bucket, Key=key)
+            return True
+        except Exception:
+            return False
+
     def client(self, max_attempts: int = 3):
         """A boto3 S3 client for this server (path-style, its credentials)."""
         import boto3
@@ -326,6 +334,7 @@ class VLLMServer(ServiceProcess):
             extra_config["side_channel_port"] = free_port()
             self.side_channel = f"{extra_config['side_channel_host']}:{extra_config['side_channel_port']}"
         self.model = model
+        self._s3 = s3
         self.log_path = log_path
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
@@ -386,6 +395,30 @@ class VLLMServer(ServiceProcess):
         if first_token_s is None:
             raise RuntimeError("the stream carried no token ids")
         return first_token_s, tokens, usage
+
+    def store_namespace(self) -> tuple[str, str]:
+        """(namespace digest, key prefix) of this engine's keys, from ``dualpath_kv:store_namespace_info``."""
+        import re
+        import urllib.request
+
+        text = urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30).read().decode()
+        line = next(l for l in text.splitlines() if l.startswith("dualpath_kv:store_namespace_info{"))
+        labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
+        return labels["namespace"], labels["key_prefix"]
+
+    def wait_stored(self, tokens: list[int], timeout_s: float = 120.0) -> None:
+        """Wait until every full chunk of ``tokens`` is in the store (saves are asynchronous)."""
+        from nixl_backends.layout import chunk_hashes, chunk_key
+
+        namespace, prefix = self.store_namespace()
+        chunk_tokens = int(self.kv_config["kv_connector_extra_config"].get("chunk_tokens") or 32)
+        keys = [chunk_key(prefix, namespace, h) for h in chunk_hashes(namespace, tokens, chunk_tokens)]
+        deadline = time.monotonic() + timeout_s
+        for key in keys:
+            while not self._s3.head(self.kv_config["kv_connector_extra_config"]["store"]["bucket"], key):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"chunk {key} not stored within {timeout_s}s")
+                time.sleep(0.05)
 
     def metric_total(self, name: str) -> float:
         """Sum of a Prometheus series over its labels on the server's /metrics."""

@@ -14,39 +14,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import re
 import signal
 import sys
 import threading
 import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from nixl_backends.layout import chunk_hashes, chunk_key
-
 from dualpath_connector.devstack import RouterProcess, SeaweedFS, VLLMServer, make_tiny_llama
-
-CHUNK_TOKENS = 32  # configs/pe.json and de.json keep the default: one vLLM block
-
-
-def _namespace(server: VLLMServer) -> tuple[str, str]:
-    """(namespace digest, key prefix) from the engine's ``dualpath_kv:store_namespace_info``."""
-    text = urllib.request.urlopen(f"{server.base_url}/metrics", timeout=30).read().decode()
-    labels = dict(re.findall(r'(\w+)="([^"]*)"', next(l for l in text.splitlines() if l.startswith("dualpath_kv:store_namespace_info{"))))
-    return labels["namespace"], labels["key_prefix"]
-
-
-def _wait_stored(s3, bucket: str, key: str, timeout_s: float = 60.0) -> None:
-    """Saves are asynchronous: before the next turn, wait for this turn's last chunk, as a tool call would."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            s3.head_object(Bucket=bucket, Key=key)
-            return
-        except s3.exceptions.ClientError:
-            time.sleep(0.05)
-    print(f"  (chunk {key} not stored within {timeout_s:.0f}s)")
 
 
 def _agent(session: dict, agent: int, args: argparse.Namespace, rows: list, start: threading.Barrier) -> None:
@@ -81,9 +56,8 @@ def _turns(session: dict, agent: int, args: argparse.Namespace, rows: list, star
             f"{rows[-1]['hit_tokens']:>6} hit tokens, {seconds * 1000:>7.0f} ms",
             flush=True,
         )
-        computed = context + output[:-1]
-        last = chunk_hashes(session["namespace"], computed, CHUNK_TOKENS)[-1]
-        _wait_stored(session["s3"], session["bucket"], chunk_key(session["key_prefix"], session["namespace"], last))
+        # Saves are asynchronous: the next turn waits for this one's chunks, as a tool call would.
+        session["de"].wait_stored(context + output[:-1])
         context = context + output + [rng.randrange(1024) for _ in range(args.tokens_per_turn)]
 
 
@@ -99,11 +73,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"starting both engines (logs: {pe.log_path}, {de.log_path}) ...", flush=True)
         with pe, de, RouterProcess([pe], [de], s3, workdir, policy="dualpath") as router:
             print(f"dualpath-router on {router.url} (log: {router.log_path})\n", flush=True)
-            namespace, key_prefix = _namespace(pe)
-            session = {
-                "router": router, "model": str(model), "s3": s3.client(), "namespace": namespace,
-                "key_prefix": key_prefix, "bucket": pe.kv_config["kv_connector_extra_config"]["store"]["bucket"],
-            }  # fmt: skip
+            session = {"router": router, "model": str(model), "de": de}
             start = threading.Barrier(args.agents)
             with ThreadPoolExecutor(args.agents) as pool:
                 # result() re-raises an agent's failure here.

@@ -24,15 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from nixl_backends.buffers import HostBufferPool
-from nixl_backends.transport import UCX
 
 from dualpath_connector.side_channel import SideChannelServer, decode_bytes, encode_bytes, request
 
 logger = logging.getLogger(__name__)
 
 PULLED = b"pulled:"
-IDLE_TICK_S = 0.005
-LENT_TICK_S = 0.001
 RELEASE = b"release:"
 
 @dataclass(frozen=True)
@@ -116,11 +113,10 @@ class PeerLink:
 
     # -- notifications and expiry (side-channel thread) -----------------------
 
-    def _tick(self) -> float:
+    def _tick(self) -> None:
         # Reading notifications also progresses UCX, which a peer's READ of
-        # memory lent out here may need (TCP emulates RMA with messages): poll
-        # fast while anything is lent, slowly otherwise.
-        for messages in self.agent.get_new_notifs([UCX]).values():
+        # memory lent out here may need (TCP emulates RMA with messages).
+        for messages in self.agent.get_new_notifs().values():
             for message in messages:
                 self._on_notification(message)
         now_wall, now = time.time(), time.monotonic()
@@ -132,11 +128,9 @@ class PeerLink:
                 del self._holds[req_id]
                 self._released_holds.add(req_id)
             expired = [lease for lease, (_, _, expiry) in self._leases.items() if expiry < now]
-            lent = bool(self._holds or self._leases)
         for lease in expired:
             logger.warning("buffer lease %s expired before the PE released it", lease)
             self._end_lease(lease)
-        return LENT_TICK_S if lent else IDLE_TICK_S
 
     def _on_notification(self, message: bytes) -> None:
         if message.startswith(PULLED):

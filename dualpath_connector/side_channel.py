@@ -13,6 +13,7 @@ import base64
 import itertools
 import json
 import logging
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -40,16 +41,15 @@ def decode_bytes(text: str) -> bytes:
 
 
 class SideChannelServer:
-    """Answers ``{"op": ...}`` requests on ``tcp://host:port``; runs ``on_tick`` between messages.
+    """Answers ``{"op": ...}`` requests on ``tcp://host:port``; runs ``on_tick`` between messages."""
 
-    ``on_tick`` returns how long the server may wait for a message before
-    calling it again (seconds).
-    """
-
-    def __init__(self, host: str, port: int, handlers: dict[str, Handler], on_tick: Callable[[], float]) -> None:
+    def __init__(
+        self, host: str, port: int, handlers: dict[str, Handler], on_tick: Callable[[], None], tick_s: float = 0.005
+    ) -> None:
         self.address = f"{host}:{port}"
         self._handlers = handlers
         self._on_tick = on_tick
+        self._tick_ms = max(1, int(tick_s * 1000))
         self._context = zmq.Context()
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
@@ -81,9 +81,8 @@ class SideChannelServer:
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._replies, zmq.POLLIN)
-        wait_s = 0.0
         while not self._stopping.is_set():
-            events = dict(poller.poll(wait_s * 1000))
+            events = dict(poller.poll(self._tick_ms))
             if self._replies in events:
                 while True:
                     try:
@@ -99,10 +98,9 @@ class SideChannelServer:
                         break
                     self._dispatch(identity, body)
             try:
-                wait_s = self._on_tick()
+                self._on_tick()
             except Exception:
                 logger.exception("side channel tick failed")
-                wait_s = 0.1
         self._router.close()
         self._replies.close()
 
@@ -125,10 +123,22 @@ class SideChannelServer:
         self._thread.join(timeout=5.0)
 
 
+_client_context: tuple[int, zmq.Context] | None = None
+
+
+def _context() -> zmq.Context:
+    # Our own context, not zmq.Context.instance(): inside a vLLM worker the
+    # shared instance is vLLM's, and its sockets' options and lifetime are
+    # not ours to rely on. Re-created after a fork.
+    global _client_context
+    if _client_context is None or _client_context[0] != os.getpid():
+        _client_context = (os.getpid(), zmq.Context())
+    return _client_context[1]
+
+
 def request(address: str, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Send one request to the side channel at ``host:port``; its answer, or :class:`SideChannelError`."""
-    context = zmq.Context.instance()
-    sock = context.socket(zmq.DEALER)
+    sock = _context().socket(zmq.DEALER)
     # A dead peer must not keep this process from exiting.
     sock.setsockopt(zmq.LINGER, 0)
     try:

@@ -84,12 +84,18 @@ def baseline(tiny_model) -> dict:
 def cluster(tiny_model, seaweedfs, tmp_path_factory):
     """One PE and one DE (vLLM OpenAI servers), stopped by the PIDs they hold."""
     logs = tmp_path_factory.mktemp("pd-logs")
-    options = {"bucket": BUCKET, "extra": {"de_read_timeout_s": 5.0}, "max_num_batched_tokens": BATCH_TOKENS}
+    options = {"bucket": BUCKET, "extra": {"de_read_timeout_s": 5.0, "pd_lease_s": 900.0}, "max_num_batched_tokens": BATCH_TOKENS}
     pe = VLLMServer(tiny_model, seaweedfs, logs / "pe.log", config="pe.json", **options)
     de = VLLMServer(tiny_model, seaweedfs, logs / "de.log", config="de.json", **options)
     try:
         pe.start()
         de.start()
+        # vLLM compiles its logprobs gather on first use, which stalls that
+        # engine for a minute on 2 cores; do it before the DE serves peers.
+        warm_up = {"model": str(tiny_model), "prompt": [1, 2, 3], "max_tokens": 2, "logprobs": 0, "return_tokens_as_token_ids": True}
+        for server in (pe, de):
+            request = urllib.request.Request(f"{server.base_url}/v1/completions", json.dumps(warm_up).encode(), {"Content-Type": "application/json"})
+            urllib.request.urlopen(request, timeout=900).read()
         yield pe, de
     finally:
         pe.stop()
@@ -130,6 +136,8 @@ def test_session_through_router_matches_single_engine(read_side, tiny_model, sea
         for turn, expected in enumerate(baseline[read_side]):
             out, headers = through_router(router, expected["prompt"])
             assert same(out, expected), f"turn {turn} differs from the engine without the connector"
+            # The next turn must find every chunk the DE saves (asynchronously).
+            de.wait_stored(expected["prompt"] + out["tokens"][:-1])
             hit = int(headers["x-dualpath-hit-tokens"])
             sides.append(headers["x-dualpath-read-side"])
             # Every full chunk of the previous turn's prompt and output was stored by the DE.
