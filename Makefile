@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
-.PHONY: setup test demo demo-single bench clean mma bench-s3agg bench-injection
+.PHONY: setup test demo demo-disagg bench clean mma bench-s3agg bench-injection
 
 setup: $(STAMP) mma
 
@@ -24,13 +24,13 @@ $(STAMP): pyproject.toml setup.py overrides.txt nixl_backends/csrc/cuobj_compat.
 test: setup
 	$(PY) -m pytest tests -v
 
-# The 1P1D stack (SeaweedFS, PE, DE, dualpath-router) and a two-agent session.
-demo: setup
-	PYTHON=$(PY) bash examples/disagg_demo.sh
-
 # One engine (kv_both) and a five-turn conversation.
-demo-single: setup
+demo: setup
 	$(PY) -m dualpath_connector.demo
+
+# The 1P1D stack (SeaweedFS, PE, DE, dualpath-router) and a two-agent session (PD is not reliable yet: issue 3).
+demo-disagg: setup
+	PYTHON=$(PY) bash examples/disagg_demo.sh
 
 bench: setup
 	$(PY) benchmarks/bench_store.py
