@@ -304,7 +304,8 @@ def test_unreachable_gateway_falls_back(seaweedfs, s3agg_bucket, stored, agent):
     store = open_store(seaweedfs, s3agg_bucket, f"http://127.0.0.1:{free_port()}", BlockLayout(4, 4096), agent)
     buffers = LayerBuffers(agent, 4, len(keys), 4096)
     result, handed = read_all(store, keys, buffers)
-    assert result.mode == "fallback" and "Connection refused" in result.error
+    # Refused, or reset when something else grabbed the free port meanwhile: either way a fallback.
+    assert result.mode == "fallback" and result.error.startswith(f"gateway {store.config.gateway}")
     assert handed == [0, 1, 2, 3]
     np.testing.assert_array_equal(buffers.array, buffers.expected(blocks, 4))
 
