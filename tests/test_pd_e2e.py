@@ -128,16 +128,12 @@ def router_model(router: RouterProcess) -> str:
     return json.loads(router.config_path.read_text())["served_model_names"][0]
 
 
-def metric(server: VLLMServer, name: str) -> float:
-    return server.metric_total(name)
-
-
 @pytest.mark.parametrize("read_side", READ_SIDES)
 def test_session_through_router_matches_single_engine(read_side, tiny_model, seaweedfs, cluster, baseline, tmp_path):
     pe, de = cluster
     before = {
-        "pe_read": metric(pe, "dualpath_kv:bytes_read_total"),
-        "de_read_for_pe": metric(de, "dualpath_kv:bytes_read_for_peer_total"),
+        "pe_read": pe.metric_total("dualpath_kv:bytes_read_total"),
+        "de_read_for_pe": de.metric_total("dualpath_kv:bytes_read_for_peer_total"),
     }
     router = RouterProcess([pe], [de], seaweedfs, tmp_path, read_side="auto" if read_side == "dualpath" else read_side)
     router.start()
@@ -158,13 +154,13 @@ def test_session_through_router_matches_single_engine(read_side, tiny_model, sea
     if read_side != "dualpath":
         assert set(sides) == {read_side}
     assert set(sides) <= {"pe", "de"}
-    pe_read = _settled(lambda: metric(pe, "dualpath_kv:bytes_read_total")) - before["pe_read"]
-    de_read = _settled(lambda: metric(de, "dualpath_kv:bytes_read_for_peer_total")) - before["de_read_for_pe"]
+    pe_read = _settled(lambda: pe.metric_total("dualpath_kv:bytes_read_total")) - before["pe_read"]
+    de_read = _settled(lambda: de.metric_total("dualpath_kv:bytes_read_for_peer_total")) - before["de_read_for_pe"]
     if read_side == "pe":
         assert pe_read > 0 and de_read == 0
     elif read_side == "de":
         assert de_read > 0 and pe_read == 0
-        assert metric(pe, "dualpath_kv:bytes_pulled_from_peer_total") >= de_read
+        assert pe.metric_total("dualpath_kv:bytes_pulled_from_peer_total") >= de_read
     else:
         assert pe_read + de_read > 0
 
@@ -189,7 +185,7 @@ def test_de_killed_during_de_side_read_falls_back(cluster, baseline):
     """
     pe, de = cluster
     expected = baseline["fallback"]
-    fallbacks_before = metric(pe, "dualpath_kv:de_read_fallbacks_total")
+    fallbacks_before = pe.metric_total("dualpath_kv:de_read_fallbacks_total")
     os.killpg(de.proc.pid, signal.SIGSTOP)
     answer: dict = {}
 
@@ -208,7 +204,7 @@ def test_de_killed_during_de_side_read_falls_back(cluster, baseline):
     try:
         deadline = time.monotonic() + 60
         # The request is in the PE, waiting for the DE's read.
-        while metric(pe, "vllm:num_requests_waiting") + metric(pe, "vllm:num_requests_running") < 1:
+        while pe.metric_total("vllm:num_requests_waiting") + pe.metric_total("vllm:num_requests_running") < 1:
             assert time.monotonic() < deadline, "the request never reached the PE"
             time.sleep(0.1)
     finally:
@@ -217,4 +213,4 @@ def test_de_killed_during_de_side_read_falls_back(cluster, baseline):
     choice = answer["choices"][0]
     assert same({"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}, expected)
     assert "did not read the hit" in pe.log_path.read_text()
-    assert _settled(lambda: metric(pe, "dualpath_kv:de_read_fallbacks_total")) == fallbacks_before + 1
+    assert _settled(lambda: pe.metric_total("dualpath_kv:de_read_fallbacks_total")) == fallbacks_before + 1
