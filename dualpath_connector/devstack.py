@@ -19,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -75,9 +76,27 @@ def _weed_binary() -> str:
 
 
 class SeaweedFS:
-    """A single-process SeaweedFS (master, volume, filer, S3) on 127.0.0.1."""
+    """A single-process SeaweedFS (master, volume, filer, S3) on 127.0.0.1.
 
-    def __init__(self, data_dir: str | os.PathLike[str] | None = None) -> None:
+    ``host``: the address clients reach S3 on (``endpoint``); ``bind``: where it
+    listens, ``127.0.0.1`` or ``0.0.0.0`` (its own parts talk over 127.0.0.1);
+    ``launcher``: a command prefix, e.g. ``ip netns exec <ns>`` to run it in a
+    network namespace.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | os.PathLike[str] | None = None,
+        *,
+        host: str = "127.0.0.1",
+        bind: str = "127.0.0.1",
+        launcher: Sequence[str] = (),
+    ) -> None:
+        if bind not in ("127.0.0.1", "0.0.0.0"):
+            raise ValueError(f"SeaweedFS bind must be 127.0.0.1 or 0.0.0.0, got {bind!r}")
+        self.host = host
+        self.bind = bind
+        self.launcher = list(launcher)
         self._owned_dir = data_dir is None
         self.data_dir = Path(data_dir or tempfile.mkdtemp(prefix="dualpath-s3-"))
         self.access_key = S3_ACCESS_KEY
@@ -88,7 +107,7 @@ class SeaweedFS:
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.s3_port}"
+        return f"http://{self.host}:{self.s3_port}"
 
     def store_config(self, bucket: str) -> dict[str, object]:
         """A ``store`` section for this server, as a user would write it."""
@@ -139,10 +158,11 @@ class SeaweedFS:
         self._ports = [_free_port_pair(taken) for _ in range(4)]
         master, volume, filer, self.s3_port = self._ports
         args = [
+            *self.launcher,
             _weed_binary(),
             "server",
             "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
+            f"-ip.bind={self.bind}",
             f"-dir={self.data_dir}",
             f"-master.port={master}",
             f"-volume.port={volume}",
@@ -310,6 +330,8 @@ class VLLMServer(ServiceProcess):
     Credentials travel in the standard AWS variables, never on the command
     line, where vLLM would log them with its arguments. vLLM's local prefix
     cache is off, so every hit it reports was read from the store.
+    ``host``: the address it listens on and is reached at; ``launcher``: a
+    command prefix (``ip netns exec <ns>`` for a network namespace).
     """
 
     def __init__(
@@ -322,6 +344,9 @@ class VLLMServer(ServiceProcess):
         extra: dict | None = None,
         max_num_batched_tokens: int | None = None,
         bucket: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        launcher: Sequence[str] = (),
     ) -> None:
         self.kv_config = json.loads((CONFIGS / config).read_text())
         extra_config = self.kv_config["kv_connector_extra_config"]
@@ -337,7 +362,7 @@ class VLLMServer(ServiceProcess):
         self._s3 = s3
         self.log_path = log_path
         self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.base_url = f"http://{host}:{self.port}"
         self.env = dict(
             os.environ,
             AWS_ACCESS_KEY_ID=s3.access_key,
@@ -347,10 +372,10 @@ class VLLMServer(ServiceProcess):
             PYTHONUNBUFFERED="1",
         )
         self.args = [
-            sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            *launcher, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
             "--model", str(model), "--skip-tokenizer-init", "--dtype", "bfloat16",
             "--block-size", "32", "--enforce-eager", "--seed", "0",
-            "--host", "127.0.0.1", "--port", str(self.port),
+            "--host", host, "--port", str(self.port),
             "--max-model-len", str(max_model_len),
             "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
             "--kv-transfer-config", json.dumps(self.kv_config),
