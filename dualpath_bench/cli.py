@@ -1,0 +1,182 @@
+"""``dualpath-bench``: generate agent traces, replay them through a router, compare Basic/DualPath/Oracle.
+
+    dualpath-bench generate --out trace.jsonl --agents 64
+    dualpath-bench run --router http://127.0.0.1:8000 --model tiny-llama --trace trace.jsonl --out run.json
+    dualpath-bench run ... --mode online --rate 0.5 --slo-ttft-s 4 --slo-tpot-ms 50
+    dualpath-bench cluster --topologies 1P1D,1P2D,2P1D     # root: builds network namespaces
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import signal
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+from dualpath_bench.cluster import ClusterError
+from dualpath_bench.compare import BenchError
+from dualpath_bench.replay import ReplayError
+from dualpath_bench.trace import TraceConfig, TraceError, generate, read_jsonl, summarize, write_jsonl
+
+logger = logging.getLogger(__name__)
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+# A short storage-bound workload for the cluster comparison on a 2-core machine (see README: the arithmetic).
+CLUSTER_TRACE = {"agents": 4, "turns": 5, "first_append_tokens": 3072, "sigma": 0.3}
+
+
+def _trace_args(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+    group = parser.add_argument_group("trace (ignored with --trace)")
+    group.add_argument("--trace", type=Path, help="a JSONL trace to replay instead of generating one")
+    for f in fields(TraceConfig):
+        default = (defaults or {}).get(f.name, f.default)
+        group.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=default,
+                           help=f"default {default}")  # fmt: skip
+
+
+def _agents(args: argparse.Namespace):
+    if args.trace:
+        return read_jsonl(args.trace)
+    return generate(TraceConfig.from_dict({f.name: getattr(args, f.name) for f in fields(TraceConfig)}))
+
+
+def _replay_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("replay")
+    group.add_argument("--mode", choices=("offline", "online"), default="offline")
+    group.add_argument("--rate", type=float, default=0.0, help="online: agent arrivals per second")
+    group.add_argument("--slo-ttft-s", type=float, default=4.0)
+    group.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    group.add_argument("--slo-percentile", type=float, default=90.0)
+    group.add_argument("--no-progress", dest="progress", action="store_false")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    agents = _agents(args)
+    path = write_jsonl(agents, args.out)
+    print(json.dumps({"trace": str(path), **summarize(agents)}, indent=1))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from dualpath_bench.replay import ReplayConfig, StoreWatcher, replay
+
+    agents = _agents(args)
+    watcher = None
+    if args.store_endpoint:
+        import boto3
+        from botocore.config import Config
+
+        from dualpath_bench.compare import namespace_info
+
+        info = namespace_info(args.namespace_from)
+        # Credentials from the usual AWS sources (AWS_ACCESS_KEY_ID...), as the router takes them.
+        client = boto3.client("s3", endpoint_url=args.store_endpoint, region_name="us-east-1",
+                              config=Config(s3={"addressing_style": "path"}))  # fmt: skip
+        watcher = StoreWatcher(client, args.store_bucket, info["namespace"], info["key_prefix"],
+                               int(info["chunk_tokens"]))  # fmt: skip
+    config = ReplayConfig(
+        args.router, args.model, mode=args.mode, rate=args.rate, seed=args.seed, token_salt=args.salt,
+        max_context=args.max_context, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_ms / 1000,
+        slo_percentile=args.slo_percentile, progress=args.progress,
+    )  # fmt: skip
+    result = replay(agents, config, watcher).to_json()
+    result["trace"] = summarize(agents)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result["summary"], indent=1))
+    print(f"results: {args.out}")
+    return 0 if not result["summary"]["agents_failed"] else 1
+
+
+def cmd_cluster(args: argparse.Namespace) -> int:
+    from dualpath_bench import report
+    from dualpath_bench.cluster import ClusterConfig, netns_supported
+    from dualpath_bench.compare import BenchConfig, run_comparison
+    from dualpath_connector.devstack import make_tiny_llama
+
+    supported, why = netns_supported()
+    if not supported:
+        print(f"dualpath-bench cluster needs network namespaces: {why}", file=sys.stderr)
+        return 2
+    agents = _agents(args)
+    config = BenchConfig(
+        topologies=tuple(t.strip() for t in args.topologies.split(",") if t.strip()),
+        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
+        cluster=ClusterConfig(storage_mbit=args.storage_mbit, compute_mbit=args.compute_mbit, subnet=args.subnet),
+        replay_mode=args.mode, rate=args.rate, nic_interval_s=args.nic_interval_s,
+        max_model_len=args.max_model_len, progress=args.progress,
+    ).validate()  # fmt: skip
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    model = make_tiny_llama(args.workdir / "tiny-llama")
+    payload = run_comparison(agents, config, args.workdir.resolve(), model)
+    paths = report.write(payload, args.out_dir, args.name)
+    print(paths["md"].read_text())
+    for kind, path in paths.items():
+        print(f"{kind}: {path}")
+    failed = [f"{t['topology']}/{m}" for t in payload["topologies"] for m, r in t["runs"].items() if "error" in r]
+    return 1 if failed else 0
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(prog="dualpath-bench", description=__doc__.splitlines()[0])
+    top.add_argument("-v", "--verbose", action="store_true")
+    sub = top.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("generate", help="write a seeded agent trace (JSONL)")
+    p.add_argument("--out", type=Path, required=True)
+    _trace_args(p)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("run", help="replay a trace through a running dualpath-router")
+    p.add_argument("--router", required=True, help="router base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument("--model", required=True, help="a served model name of the router")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/dualpath-replay.json"))
+    p.add_argument("--salt", type=int, default=0, help="added to every token id: a fresh prefix space per run")
+    p.add_argument("--store-endpoint", help="S3 endpoint to wait for each turn's chunks on (else no waiting)")
+    p.add_argument("--store-bucket", default="dualpath-kv")
+    p.add_argument("--namespace-from", help="an engine URL whose /metrics names the store namespace")
+    _trace_args(p)
+    _replay_args(p)
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("cluster", help="Basic vs DualPath vs Oracle on an emulated cluster (root, netns)")
+    p.add_argument("--topologies", default="1P1D", help="comma-separated, e.g. 1P1D,1P2D,2P1D")
+    p.add_argument("--modes", default="basic,dualpath,oracle")
+    p.add_argument("--storage-mbit", type=float, default=64.0, help="each node's storage NIC, both directions")
+    p.add_argument("--compute-mbit", type=float, default=0.0, help="compute network per node; 0: unshaped")
+    p.add_argument("--subnet", default="10.213", help="first two octets of the private /16 to use")
+    p.add_argument("--nic-interval-s", type=float, default=1.0)
+    p.add_argument("--max-model-len", type=int, default=8192)
+    p.add_argument("--workdir", type=Path, default=REPO_ROOT / ".cache", help="model, logs, S3 data")
+    p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    p.add_argument("--name", default="dualpath-bench", help="results file stem")
+    _trace_args(p, CLUSTER_TRACE)
+    _replay_args(p)
+    p.set_defaults(func=cmd_cluster)
+    return top
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    if args.command == "run" and bool(args.store_endpoint) != bool(args.namespace_from):
+        print("--store-endpoint and --namespace-from go together", file=sys.stderr)
+        return 2
+    # SIGTERM unwinds like Ctrl-C, so every context manager tears down what it built.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        return args.func(args)
+    except (TraceError, ReplayError, BenchError, ClusterError) as exc:
+        print(f"dualpath-bench: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted; everything this run started has been stopped", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

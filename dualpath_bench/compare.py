@@ -1,0 +1,322 @@
+"""Basic vs DualPath vs Oracle on the emulated cluster, one topology after another, in one invocation.
+
+Per topology (``1P1D``, ``1P2D``, ``2P1D``...) one :class:`EmulatedCluster` is
+built. Basic (router policy ``basic``: PE-side reads only) and DualPath (policy
+``dualpath``) share its engines and differ only in the router; every run adds
+its own ``token_salt`` to the trace, so no run finds another's chunks in the
+store and each starts from the same (empty) state of its prefix space. Oracle
+restarts the engines with the connector's benchmark-only switch
+(``benchmark_oracle: true``, accepted only with ``DUALPATH_BENCHMARK=1``),
+which reports hits as loaded without reading or moving bytes; its outputs are
+not meaningful, its timings are the no-I/O bound. A mode that fails (an
+engine refuses the switch, a request fails) is recorded with its reason and
+the others still run.
+
+Per run it records the replay (JCT or latency percentiles), the storage-link
+counters of every node sampled every ``nic_interval_s``, and the engines'
+/metrics deltas (connector bytes and timings, vLLM's queue and prefill
+histograms), from which :func:`ttft_breakdown` and :func:`nic_balance` derive
+the report's columns.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+from dualpath_bench.cluster import BUCKET, ClusterConfig, EmulatedCluster, EngineSpec, NicSampler, NicSample
+from dualpath_bench.replay import ReplayConfig, StoreWatcher, replay
+from dualpath_bench.trace import Agent, summarize
+
+logger = logging.getLogger(__name__)
+
+MODES = ("basic", "dualpath", "oracle")
+POLICY = {"basic": "basic", "dualpath": "dualpath", "oracle": "dualpath"}
+TOPOLOGY_RE = re.compile(r"^(\d+)P(\d+)D$")
+ORACLE_SPEC = EngineSpec(extra={"benchmark_oracle": True}, env={"DUALPATH_BENCHMARK": "1"})
+
+# Engine series whose change over a run the report uses (sums over label sets).
+ENGINE_SERIES = (
+    "vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count",
+    "vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count",
+    "vllm:request_prefill_kv_computed_tokens_sum",
+    "dualpath_kv:load_seconds_sum", "dualpath_kv:load_seconds_count",
+    "dualpath_kv:pull_seconds_sum", "dualpath_kv:pull_seconds_count",
+    "dualpath_kv:bytes_read_total", "dualpath_kv:bytes_read_for_peer_total",
+    "dualpath_kv:bytes_pulled_from_peer_total", "dualpath_kv:bytes_written_total",
+    "dualpath_kv:loaded_tokens_total", "dualpath_kv:load_failed_tokens_total",
+    "dualpath_kv:de_read_fallbacks_total",
+)  # fmt: skip
+
+
+class BenchError(ValueError):
+    """A comparison setting that cannot work; the message names it."""
+
+
+def parse_topology(text: str) -> tuple[int, int]:
+    match = TOPOLOGY_RE.match(text.strip().upper())
+    if not match or int(match[1]) < 1 or int(match[2]) < 1:
+        raise BenchError(f"topology must look like 1P1D or 2P1D, got {text!r}")
+    return int(match[1]), int(match[2])
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    topologies: tuple[str, ...] = ("1P1D",)
+    modes: tuple[str, ...] = MODES
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    replay_mode: str = "offline"
+    rate: float = 0.0
+    nic_interval_s: float = 1.0
+    busy_fraction: float = 0.25  # a balance window counts when it moved >= this x one NIC's capacity
+    warmup_requests: int = 2
+    max_model_len: int = 8192
+    start_timeout_s: float = 900.0
+    progress: bool = True
+
+    def validate(self) -> BenchConfig:
+        for topology in self.topologies:
+            parse_topology(topology)
+        unknown = [m for m in self.modes if m not in MODES]
+        if unknown or not self.modes:
+            raise BenchError(f"bench.modes must be a non-empty subset of {MODES}, got {list(self.modes)}")
+        if self.nic_interval_s <= 0:
+            raise BenchError(f"bench.nic_interval_s must be > 0, got {self.nic_interval_s}")
+        if not 0 <= self.busy_fraction < 1:
+            raise BenchError(f"bench.busy_fraction must be in [0, 1), got {self.busy_fraction}")
+        self.cluster.validate()
+        return self
+
+
+def _engine_snapshot(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    totals = dict.fromkeys(ENGINE_SERIES, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def _settled_snapshot(urls: dict[str, str], timeout_s: float = 15.0) -> dict[str, dict[str, float]]:
+    """Engine counters once they stop moving: connector stats reach /metrics with engine steps."""
+    deadline = time.monotonic() + timeout_s
+    previous = {name: _engine_snapshot(url) for name, url in urls.items()}
+    while time.monotonic() < deadline:
+        time.sleep(1.0)  # the engines' stats interval; nothing to wait on but the counters themselves
+        current = {name: _engine_snapshot(url) for name, url in urls.items()}
+        if current == previous:
+            return current
+        previous = current
+    logger.warning("engine counters still moving after %.0fs; using the last snapshot", timeout_s)
+    return previous
+
+
+def _delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    return {e: {k: after[e][k] - before[e].get(k, 0.0) for k in after[e]} for e in after}
+
+
+def nic_balance(samples: list[NicSample], nodes: list[str], mbit: float, busy_fraction: float) -> dict:
+    """Storage-read balance across all nodes' links: max/avg per busy window, traffic-weighted mean."""
+    capacity = mbit * 1e6 / 8  # bytes per second of one link
+    windows = []
+    for a, b in zip(samples, samples[1:]):
+        dt = b.t - a.t
+        moved = [y - x for x, y in zip(a.read_bytes, b.read_bytes)]
+        total = sum(moved)
+        if dt > 0 and total >= busy_fraction * capacity * dt:
+            windows.append((total, max(moved) / (total / len(moved))))
+    totals = [b - a for a, b in zip(samples[0].read_bytes, samples[-1].read_bytes)] if samples else []
+    writes = [b - a for a, b in zip(samples[0].write_bytes, samples[-1].write_bytes)] if samples else []
+    weight = sum(w for w, _ in windows)
+    return {
+        "busy_windows": len(windows),
+        "max_over_avg": sum(w * r for w, r in windows) / weight if weight else None,
+        "read_bytes": dict(zip(nodes, totals)),
+        "write_bytes": dict(zip(nodes, writes)),
+        "series": {
+            "t": [s.t - samples[0].t for s in samples],
+            "read_bytes": {n: [s.read_bytes[i] - samples[0].read_bytes[i] for s in samples] for i, n in enumerate(nodes)},
+        },
+    }
+
+
+def ttft_breakdown(summary: dict, deltas: dict[str, dict[str, float]], prefill_names: list[str]) -> dict:
+    """Mean TTFT split into PE queueing, storage read, PE prefill and the rest, from /metrics deltas.
+
+    Approximations: means, not per request; vLLM's queue time on the PE runs
+    until the request is scheduled, which for a hit is after its read, so the
+    read (the connector's ``load_seconds``) is taken out of it; "other" is the
+    client's TTFT minus the three: router scheduling and HTTP, the DE's pull of
+    the prompt's KV and its first decode step.
+    """
+    pe = {k: sum(deltas[n][k] for n in prefill_names) for k in ENGINE_SERIES}
+    requests = pe["vllm:request_queue_time_seconds_count"]
+    if not requests or not summary.get("ttft_s"):
+        return {}
+    read = pe["dualpath_kv:load_seconds_sum"] / requests
+    queue = max(0.0, pe["vllm:request_queue_time_seconds_sum"] / requests - read)
+    prefill = pe["vllm:request_prefill_time_seconds_sum"] / max(1.0, pe["vllm:request_prefill_time_seconds_count"])
+    ttft = summary["ttft_s"]["mean"]
+    return {"queue_s": queue, "read_s": read, "prefill_s": prefill, "other_s": max(0.0, ttft - queue - read - prefill),
+            "ttft_s": ttft}  # fmt: skip
+
+
+def cache_compute(deltas: dict, prefill_names: list[str], bytes_per_token: float, summary: dict, mbit: float) -> dict:
+    """The storage-bound arithmetic of a run: seconds to read a turn's hit vs to compute its misses."""
+    pe = {k: sum(deltas[n][k] for n in prefill_names) for k in ENGINE_SERIES}
+    requests = max(1, summary["requests"] - summary["failed_requests"])
+    hit = summary["hit_tokens"] / requests
+    computed = pe["vllm:request_prefill_kv_computed_tokens_sum"] / requests
+    prefill_rate = (
+        pe["vllm:request_prefill_kv_computed_tokens_sum"] / pe["vllm:request_prefill_time_seconds_sum"]
+        if pe["vllm:request_prefill_time_seconds_sum"] else None
+    )  # fmt: skip
+    read_s = hit * bytes_per_token / (mbit * 1e6 / 8)
+    return {
+        "hit_tokens_per_turn": hit,
+        "computed_tokens_per_turn": computed,
+        "bytes_per_token": bytes_per_token,
+        "read_s_per_turn_one_link": read_s,
+        "prefill_tokens_per_s": prefill_rate,
+        "compute_s_per_turn": computed / prefill_rate if prefill_rate else None,
+    }
+
+
+def _warmup(router_url: str, model: str, n: int, salt: int) -> None:
+    """Short requests with never-seen tokens: vLLM's first steps compile and allocate; keep them out of the run."""
+    import json
+    import random
+
+    rng = random.Random(f"warmup/{salt}")
+    for _ in range(n):
+        body = {"model": model, "prompt": [rng.randrange(1024) for _ in range(80)], "max_tokens": 4,
+                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        request = urllib.request.Request(f"{router_url}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        urllib.request.urlopen(request, timeout=600).read()
+
+
+def _run_mode(cluster: EmulatedCluster, mode: str, agents: list[Agent], config: BenchConfig, salt: int,
+              watcher: StoreWatcher, bytes_per_token: float) -> dict:  # fmt: skip
+    router = cluster.start_router(POLICY[mode])
+    try:
+        model = str(cluster.model)
+        _warmup(router.url, model, config.warmup_requests, salt)
+        urls = {name: server.base_url for name, server in cluster.engines.items()}
+        before = _settled_snapshot(urls)
+        replay_config = ReplayConfig(
+            router.url, model, mode=config.replay_mode, rate=config.rate, token_salt=salt,
+            max_context=config.max_model_len, progress=config.progress,
+        )  # fmt: skip
+        with NicSampler(cluster.network, config.nic_interval_s) as sampler:
+            result = replay(agents, replay_config, watcher)
+        after = _settled_snapshot(urls)
+    finally:
+        cluster.stop_router()
+    summary = result.summary()
+    deltas = _delta(before, after)
+    nodes = [n.name for n in cluster.network.nodes]
+    prefill = [n.name for n in cluster.network.nodes if n.role == "prefill"]
+    return {
+        "mode": mode,
+        "policy": POLICY[mode],
+        "summary": summary,
+        "ttft_breakdown": ttft_breakdown(summary, deltas, prefill),
+        "cache_compute": cache_compute(deltas, prefill, bytes_per_token, summary, cluster.network.config.storage_mbit),
+        "nic": nic_balance(sampler.samples, nodes, cluster.network.config.storage_mbit, config.busy_fraction),
+        "engine_deltas": deltas,
+        "records": [asdict(r) for r in result.records],
+    }
+
+
+def _watcher(cluster: EmulatedCluster) -> tuple[StoreWatcher, float]:
+    """A store watcher on the control link, and KV bytes per token, from an engine's namespace info."""
+    info = namespace_info(next(iter(cluster.engines.values())).base_url)
+    chunk_tokens = int(info["chunk_tokens"])
+    bytes_per_token = int(info["layer_block_bytes"]) * int(info["num_layers"]) / chunk_tokens
+    assert cluster.s3 is not None
+    watcher = StoreWatcher(cluster.s3.client(), BUCKET, info["namespace"], info["key_prefix"], chunk_tokens)
+    return watcher, bytes_per_token
+
+
+def namespace_info(engine_url: str) -> dict[str, str]:
+    """Labels of an engine's ``dualpath_kv:store_namespace_info`` (namespace, key_prefix, chunk geometry)."""
+    text = urllib.request.urlopen(f"{engine_url}/metrics", timeout=30).read().decode()
+    for line in text.splitlines():
+        if line.startswith("dualpath_kv:store_namespace_info{"):
+            return dict(re.findall(r'(\w+)="([^"]*)"', line))
+    raise RuntimeError(f"{engine_url}/metrics has no dualpath_kv:store_namespace_info (is the connector loaded?)")
+
+
+def run_topology(topology: str, agents: list[Agent], config: BenchConfig, workdir: Path, model: Path) -> dict:
+    prefill, decode = parse_topology(topology)
+    cluster_config = replace(config.cluster, prefill=prefill, decode=decode)
+    runs: dict[str, dict] = {}
+    with EmulatedCluster(cluster_config, workdir, model, config.max_model_len, config.start_timeout_s) as cluster:
+        logger.info("%s: network %s, S3 %s", topology, cluster.network.prefix, cluster.s3.endpoint)
+        plain = [m for m in config.modes if m != "oracle"]
+        if plain:
+            cluster.start_engines(EngineSpec())
+            watcher, bytes_per_token = _watcher(cluster)
+            for mode in plain:
+                runs[mode] = _guarded(mode, lambda m=mode: _run_mode(
+                    cluster, m, agents, config, MODES.index(m) + 1, watcher, bytes_per_token))  # fmt: skip
+        if "oracle" in config.modes:
+            def oracle() -> dict:
+                cluster.start_engines(ORACLE_SPEC)
+                watcher, bytes_per_token = _watcher(cluster)
+                return _run_mode(cluster, "oracle", agents, config, MODES.index("oracle") + 1, watcher, bytes_per_token)
+
+            runs["oracle"] = _guarded("oracle", oracle)
+    return {
+        "topology": topology,
+        "prefill": prefill,
+        "decode": decode,
+        "bound": (prefill + decode) / prefill,
+        "cluster": asdict(cluster_config),
+        "runs": runs,
+        "comparison": compare_runs(runs, (prefill + decode) / prefill),
+    }
+
+
+def _guarded(mode: str, run) -> dict:
+    try:
+        return run()
+    except Exception as exc:  # one mode's failure must not hide the others' results
+        logger.exception("mode %s failed", mode)
+        return {"mode": mode, "error": f"{type(exc).__name__}: {exc}"}
+
+
+def compare_runs(runs: dict[str, dict], bound: float) -> dict:
+    def jct(mode: str) -> float | None:
+        run = runs.get(mode, {})
+        summary = run.get("summary")
+        if not summary or summary["agents_failed"]:
+            return None
+        return summary["jct_s"]
+
+    basic, dual, oracle = jct("basic"), jct("dualpath"), jct("oracle")
+    speedup = basic / dual if basic and dual else None
+    return {
+        "dualpath_speedup": speedup,
+        "bound": bound,
+        "fraction_of_bound": speedup / bound if speedup else None,
+        "dualpath_over_oracle": dual / oracle if dual and oracle else None,
+        "basic_over_oracle": basic / oracle if basic and oracle else None,
+    }
+
+
+def run_comparison(agents: list[Agent], config: BenchConfig, workdir: Path, model: Path) -> dict:
+    """Every topology of ``config``; the payload the report renders."""
+    config.validate()
+    topologies = [run_topology(t, agents, config, workdir, model) for t in config.topologies]
+    return {
+        "config": {**asdict(config), "cluster": asdict(config.cluster)},
+        "trace": summarize(agents),
+        "topologies": topologies,
+    }

@@ -1,0 +1,137 @@
+"""Markdown table, JSON and PNG plots of a comparison payload (:func:`dualpath_bench.compare.run_comparison`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+
+def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown(payload: dict) -> str:
+    trace = payload["trace"]
+    cluster = payload["config"]["cluster"]
+    lines = [
+        "# DualPath on the emulated cluster",
+        "",
+        f"Trace: {trace['agents']} agents, {trace['turns']:.1f} turns/agent, append {trace['append']:.0f}, "
+        f"gen {trace['gen']:.0f}, context {trace['context']:.0f} tokens/turn (hit ratio {trace['hit_ratio']:.1%}). "
+        f"Storage NIC {cluster['storage_mbit']:g} Mbit/s per node, compute network "
+        f"{'unshaped' if not cluster['compute_mbit'] else str(cluster['compute_mbit']) + ' Mbit/s'}; "
+        f"replay {payload['config']['replay_mode']}.",
+        "",
+        "| topology | mode | JCT s | speedup vs Basic | bound (P+D)/P | NIC read max/avg | TTFT mean s "
+        "| queue s | read s | prefill s | other s | TTFT p90 s | TPOT p50 ms | read sides | failed |",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|",
+    ]
+    for topology in payload["topologies"]:
+        basic = topology["runs"].get("basic", {}).get("summary")
+        for mode, run in topology["runs"].items():
+            if "error" in run:
+                lines.append(f"| {topology['topology']} | {mode} | failed: {run['error'][:120]} |" + " |" * 12)
+                continue
+            s, b = run["summary"], run["ttft_breakdown"]
+            speedup = basic["jct_s"] / s["jct_s"] if basic and s["jct_s"] else None
+            sides = ", ".join(f"{k or '?'}:{v}" for k, v in s["read_sides"].items())
+            lines.append(
+                f"| {topology['topology']} | {mode} | {s['jct_s']:.1f} | {_fmt(speedup, '.2f', 'x')} "
+                f"| {topology['bound']:.2f}x | {_fmt(run['nic']['max_over_avg'])} | {_fmt(b.get('ttft_s'))} "
+                f"| {_fmt(b.get('queue_s'))} | {_fmt(b.get('read_s'))} | {_fmt(b.get('prefill_s'))} "
+                f"| {_fmt(b.get('other_s'))} | {_fmt(s['ttft_s'].get('p90'))} "
+                f"| {_fmt(s['tpot_s']['p50'] * 1000 if s['tpot_s'] else None, '.0f')} | {sides} "
+                f"| {s['failed_requests']} |"
+            )
+    lines += ["", "Comparison:", ""]
+    for topology in payload["topologies"]:
+        c = topology["comparison"]
+        lines.append(
+            f"- {topology['topology']}: DualPath speedup {_fmt(c['dualpath_speedup'], '.2f', 'x')} of a "
+            f"{c['bound']:.2f}x bound ({_fmt(c['fraction_of_bound'], '.0%')}); DualPath/Oracle JCT "
+            f"{_fmt(c['dualpath_over_oracle'], '.2f', 'x')}."
+        )
+    lines += [
+        "",
+        "NIC read max/avg: per 1 s window in which the storage links moved at least a quarter of one link's "
+        "capacity, the busiest node's read bytes over the mean of all nodes; traffic-weighted mean over windows. "
+        "TTFT split: means from the PEs' /metrics (queue = vLLM queue time minus the connector's load time, "
+        "read = load time, prefill = vLLM prefill time); other = client TTFT minus the three (router, PD pull, "
+        "DE first step).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(payload: dict, path: Path) -> Path | None:
+    """JCT per mode and topology, the TTFT split, and each node's storage read rate over time."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        logger.warning("matplotlib is not installed: no plot")
+        return None
+    topologies = payload["topologies"]
+    modes = ["basic", "dualpath", "oracle"]
+    ok = {(t["topology"], m): t["runs"][m] for t in topologies for m in modes if "summary" in t["runs"].get(m, {})}
+    n_series = max(1, len(ok))
+    fig = plt.figure(figsize=(12, 4 + 2.2 * ((n_series + 2) // 3)))
+    grid = fig.add_gridspec(1 + (n_series + 2) // 3, 3)
+    ax = fig.add_subplot(grid[0, 0])
+    width = 0.8 / len(modes)
+    for i, mode in enumerate(modes):
+        xs = [j + i * width for j, t in enumerate(topologies) if (t["topology"], mode) in ok]
+        ys = [ok[(t["topology"], mode)]["summary"]["jct_s"] for t in topologies if (t["topology"], mode) in ok]
+        ax.bar(xs, ys, width, label=mode)
+    ax.set_xticks([j + width for j in range(len(topologies))], [t["topology"] for t in topologies])
+    ax.set_ylabel("JCT (s)")
+    ax.set_title("Job completion time")
+    ax.legend()
+    ax = fig.add_subplot(grid[0, 1:])
+    labels, bottoms = [], []
+    parts = ("queue_s", "read_s", "prefill_s", "other_s")
+    for (topology, mode), run in ok.items():
+        labels.append(f"{topology}\n{mode}")
+        bottoms.append([run["ttft_breakdown"].get(p, 0.0) for p in parts])
+    base = [0.0] * len(labels)
+    for k, part in enumerate(parts):
+        values = [b[k] for b in bottoms]
+        ax.bar(range(len(labels)), values, bottom=base, label=part.removesuffix("_s"))
+        base = [x + y for x, y in zip(base, values)]
+    ax.set_xticks(range(len(labels)), labels, fontsize=8)
+    ax.set_ylabel("mean TTFT (s)")
+    ax.set_title("TTFT breakdown (PE /metrics)")
+    ax.legend(fontsize=8)
+    for index, ((topology, mode), run) in enumerate(ok.items()):
+        ax = fig.add_subplot(grid[1 + index // 3, index % 3])
+        series = run["nic"]["series"]
+        t = series["t"]
+        for node, values in series["read_bytes"].items():
+            rates = [(b - a) * 8 / 1e6 / (t2 - t1) for a, b, t1, t2 in zip(values, values[1:], t, t[1:]) if t2 > t1]
+            ax.plot(t[1 : len(rates) + 1], rates, label=node)
+        ax.set_title(f"{topology} {mode}: storage reads", fontsize=9)
+        ax.set_xlabel("s")
+        ax.set_ylabel("Mbit/s")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write(payload: dict, out_dir: Path, name: str) -> dict[str, Path]:
+    """``<name>.json``, ``<name>.md`` and ``<name>.png`` under ``out_dir`` (JSON written atomically)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out_dir / f"{name}.json", "md": out_dir / f"{name}.md", "png": out_dir / f"{name}.png"}
+    text = markdown(payload)
+    tmp = paths["json"].with_name(paths["json"].name + ".tmp")
+    tmp.write_text(json.dumps({**payload, "table": text}, indent=1) + "\n")
+    tmp.replace(paths["json"])
+    paths["md"].write_text(text)
+    if plot(payload, paths["png"]) is None:
+        del paths["png"]
+    return paths
