@@ -6,6 +6,7 @@ Unknown or bad keys fail engine start-up with a message naming the key, e.g.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,10 @@ class DualPathConfig:
     de_read_timeout_s: float = 10.0
     # Deadline of one NIXL transfer between engines.
     pd_transfer_timeout_s: float = 30.0
+    # Benchmarks only (dualpath-bench's Oracle): hits count as loaded
+    # without a byte read or moved, so outputs are wrong. Refused unless the
+    # environment says DUALPATH_BENCHMARK=1.
+    benchmark_oracle: bool = False
     # Parsed from `store` by validate(); not a user key.
     store_config: Any = field(default=None, init=False, repr=False)
 
@@ -79,6 +84,11 @@ class DualPathConfig:
             # reused under a transfer the peer still counts on.
             raise ConfigError(
                 f"{_WHERE}pd_lease_s ({self.pd_lease_s}) must exceed de_read_timeout_s + pd_transfer_timeout_s"
+            )
+        if self.benchmark_oracle and os.environ.get("DUALPATH_BENCHMARK") != "1":
+            raise ConfigError(
+                f"{_WHERE}benchmark_oracle skips every KV read, so outputs are wrong; it is for "
+                "benchmarks only and needs DUALPATH_BENCHMARK=1 in the environment"
             )
         if self.side_channel_port is not None and not 0 < self.side_channel_port < 65536:
             raise ConfigError(f"{_WHERE}side_channel_port must be a TCP port, got {self.side_channel_port}")

@@ -56,6 +56,7 @@ class PeerLink:
         local_kv: Callable[[], dict[str, Any]],
         serve_read: Callable[[list[str], Callable[[dict[str, Any]], None]], None],
         lease_s: float,
+        cpu_affinity: set[int] | None = None,
     ) -> None:
         self.agent = agent
         self.namespace_digest = namespace_digest
@@ -70,7 +71,9 @@ class PeerLink:
         self._released_holds: set[str] = set()
         # DE: buffer slots lent to a PE -> (pool, slots, expiry).
         self._leases: dict[str, tuple[HostBufferPool, list[int], float]] = {}
-        self._server = SideChannelServer(host, port, {"hello": self._hello, "read": self._read}, self._tick)
+        self._server = SideChannelServer(
+            host, port, {"hello": self._hello, "read": self._read}, self._tick, cpu_affinity=cpu_affinity
+        )
 
     # -- serving peers --------------------------------------------------------
 

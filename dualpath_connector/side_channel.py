@@ -20,6 +20,8 @@ from typing import Any
 
 import zmq
 
+from dualpath_connector.affinity import pin_current_thread
+
 logger = logging.getLogger(__name__)
 
 Reply = Callable[[dict[str, Any]], None]
@@ -44,7 +46,13 @@ class SideChannelServer:
     """Answers ``{"op": ...}`` requests on ``tcp://host:port``; runs ``on_tick`` between messages."""
 
     def __init__(
-        self, host: str, port: int, handlers: dict[str, Handler], on_tick: Callable[[], None], tick_s: float = 0.005
+        self,
+        host: str,
+        port: int,
+        handlers: dict[str, Handler],
+        on_tick: Callable[[], None],
+        tick_s: float = 0.005,
+        cpu_affinity: set[int] | None = None,
     ) -> None:
         self.address = f"{host}:{port}"
         self._handlers = handlers
@@ -59,6 +67,7 @@ class SideChannelServer:
         self._replies.bind(self._replies_address)
         self._local = threading.local()
         self._stopping = threading.Event()
+        self._cpu_affinity = cpu_affinity
         self._thread = threading.Thread(target=self._run, name="dualpath-side-channel", daemon=True)
         self._thread.start()
         logger.info("DualPath side channel listening on %s", self.address)
@@ -78,6 +87,7 @@ class SideChannelServer:
         return reply
 
     def _run(self) -> None:
+        pin_current_thread(self._cpu_affinity)
         poller = zmq.Poller()
         poller.register(self._router, zmq.POLLIN)
         poller.register(self._replies, zmq.POLLIN)

@@ -81,6 +81,14 @@ def test_refused_secret_is_not_echoed():
     assert "hunter2-secret" not in str(error.value)
 
 
+def test_benchmark_oracle_needs_the_benchmark_environment(monkeypatch):
+    monkeypatch.delenv("DUALPATH_BENCHMARK", raising=False)
+    with pytest.raises(ConfigError, match="benchmark_oracle.*DUALPATH_BENCHMARK=1"):
+        parse_config({"store": POSIX, "benchmark_oracle": True})
+    monkeypatch.setenv("DUALPATH_BENCHMARK", "1")
+    assert parse_config({"store": POSIX, "benchmark_oracle": True}).benchmark_oracle
+
+
 def test_chunk_tokens_must_be_a_multiple_of_block_size():
     assert resolve_chunk_tokens(parse_config({"store": POSIX}), 32) == 32
     assert resolve_chunk_tokens(parse_config({"store": POSIX, "chunk_tokens": 64}), 32) == 64

@@ -1,0 +1,34 @@
+"""Where the connector's own threads run on vLLM's CPU build."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+logger = logging.getLogger(__name__)
+
+
+def kv_transfer_cores(device_type: str) -> set[int] | None:
+    """Cores for the connector's own threads on vLLM's CPU build; None elsewhere.
+
+    A CPU worker binds itself to the cores its OpenMP threads compute on;
+    threads we start inherit that binding, so a side channel or a NIXL job
+    would queue behind the forward (and a peer engine's worker bound to the
+    same core) for seconds. vLLM keeps the last core of each NUMA node for KV
+    transfer threads (NixlConnector pins its own there); so do we.
+    """
+    if device_type != "cpu":
+        return None
+    from vllm.platforms import current_platform
+
+    cores = {max(node) for node in current_platform.discover_numa_topology() if node}
+    return cores or None
+
+
+def pin_current_thread(cores: set[int] | None) -> None:
+    if cores:
+        try:
+            os.sched_setaffinity(0, cores)
+        except OSError as exc:  # a container's cpuset may not include that core
+            logger.warning("could not pin %s to cores %s: %s", threading.current_thread().name, sorted(cores), exc)
