@@ -1,4 +1,4 @@
-"""``dualpath-bench``: generate agent traces, replay them through a router, compare Basic/DualPath/Oracle.
+"""dualpath-bench: generate agent traces, replay them through a router, compare Basic/DualPath/Oracle.
 
     dualpath-bench generate --out trace.jsonl --agents 64
     dualpath-bench run --router http://127.0.0.1:8000 --model tiny-llama --trace trace.jsonl --out run.json
@@ -106,7 +106,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         topologies=tuple(t.strip() for t in args.topologies.split(",") if t.strip()),
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         cluster=ClusterConfig(storage_mbit=args.storage_mbit, compute_mbit=args.compute_mbit, subnet=args.subnet),
-        replay_mode=args.mode, rate=args.rate, nic_interval_s=args.nic_interval_s,
+        replay_mode=args.mode, rate=args.rate, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_ms / 1000,
+        slo_percentile=args.slo_percentile, nic_interval_s=args.nic_interval_s,
         max_model_len=args.max_model_len, progress=args.progress,
     ).validate()  # fmt: skip
     args.workdir.mkdir(parents=True, exist_ok=True)

@@ -71,6 +71,9 @@ class BenchConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     replay_mode: str = "offline"
     rate: float = 0.0
+    slo_ttft_s: float = 4.0
+    slo_tpot_s: float = 0.05
+    slo_percentile: float = 90.0
     nic_interval_s: float = 1.0
     busy_fraction: float = 0.25  # a balance window counts when it moved >= this x one NIC's capacity
     warmup_requests: int = 2
@@ -203,7 +206,9 @@ def _warmup(router_url: str, model: str, n: int, salt: int) -> None:
 
 def _run_mode(cluster: EmulatedCluster, mode: str, agents: list[Agent], config: BenchConfig, salt: int,
               watcher: StoreWatcher, bytes_per_token: float) -> dict:  # fmt: skip
-    router = cluster.start_router(POLICY[mode])
+    # The paper profiles the read rate in advance (A.4); here it is the link's rate, in tokens.
+    link_tokens_per_s = cluster.network.config.storage_mbit * 1e6 / 8 / bytes_per_token
+    router = cluster.start_router(POLICY[mode], scheduling={"read_tokens_per_s": link_tokens_per_s})
     try:
         model = str(cluster.model)
         _warmup(router.url, model, config.warmup_requests, salt)
@@ -211,7 +216,8 @@ def _run_mode(cluster: EmulatedCluster, mode: str, agents: list[Agent], config: 
         before = _settled_snapshot(urls)
         replay_config = ReplayConfig(
             router.url, model, mode=config.replay_mode, rate=config.rate, token_salt=salt,
-            max_context=config.max_model_len, progress=config.progress,
+            max_context=config.max_model_len, slo_ttft_s=config.slo_ttft_s, slo_tpot_s=config.slo_tpot_s,
+            slo_percentile=config.slo_percentile, progress=config.progress,
         )  # fmt: skip
         with NicSampler(cluster.network, config.nic_interval_s) as sampler:
             result = replay(agents, replay_config, watcher)

@@ -54,6 +54,15 @@ def markdown(payload: dict) -> str:
             f"{c['bound']:.2f}x bound ({_fmt(c['fraction_of_bound'], '.0%')}); DualPath/Oracle JCT "
             f"{_fmt(c['dualpath_over_oracle'], '.2f', 'x')}."
         )
+    for topology in payload["topologies"]:
+        for mode, run in topology["runs"].items():
+            slo = run.get("summary", {}).get("slo")
+            if slo:
+                lines.append(
+                    f"- {topology['topology']} {mode}: SLO {'holds' if slo['holds'] else 'missed'} at p{slo['percentile']:g} "
+                    f"(TTFT {slo['ttft_s']:.2f} s <= {slo['ttft_limit_s']:g} s, "
+                    f"TPOT {slo['tpot_s'] * 1000:.0f} ms <= {slo['tpot_limit_s'] * 1000:g} ms)."
+                )
     lines += [
         "",
         "NIC read max/avg: per 1 s window in which the storage links moved at least a quarter of one link's "
