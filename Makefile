@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
-.PHONY: setup test demo demo-disagg bench clean mma bench-s3agg bench-injection
+.PHONY: setup test demo demo-single bench clean mma bench-s3agg bench-injection bench-dualpath
 
 setup: $(STAMP) mma
 
@@ -24,13 +24,13 @@ $(STAMP): pyproject.toml setup.py overrides.txt nixl_backends/csrc/cuobj_compat.
 test: setup
 	$(PY) -m pytest tests -v
 
-# One engine (kv_both) and a five-turn conversation.
+# The 1P1D stack (SeaweedFS, PE, DE, dualpath-router) and a two-agent session.
 demo: setup
-	$(PY) -m dualpath_connector.demo
-
-# The 1P1D stack (SeaweedFS, PE, DE, dualpath-router) and a two-agent session (PD is not reliable yet: issue 3).
-demo-disagg: setup
 	PYTHON=$(PY) bash examples/disagg_demo.sh
+
+# One engine (kv_both) and a five-turn conversation.
+demo-single: setup
+	$(PY) -m dualpath_connector.demo
 
 bench: setup
 	$(PY) benchmarks/bench_store.py
@@ -44,6 +44,11 @@ bench-s3agg: setup
 # TTFT with bulk vs layerwise injection of a 90% store hit at 8k/16k/32k-token prompts.
 bench-injection: setup
 	$(PY) benchmarks/bench_injection.py
+
+# Basic vs DualPath vs Oracle, 1P1D, on an emulated cluster (root: network namespaces, tc storage NICs);
+# BENCH_ARGS adds options, e.g. BENCH_ARGS="--topologies 1P1D,1P2D,2P1D". Results: benchmarks/results/dualpath-bench.*
+bench-dualpath: setup
+	$(PY) -m dualpath_bench.cli cluster $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
