@@ -1,4 +1,4 @@
-"""``make demo-disagg``: the 1P1D stack on one machine (run through ``examples/disagg_demo.sh``).
+"""``make demo``: the 1P1D stack on one machine (run through ``examples/disagg_demo.sh``).
 
 SeaweedFS (S3), one prefill engine (``configs/pe.json``) and one decode engine
 (``configs/de.json``), both vLLM on CPU with the tiny test Llama, and

@@ -13,17 +13,7 @@ import pytest
 from dualpath_connector.devstack import S3_SECRET_KEY
 from tests.conftest import REPO_ROOT
 
-# Known failure, kept runnable: on vLLM's CPU workers the DE's NIXL READ of the
-# PE's blocks sometimes stays in flight past pd_transfer_timeout_s while the DE
-# worker's main thread stalls (vLLM reports no shm broadcast read for 60 s), so
-# the prompt is recomputed and outputs differ. See issue 3's closing note.
-pytestmark = [
-    pytest.mark.engine,
-    pytest.mark.skipif(
-        os.environ.get("DUALPATH_RUN_PD_E2E") != "1",
-        reason="PD pull stalls on vLLM CPU workers (issue 3 open); set DUALPATH_RUN_PD_E2E=1 to run",
-    ),
-]
+pytestmark = pytest.mark.engine
 
 
 def test_disagg_demo_uses_both_read_sides(tmp_path, tiny_model):

@@ -31,17 +31,7 @@ import pytest
 from dualpath_connector.devstack import RouterProcess, VLLMServer
 from tests.vllm_engine import Engine
 
-# Known failure, kept runnable: on vLLM's CPU workers the DE's NIXL READ of the
-# PE's blocks sometimes stays in flight past pd_transfer_timeout_s while the DE
-# worker's main thread stalls (vLLM reports no shm broadcast read for 60 s), so
-# the prompt is recomputed and outputs differ. See issue 3's closing note.
-pytestmark = [
-    pytest.mark.engine,
-    pytest.mark.skipif(
-        os.environ.get("DUALPATH_RUN_PD_E2E") != "1",
-        reason="PD pull stalls on vLLM CPU workers (issue 3 open); set DUALPATH_RUN_PD_E2E=1 to run",
-    ),
-]
+pytestmark = pytest.mark.engine
 
 BLOCK = 32
 OUTPUT_TOKENS = 2 * BLOCK
@@ -94,7 +84,7 @@ def baseline(tiny_model) -> dict:
 def cluster(tiny_model, seaweedfs, tmp_path_factory):
     """One PE and one DE (vLLM OpenAI servers), stopped by the PIDs they hold."""
     logs = tmp_path_factory.mktemp("pd-logs")
-    options = {"bucket": BUCKET, "extra": {"de_read_timeout_s": 5.0, "pd_lease_s": 900.0}, "max_num_batched_tokens": BATCH_TOKENS}
+    options = {"bucket": BUCKET, "extra": {"de_read_timeout_s": 5.0}, "max_num_batched_tokens": BATCH_TOKENS}
     pe = VLLMServer(tiny_model, seaweedfs, logs / "pe.log", config="pe.json", **options)
     de = VLLMServer(tiny_model, seaweedfs, logs / "de.log", config="de.json", **options)
     try:
