@@ -164,6 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    # One line per HTTP request would bury the progress bar.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     if args.command == "run" and bool(args.store_endpoint) != bool(args.namespace_from):
         print("--store-endpoint and --namespace-from go together", file=sys.stderr)
         return 2
