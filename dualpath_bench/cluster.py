@@ -150,6 +150,28 @@ def leftovers(prefix: str) -> list[str]:
     return [n for n in names + links if n.startswith(prefix)]
 
 
+def remove(prefix: str) -> list[str]:
+    """Delete the namespaces (killing what runs in them) and links named ``prefix``*; what is left.
+
+    Only for a prefix this harness made: its namespaces, and so their processes, are the run's own.
+    """
+    if not PREFIX_RE.match(prefix):
+        raise ClusterError(f"refusing to remove {prefix!r}: not a dualpath-bench prefix ({PREFIX_RE.pattern})")
+    names = set(leftovers(prefix))
+    namespaces = [n for n in _ip("netns", "list").split() if n in names]
+    for namespace in namespaces:
+        # The services stop their own process groups; this catches a child that escaped its group.
+        result = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
+        for pid in (int(p) for p in result.stdout.split()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        # Deleting a namespace deletes its veth ends, and with them their peers.
+        _quiet("ip", "netns", "del", namespace)
+    for link in leftovers(prefix):
+        _quiet("ip", "link", "del", link)
+    return leftovers(prefix)
+
+
 def _check_subnet_unused(network: ipaddress.IPv4Network) -> None:
     for entry in json.loads(_ip("-j", "-4", "addr", "show") or "[]"):
         for addr in entry.get("addr_info", []):
@@ -261,28 +283,10 @@ class ClusterNetwork:
         if not self._built:
             return
         with signals_deferred():
-            for namespace in self.namespaces:
-                self._kill_inside(namespace)
-            existing = set(leftovers(self.prefix))
-            for namespace in self.namespaces:
-                if namespace in existing:
-                    # Deleting a namespace deletes its veth ends, and with them their peers.
-                    _quiet("ip", "netns", "del", namespace)
-            for link in leftovers(self.prefix):
-                _quiet("ip", "link", "del", link)
-            remaining = leftovers(self.prefix)
+            remaining = remove(self.prefix)
             if remaining:
                 logger.error("teardown of %s left %s", self.prefix, remaining)
             self._built = bool(remaining)
-
-    @staticmethod
-    def _kill_inside(namespace: str) -> None:
-        # The services stop their own process groups; this catches a child that
-        # escaped its group. These namespaces are this run's, so are their processes.
-        result = subprocess.run(["ip", "netns", "pids", namespace], capture_output=True, text=True)
-        for pid in (int(p) for p in result.stdout.split()):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
 
     def __enter__(self) -> ClusterNetwork:
         return self.build()

@@ -30,6 +30,7 @@ from dualpath_bench.cluster import (
     NicSampler,
     leftovers,
     netns_supported,
+    remove,
 )
 from dualpath_bench.compare import compare_runs, nic_balance, ttft_breakdown
 from dualpath_bench.replay import ReplayConfig, ReplayError, replay
@@ -237,8 +238,13 @@ def test_report_renders_table_and_plot(tmp_path):
 # --- the emulated network -----------------------------------------------------------------------
 
 
-def _prefix() -> str:
-    return f"dpb{os.urandom(3).hex()[:5]}"
+@pytest.fixture
+def prefix():
+    """A fresh run prefix; whatever a failing test left under it is removed afterwards (asserts come first)."""
+    name = f"dpb{os.urandom(3).hex()[:5]}"
+    yield name
+    if _NETNS_OK:
+        remove(name)
 
 
 def _subnet() -> str:
@@ -247,8 +253,7 @@ def _subnet() -> str:
 
 
 @needs_netns
-def test_exception_after_tc_leaves_nothing():
-    prefix = _prefix()
+def test_exception_after_tc_leaves_nothing(prefix):
     with pytest.raises(RuntimeError, match="injected"):
         with ClusterNetwork(ClusterConfig(prefill=1, decode=2, storage_mbit=100, compute_mbit=500,
                                           subnet=_subnet(), prefix=prefix)) as net:  # fmt: skip
@@ -261,8 +266,7 @@ def test_exception_after_tc_leaves_nothing():
 
 
 @needs_netns
-def test_failure_while_building_leaves_nothing(monkeypatch):
-    prefix = _prefix()
+def test_failure_while_building_leaves_nothing(monkeypatch, prefix):
     calls = []
     original = ClusterNetwork._shape
 
@@ -279,14 +283,13 @@ def test_failure_while_building_leaves_nothing(monkeypatch):
 
 
 @needs_netns
-def test_service_failure_in_cluster_start_leaves_nothing(monkeypatch, tmp_path):
+def test_service_failure_in_cluster_start_leaves_nothing(monkeypatch, tmp_path, prefix):
     from dualpath_connector import devstack
 
     def refuse(self, timeout_s=60.0):
         raise RuntimeError("injected S3 start failure")
 
     monkeypatch.setattr(devstack.SeaweedFS, "start", refuse)
-    prefix = _prefix()
     cluster = EmulatedCluster(ClusterConfig(subnet=_subnet(), prefix=prefix), tmp_path, tmp_path / "model")
     with pytest.raises(RuntimeError, match="injected S3"):
         with cluster:
@@ -296,12 +299,13 @@ def test_service_failure_in_cluster_start_leaves_nothing(monkeypatch, tmp_path):
 
 @needs_netns
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_midway_tears_down(sig):
-    prefix = _prefix()
+def test_signal_midway_tears_down(sig, prefix):
     code = (
         "import signal, sys\n"
         "from dualpath_bench.cluster import ClusterConfig, ClusterNetwork\n"
         "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))\n"
+        # A background shell starts its children with SIGINT ignored; this test needs the default.
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         f"with ClusterNetwork(ClusterConfig(subnet={_subnet()!r}, prefix={prefix!r})) as net:\n"
         "    print('built', flush=True)\n"
         "    sys.stdin.read()\n"
@@ -322,15 +326,17 @@ def test_signal_midway_tears_down(sig):
 
 
 @needs_netns
-def test_subnet_in_use_is_refused():
+def test_subnet_in_use_is_refused(prefix):
     subnet = _subnet()
-    with ClusterNetwork(ClusterConfig(subnet=subnet, prefix=_prefix())):
+    other = prefix[:-1] + ("1" if prefix[-1] == "0" else "0")
+    with ClusterNetwork(ClusterConfig(subnet=subnet, prefix=prefix)):
         with pytest.raises(ClusterError, match="in use here"):
-            ClusterNetwork(ClusterConfig(subnet=subnet, prefix=_prefix())).build()
+            ClusterNetwork(ClusterConfig(subnet=subnet, prefix=other)).build()
+    assert leftovers(other) == []
 
 
 @needs_netns
-def test_storage_link_is_rate_limited_and_counted():
+def test_storage_link_is_rate_limited_and_counted(prefix):
     mbit, size = 40.0, 2_500_000  # 0.5 s at the link rate
     server_code = (
         "import socket\n"
@@ -338,7 +344,7 @@ def test_storage_link_is_rate_limited_and_counted():
         "s.bind(('0.0.0.0', 9999)); s.listen(); print('ready', flush=True)\n"
         f"c, _ = s.accept(); c.sendall(b'x' * {size}); c.close()\n"
     )
-    with ClusterNetwork(ClusterConfig(storage_mbit=mbit, subnet=_subnet(), prefix=_prefix())) as net:
+    with ClusterNetwork(ClusterConfig(storage_mbit=mbit, subnet=_subnet(), prefix=prefix)) as net:
         node = net.nodes[0]
         server = subprocess.Popen(["ip", "netns", "exec", net.s3_namespace, sys.executable, "-c", server_code],
                                   stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -377,11 +383,10 @@ def test_storage_link_is_rate_limited_and_counted():
     os.environ.get("DUALPATH_RUN_PD_E2E") != "1",
     reason="PD pull stalls on vLLM CPU workers (issue 3 open); set DUALPATH_RUN_PD_E2E=1 to run",
 )
-def test_smoke_1p1d_two_agents(tmp_path, tiny_model):
+def test_smoke_1p1d_two_agents(tmp_path, tiny_model, prefix):
     from dualpath_bench.compare import BenchConfig, run_comparison
 
     agents = generate(TraceConfig(agents=2, seed=0, turns=3, first_append_tokens=1024, sigma=0.0))
-    prefix = _prefix()
     config = BenchConfig(modes=("basic", "dualpath"), cluster=ClusterConfig(storage_mbit=200, subnet=_subnet(),
                          prefix=prefix), progress=False, warmup_requests=1)  # fmt: skip
     payload = run_comparison(agents, config, tmp_path, tiny_model)
