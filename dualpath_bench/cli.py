@@ -146,7 +146,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cluster", help="Basic vs DualPath vs Oracle on an emulated cluster (root, netns)")
     p.add_argument("--topologies", default="1P1D", help="comma-separated, e.g. 1P1D,1P2D,2P1D")
     p.add_argument("--modes", default="basic,dualpath,oracle")
-    p.add_argument("--storage-mbit", type=float, default=64.0, help="each node's storage NIC, both directions")
+    p.add_argument("--storage-mbit", type=float, default=16.0, help="each node's storage NIC, both directions")
     p.add_argument("--compute-mbit", type=float, default=0.0, help="compute network per node; 0: unshaped")
     p.add_argument("--subnet", default="10.213", help="first two octets of the private /16 to use")
     p.add_argument("--nic-interval-s", type=float, default=1.0)

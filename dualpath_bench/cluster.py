@@ -58,7 +58,7 @@ class ClusterConfig:
 
     prefill: int = 1
     decode: int = 1
-    storage_mbit: float = 64.0
+    storage_mbit: float = 16.0
     compute_mbit: float = 0.0  # 0: the compute network is not shaped
     subnet: str = "10.213"  # first two octets of the private /16 the harness owns for the run
     prefix: str = ""  # namespace/link name prefix; empty: a fresh random one
