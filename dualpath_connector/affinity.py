@@ -5,6 +5,8 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 logger = logging.getLogger(__name__)
 
@@ -32,3 +34,18 @@ def pin_current_thread(cores: set[int] | None) -> None:
             os.sched_setaffinity(0, cores)
         except OSError as exc:  # a container's cpuset may not include that core
             logger.warning("could not pin %s to cores %s: %s", threading.current_thread().name, sorted(cores), exc)
+
+
+@contextmanager
+def threads_started_on(cores: set[int] | None) -> Iterator[None]:
+    """Threads that native libraries start inside this block (NIXL's UCX and
+    OBJ backends, the AWS SDK's executor) run on ``cores``, not beside the forward."""
+    if not cores:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    pin_current_thread(cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)

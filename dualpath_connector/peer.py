@@ -64,6 +64,7 @@ class PeerLink:
         self._serve_read = serve_read
         self._lease_s = lease_s
         self._lock = threading.Lock()
+        self._handshake_lock = threading.Lock()
         self._peers: dict[str, PeerKV] = {}
         # PE: requests whose blocks a DE may still pull -> expiry.
         self._holds: dict[str, float] = {}
@@ -156,10 +157,15 @@ class PeerLink:
 
     def peer(self, address: str, timeout_s: float) -> PeerKV:
         """The peer at ``address`` (side channel ``host:port``), handshaking once."""
+        # Several DE-side reads may ask at once: one handshake, one remote agent.
+        with self._handshake_lock:
+            return self._known_peer(address) or self._handshake(address, timeout_s)
+
+    def _known_peer(self, address: str) -> PeerKV | None:
         with self._lock:
-            known = self._peers.get(address)
-        if known is not None:
-            return known
+            return self._peers.get(address)
+
+    def _handshake(self, address: str, timeout_s: float) -> PeerKV:
         answer = request(address, {"op": "hello"}, timeout_s)
         name = self.agent.add_remote_agent(decode_bytes(answer["metadata"]))
         kv = answer["kv"]

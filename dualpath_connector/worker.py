@@ -40,6 +40,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +52,7 @@ from nixl_backends.layout import BlockLayout, chunk_key
 from nixl_backends.store import TransferAbandoned, make_store
 from nixl_backends.transport import UCX, PeerRead, add_ucx_backend, mem_type, post_read
 
-from dualpath_connector.affinity import kv_transfer_cores, pin_current_thread
+from dualpath_connector.affinity import kv_transfer_cores, pin_current_thread, threads_started_on
 from dualpath_connector.config import ChunkGeometry, DualPathConfig, namespace_for
 from dualpath_connector.metadata import ChunkLoad, DualPathMetadata, LoadSpec, PullSpec, SaveSpec
 from dualpath_connector.peer import PULLED, RELEASE, PeerKV, PeerLink
@@ -197,23 +198,31 @@ class DualPathWorker:
         # the agent. No progress thread: NIXL's spins on a core for good, and
         # polling a transfer or the notifications (the side channel's tick)
         # makes progress as well.
-        self.agent = nixl_agent(
-            agent_name,
-            nixl_agent_config(
-                enable_prog_thread=False, backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
-            ),
-        )
-        if kv_role != "kv_both":
-            # Before any registration: pools and KV cache must be readable by peers.
-            add_ucx_backend(self.agent)
-        # The backend must exist before the pools register memory with the agent.
-        self.store = make_store(config.store_config, self.layout, self.agent)
-        self.load_pool = HostBufferPool(self.agent, self.layout.full_block_bytes, config.load_buffer_chunks)
-        self.save_pool = HostBufferPool(self.agent, self.layout.full_block_bytes, config.save_buffer_chunks)
+        self._transfer_cores = kv_transfer_cores(vllm_config.device_config.device_type)
+        with threads_started_on(self._transfer_cores):
+            self.agent = nixl_agent(
+                agent_name,
+                nixl_agent_config(
+                    enable_prog_thread=False, backends=[], sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT
+                ),
+            )
+            if kv_role != "kv_both":
+                # Before any registration: pools and KV cache must be readable by peers.
+                add_ucx_backend(self.agent)
+            # The backend must exist before the pools register memory with the agent.
+            self.store = make_store(config.store_config, self.layout, self.agent)
+            self.load_pool = HostBufferPool(self.agent, self.layout.full_block_bytes, config.load_buffer_chunks)
+            self.save_pool = HostBufferPool(self.agent, self.layout.full_block_bytes, config.save_buffer_chunks)
         self.stats = StatsRecorder()
         self.peers: PeerLink | None = None
-        self._transfer_cores = kv_transfer_cores(vllm_config.device_config.device_type)
         self._io = _IOThread(self._transfer_cores)
+        # PE: threads that wait for DEs to read hits (one per read in flight, up to this many).
+        self._de_reads = ThreadPoolExecutor(
+            max_workers=8,
+            thread_name_prefix="dualpath-de-read",
+            initializer=pin_current_thread,
+            initargs=(self._transfer_cores,),
+        )
         self._lock = threading.Lock()
         self._done_loads: set[str] = set()
         self._failed_blocks: set[int] = set()
@@ -320,8 +329,14 @@ class DualPathWorker:
         for spec in meta.loads:
             with self._lock:
                 self._in_flight.add(spec.req_id)
-            self._count_read_queue(self._spec_tokens(spec))
-            self._io.submit(_LOAD_PRIORITY, lambda spec=spec: self._load(spec))
+            if self.config.benchmark_oracle:
+                self._load_nothing(spec)
+            elif spec.read_side == "de":
+                # Not on the I/O thread: waiting for a DE must not hold up this
+                # engine's own store reads, or the two sides would take turns.
+                self._de_reads.submit(self._load_through_de, spec, time.perf_counter())
+            else:
+                self._queue_local_read(spec, time.perf_counter())
         for pull in meta.pulls:
             self._io.submit(_LOAD_PRIORITY, lambda pull=pull: self._pull(pull))
 
@@ -342,31 +357,50 @@ class DualPathWorker:
             self._loaded = [h for h in self._loaded if h.req_id not in self._dropped]
         self._release_hits(dropped)
 
-    def _load(self, spec: LoadSpec) -> None:
-        if self.config.benchmark_oracle:
-            self._count_read_queue(-self._spec_tokens(spec))
-            self.stats.add(loaded_tokens=sum(len(c.block_ids) for c in spec.chunks) * self.geometry.block_size)
-            with self._lock:
-                self._in_flight.discard(spec.req_id)
-                self._done_loads.add(spec.req_id)
-            return
-        started = time.perf_counter()
-        hit = None
+    def _load_nothing(self, spec: LoadSpec) -> None:
+        """benchmark_oracle: the hit counts as loaded; no byte is read or moved."""
+        self.stats.add(loaded_tokens=self._spec_tokens(spec))
+        with self._lock:
+            self._in_flight.discard(spec.req_id)
+            self._done_loads.add(spec.req_id)
+
+    def _queue_local_read(self, spec: LoadSpec, started: float) -> None:
+        # The read queue is what the router balances: tokens this engine has
+        # yet to read from the store, counted from the moment they queue.
+        tokens = self._spec_tokens(spec)
+        self._count_read_queue(tokens)
+
+        def job() -> None:
+            try:
+                hit = self._guarded_read(spec, lambda: self._read_here(spec))
+            finally:
+                self._count_read_queue(-tokens)
+            self._finish_load(spec, hit, started)
+
+        self._io.submit(_LOAD_PRIORITY, job)
+
+    def _load_through_de(self, spec: LoadSpec, started: float) -> None:
+        hit = self._guarded_read(spec, lambda: self._read_through_de(spec))
+        if hit is None:
+            self._queue_local_read(spec, started)
+        else:
+            self._finish_load(spec, hit, started)
+
+    def _guarded_read(self, spec: LoadSpec, read: Callable[[], _LoadedHit | None]) -> _LoadedHit | None:
+        """``read()``, injected at once in bulk mode; a failure is an empty hit (recompute), None is read()'s."""
         try:
-            if spec.read_side == "de":
-                hit = self._read_through_de(spec)
-            if hit is None:
-                hit = self._read_here(spec)
-            if self.config.load_mode == "bulk":
+            hit = read()
+            if hit is not None and self.config.load_mode == "bulk":
                 self._inject_whole(hit)
+            return hit
         except Exception:
             # Whatever went wrong, the request must still be reported, or it
             # would wait in WAITING_FOR_REMOTE_KVS forever.
             logger.exception("request %s: load failed", spec.req_id)
-            hit = None
-        finally:
-            self._count_read_queue(-self._spec_tokens(spec))
-        good = len(hit.chunks) if hit is not None else 0
+            return _LoadedHit(spec.req_id, [])
+
+    def _finish_load(self, spec: LoadSpec, hit: _LoadedHit, started: float) -> None:
+        good = len(hit.chunks)
         failed = [b for chunk in spec.chunks[good:] for b in chunk.block_ids]
         if failed:
             logger.warning(
@@ -383,14 +417,14 @@ class DualPathWorker:
         self.stats.time("load_seconds", time.perf_counter() - started)
         with self._lock:
             dropped = spec.req_id in self._dropped
-            if self.config.load_mode == "layerwise" and hit is not None and hit.chunks and not dropped:
+            if self.config.load_mode == "layerwise" and hit.chunks and not dropped:
                 self._loaded.append(hit)
             else:
                 self._in_flight.discard(spec.req_id)
                 self._dropped.discard(spec.req_id)
             self._failed_blocks.update(failed)
             self._done_loads.add(spec.req_id)
-        if dropped and self.config.load_mode == "layerwise" and hit is not None:
+        if dropped and self.config.load_mode == "layerwise":
             self._release_hits([hit])
 
     def _read_here(self, spec: LoadSpec) -> _LoadedHit:
@@ -469,13 +503,13 @@ class DualPathWorker:
     # -- loads: injecting hits into the KV cache ------------------------------
 
     def _inject_whole(self, hit: _LoadedHit) -> None:
-        """Bulk mode, on the I/O thread: every layer now, then the buffer is free."""
+        """Bulk mode, on the thread that read the hit: every layer now, then the buffer is free."""
         if hit.remote is not None:
             reads = self._post_remote_reads(hit)
             if reads is not None and all(r.wait(self.config.pd_transfer_timeout_s) for r in reads):
                 self._end_remote(hit)
                 return
-            self._repair_from_store(hit, on_io_thread=True)
+            self._repair_from_store(hit)
         try:
             self._copy_in(self._copy_plan([hit]), list(range(self.layout.num_layers)))
         finally:
@@ -507,12 +541,13 @@ class DualPathWorker:
         self.stats.add(bytes_pulled_from_peer=len(hit.chunks) * self.layout.full_block_bytes)
         self._release_hits([hit])
 
-    def _repair_from_store(self, hit: _LoadedHit, on_io_thread: bool = False) -> None:
+    def _repair_from_store(self, hit: _LoadedHit) -> None:
         """A READ from the DE failed after the hit was reported: read the same chunks here.
 
-        On the forward thread (layerwise) this stalls the step, but the KV must
-        be right before attention runs; a store that cannot serve it either
-        leaves no correct answer, so that is an error.
+        Runs on the I/O thread and waits for it. On the forward thread
+        (layerwise) this stalls the step, but the KV must be right before
+        attention runs; a store that cannot serve it either leaves no correct
+        answer, so that is an error.
         """
         remote, hit.remote = hit.remote, None
         logger.warning("request %s: READ from DE %s failed; reading the hit from the store here", hit.req_id, remote.address)
@@ -527,11 +562,8 @@ class DualPathWorker:
             finally:
                 done.set()
 
-        if on_io_thread:
-            job()
-        else:
-            self._io.submit(_REPAIR_PRIORITY, job)
-            done.wait()
+        self._io.submit(_REPAIR_PRIORITY, job)
+        done.wait()
         if not result or len(result[0].chunks) != len(hit.chunks):
             if result:
                 self._release_hits(result)
@@ -722,6 +754,7 @@ class DualPathWorker:
         return self.stats.take()
 
     def shutdown(self) -> None:
+        self._de_reads.shutdown(wait=True, cancel_futures=True)
         if self.peers is not None:
             self.peers.close()
         if not self._io.stop(timeout_s=60.0):

@@ -84,7 +84,7 @@ def baseline(tiny_model) -> dict:
 def cluster(tiny_model, seaweedfs, tmp_path_factory):
     """One PE and one DE (vLLM OpenAI servers), stopped by the PIDs they hold."""
     logs = tmp_path_factory.mktemp("pd-logs")
-    options = {"bucket": BUCKET, "extra": {"de_read_timeout_s": 5.0}, "max_num_batched_tokens": BATCH_TOKENS}
+    options = {"bucket": BUCKET, "max_num_batched_tokens": BATCH_TOKENS}
     pe = VLLMServer(tiny_model, seaweedfs, logs / "pe.log", config="pe.json", **options)
     de = VLLMServer(tiny_model, seaweedfs, logs / "de.log", config="de.json", **options)
     try:
