@@ -379,10 +379,6 @@ def test_storage_link_is_rate_limited_and_counted(prefix):
 
 @needs_netns
 @pytest.mark.engine
-@pytest.mark.skipif(
-    os.environ.get("DUALPATH_RUN_PD_E2E") != "1",
-    reason="PD pull stalls on vLLM CPU workers (issue 3 open); set DUALPATH_RUN_PD_E2E=1 to run",
-)
 def test_smoke_1p1d_two_agents(tmp_path, tiny_model, prefix):
     from dualpath_bench.compare import BenchConfig, run_comparison
 
