@@ -69,7 +69,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         import boto3
         from botocore.config import Config
 
-        from dualpath_bench.compare import namespace_info
+        from dualpath_connector.devstack import namespace_info
 
         info = namespace_info(args.namespace_from)
         # Credentials from the usual AWS sources (AWS_ACCESS_KEY_ID...), as the router takes them.

@@ -28,6 +28,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from dualpath_connector.devstack import namespace_info
+
 from dualpath_bench.cluster import BUCKET, ClusterConfig, EmulatedCluster, EngineSpec, NicSampler, NicSample
 from dualpath_bench.replay import ReplayConfig, StoreWatcher, replay
 from dualpath_bench.trace import Agent, summarize
@@ -248,15 +250,6 @@ def _watcher(cluster: EmulatedCluster) -> tuple[StoreWatcher, float]:
     assert cluster.s3 is not None
     watcher = StoreWatcher(cluster.s3.client(), BUCKET, info["namespace"], info["key_prefix"], chunk_tokens)
     return watcher, bytes_per_token
-
-
-def namespace_info(engine_url: str) -> dict[str, str]:
-    """Labels of an engine's ``dualpath_kv:store_namespace_info`` (namespace, key_prefix, chunk geometry)."""
-    text = urllib.request.urlopen(f"{engine_url}/metrics", timeout=30).read().decode()
-    for line in text.splitlines():
-        if line.startswith("dualpath_kv:store_namespace_info{"):
-            return dict(re.findall(r'(\w+)="([^"]*)"', line))
-    raise RuntimeError(f"{engine_url}/metrics has no dualpath_kv:store_namespace_info (is the connector loaded?)")
 
 
 def run_topology(topology: str, agents: list[Agent], config: BenchConfig, workdir: Path, model: Path) -> dict:

@@ -119,14 +119,6 @@ class SeaweedFS:
             "secret_key": self.secret_key,
         }
 
-    def head(self, bucket: str, key: str) -> bool:
-        """Whether ``key`` exists (a fresh client per call: callers may be on any thread)."""
-        try:
-            self.client().head_object(Bucket=bucket, Key=key)
-            return True
-        except Exception:
-            return False
-
     def client(self, max_attempts: int = 3):
         """A boto3 S3 client for this server (path-style, its credentials)."""
         import boto3
@@ -421,29 +413,22 @@ class VLLMServer(ServiceProcess):
             raise RuntimeError("the stream carried no token ids")
         return first_token_s, tokens, usage
 
-    def store_namespace(self) -> tuple[str, str]:
-        """(namespace digest, key prefix) of this engine's keys, from ``dualpath_kv:store_namespace_info``."""
-        import re
-        import urllib.request
-
-        text = urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30).read().decode()
-        line = next(l for l in text.splitlines() if l.startswith("dualpath_kv:store_namespace_info{"))
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', line))
-        return labels["namespace"], labels["key_prefix"]
-
     def wait_stored(self, tokens: list[int], timeout_s: float = 120.0) -> None:
         """Wait until every full chunk of ``tokens`` is in the store (saves are asynchronous)."""
         from nixl_backends.layout import chunk_hashes, chunk_key
 
-        namespace, prefix = self.store_namespace()
-        chunk_tokens = int(self.kv_config["kv_connector_extra_config"].get("chunk_tokens") or 32)
-        keys = [chunk_key(prefix, namespace, h) for h in chunk_hashes(namespace, tokens, chunk_tokens)]
+        info = namespace_info(self.base_url)
+        namespace, chunk_tokens = info["namespace"], int(info["chunk_tokens"])
+        keys = [chunk_key(info["key_prefix"], namespace, h) for h in chunk_hashes(namespace, tokens, chunk_tokens)]
+        bucket = self.kv_config["kv_connector_extra_config"]["store"]["bucket"]
+        client = self._s3.client()
         deadline = time.monotonic() + timeout_s
-        for key in keys:
-            while not self._s3.head(self.kv_config["kv_connector_extra_config"]["store"]["bucket"], key):
+        # Saves go in step order, so the last chunk lands last: check it first, then the rest once.
+        for key in keys[-1:] + keys[:-1]:
+            while not _object_exists(client, bucket, key):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"chunk {key} not stored within {timeout_s}s")
-                time.sleep(0.05)
+                time.sleep(0.05)  # polling S3: there is no notification to wait on
 
     def metric_total(self, name: str) -> float:
         """Sum of a Prometheus series over its labels on the server's /metrics."""
@@ -453,6 +438,26 @@ class VLLMServer(ServiceProcess):
         text = urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30).read().decode()
         pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
         return sum(float(v) for v in pattern.findall(text))
+
+
+def namespace_info(base_url: str) -> dict[str, str]:
+    """Labels of an engine's ``dualpath_kv:store_namespace_info`` (namespace, key_prefix, chunk geometry)."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=30).read().decode()
+    for line in text.splitlines():
+        if line.startswith("dualpath_kv:store_namespace_info{"):
+            return dict(re.findall(r'(\w+)="([^"]*)"', line))
+    raise RuntimeError(f"{base_url}/metrics has no dualpath_kv:store_namespace_info (is the connector loaded?)")
+
+
+def _object_exists(client, bucket: str, key: str) -> bool:
+    try:
+        client.head_object(Bucket=bucket, Key=key)
+        return True
+    except client.exceptions.ClientError:
+        return False
 
 
 class RouterProcess(ServiceProcess):
