@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from dualpath_connector.router.accounting import Accounting, EngineLoad, ThroughputEstimate
+from dualpath_connector.router.accounting import Accounting, EngineLoad, ThroughputEstimate, parse_engine_metrics
 from dualpath_connector.router.config import EngineConfig, parse_router_config
 from dualpath_connector.router.dispatcher import Dispatcher, QueueTimeout
 from dualpath_connector.router.lookup import HitLookup
@@ -208,3 +208,45 @@ def test_booking_balances_and_read_queue_goes_to_the_chosen_side():
         assert await dispatcher.start_prefill(100, 0, {"pe0", "pe1"}, None) is None
 
     asyncio.run(scenario())
+
+
+def test_pe_holds_the_tokens_it_computes_and_the_read_node_the_hit():
+    async def scenario():
+        dispatcher = make_dispatcher()
+        accounting = dispatcher.accounting
+        # beta is 1000 tokens per PE: four mostly-hit 3000-token prompts all fit on
+        # the PEs at once, their reads wait in the read queues instead.
+        placements = [await dispatcher.start_prefill(3000, 2900, set(), None) for _ in range(4)]
+        assert dispatcher.queued_requests == 0
+        assert sorted(e.unfinished_tokens for e in accounting.role("prefill")) == [200, 200]
+        assert sum(accounting.read_queues().values()) == 4 * 2900
+        assert accounting.engines["de0"].unfinished_tokens == 4 * 3000
+        for placement in placements:
+            dispatcher.finish_prefill(placement, completed=True)
+        assert all(e.unfinished_tokens == 0 for e in accounting.role("prefill"))
+
+    asyncio.run(scenario())
+
+
+def pe_metrics(computed_tokens: float, prefill_seconds: float) -> str:
+    return (
+        "# TYPE vllm:request_prefill_kv_computed_tokens histogram\n"
+        f'vllm:request_prefill_kv_computed_tokens_sum{{engine="0"}} {computed_tokens}\n'
+        "# TYPE vllm:request_prefill_time_seconds histogram\n"
+        f'vllm:request_prefill_time_seconds_sum{{engine="0"}} {prefill_seconds}\n'
+    )
+
+
+def test_prefill_rate_is_learnt_from_the_pes_compute_counters():
+    accounting = Accounting.build([EngineConfig("pe0", "http://127.0.0.1:1", "n1")], [], 1000.0, 1000.0, 1.0)
+    pe = accounting.engines["pe0"]
+    accounting.apply_report(pe, parse_engine_metrics(pe_metrics(5000, 10)))  # baseline only
+    assert accounting.prefill_rate.tokens_per_s == pytest.approx(1000.0)
+    accounting.apply_report(pe, parse_engine_metrics(pe_metrics(5600, 10.5)))
+    assert accounting.prefill_rate.tokens_per_s == pytest.approx(1200.0)
+    assert accounting.beta_tokens(5.0) == pytest.approx(6000.0)
+    # An engine restart resets its counters: re-baseline, learn nothing from it.
+    accounting.apply_report(pe, parse_engine_metrics(pe_metrics(100, 1.0)))
+    assert accounting.prefill_rate.tokens_per_s == pytest.approx(1200.0)
+    accounting.apply_report(pe, parse_engine_metrics(pe_metrics(400, 1.5)))
+    assert accounting.prefill_rate.tokens_per_s == pytest.approx(600.0)

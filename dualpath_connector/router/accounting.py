@@ -19,6 +19,7 @@ from typing import Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from dualpath_connector.rates import RateEstimate
 from dualpath_connector.router.config import EngineConfig, StoreNamespace
 
 logger = logging.getLogger(__name__)
@@ -27,6 +28,10 @@ Role = Literal["prefill", "decode"]
 
 NAMESPACE_INFO_METRIC = "dualpath_kv:store_namespace_info"
 READ_QUEUE_METRIC = "dualpath_kv:read_queue_tokens"
+# vLLM's own measure of prefill compute: tokens computed (hits excluded) and
+# the time from scheduling to the first token (a hit's read ends before that).
+COMPUTED_TOKENS_METRIC = "vllm:request_prefill_kv_computed_tokens_sum"
+PREFILL_SECONDS_METRIC = "vllm:request_prefill_time_seconds_sum"
 
 
 @dataclass
@@ -35,7 +40,9 @@ class EngineLoad:
 
     config: EngineConfig
     role: Role
-    # Tokens and requests the router dispatched and not yet seen finish.
+    # Tokens and requests the router dispatched and not yet seen finish. A
+    # PE's tokens are those it must compute (prompt minus hit): its reads are
+    # counted in the read queues, and beta bounds compute, as in the paper.
     dispatched_tokens: int = 0
     dispatched_requests: int = 0
     # From the engine's /metrics (None until a scrape succeeded).
@@ -43,6 +50,9 @@ class EngineLoad:
     reported_read_queue_tokens: int = 0
     kv_usage: float | None = None
     kv_capacity_tokens: int | None = None
+    # Cumulative counters of the last scrape, to take deltas of.
+    reported_computed_tokens: float | None = None
+    reported_prefill_seconds: float | None = None
     # False after a failed scrape or dispatch, until the next good scrape.
     healthy: bool = True
 
@@ -79,6 +89,8 @@ class EngineReport:
     kv_usage: float | None
     kv_capacity_tokens: int | None
     namespace: StoreNamespace | None
+    computed_tokens: float | None = None
+    prefill_seconds: float | None = None
 
 
 def parse_engine_metrics(text: str) -> EngineReport:
@@ -102,6 +114,8 @@ def parse_engine_metrics(text: str) -> EngineReport:
         kv_usage=None if usage is None else min(max(usage, 0.0), 1.0),
         kv_capacity_tokens=capacity,
         namespace=namespace,
+        computed_tokens=totals.get(COMPUTED_TOKENS_METRIC),
+        prefill_seconds=totals.get(PREFILL_SECONDS_METRIC),
     )
 
 
@@ -121,28 +135,19 @@ def _namespace_from_labels(labels: dict[str, str]) -> StoreNamespace | None:
     return namespace
 
 
-class ThroughputEstimate:
-    """Tokens per second of one kind of work, from completed work and the busy time it took.
+class ThroughputEstimate(RateEstimate):
+    """A rate learnt from completed work and the busy time it took.
 
-    Each resource (an engine, a node's read path) is busy while it has work
+    Each resource (a node's read path) is busy while it has work
     outstanding. A completion of ``t`` tokens is charged the busy time since
     the resource's previous completion (or since it became busy), so
-    concurrent work is not charged twice. Tokens and seconds are averaged
-    separately (EWMA) and divided: averaging per-sample rates would let a
-    burst of completions a microsecond apart dominate.
+    concurrent work is not charged twice.
     """
 
     def __init__(self, initial_tokens_per_s: float, weight: float) -> None:
-        self.weight = weight
-        # Seeded as one second of work at the configured rate.
-        self._tokens = initial_tokens_per_s
-        self._seconds = 1.0
+        super().__init__(initial_tokens_per_s, weight)
         self._outstanding: dict[str, int] = defaultdict(int)
         self._busy_mark: dict[str, float] = {}
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self._tokens / self._seconds
 
     def started(self, resource: str) -> None:
         if self._outstanding[resource] == 0:
@@ -155,9 +160,8 @@ class ThroughputEstimate:
         busy_s = now - self._busy_mark.get(resource, now)
         self._busy_mark[resource] = now
         self._outstanding[resource] = max(self._outstanding[resource] - 1, 0)
-        if completed and tokens > 0 and busy_s > 0:
-            self._tokens += self.weight * (tokens - self._tokens)
-            self._seconds += self.weight * (busy_s - self._seconds)
+        if completed:
+            self.add(tokens, busy_s)
 
 
 @dataclass
@@ -165,7 +169,10 @@ class Accounting:
     """Per-engine unfinished tokens/requests and per-node read-queue tokens."""
 
     engines: dict[str, EngineLoad]
-    prefill_rate: ThroughputEstimate
+    # Per PE, learnt from the PEs' own compute measurements (scrapes): a rate
+    # learnt from end-to-end answers would include store reads, and in the
+    # storage-bound regime beta would shrink to a single request.
+    prefill_rate: RateEstimate
     read_rate: ThroughputEstimate
     # Tokens the router sent to be read on each node and not yet answered.
     dispatched_read_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -183,7 +190,7 @@ class Accounting:
         engines.update({e.name: EngineLoad(e, "decode") for e in decode})
         return cls(
             engines,
-            ThroughputEstimate(prefill_tokens_per_s, rate_weight),
+            RateEstimate(prefill_tokens_per_s, rate_weight),
             ThroughputEstimate(read_tokens_per_s, rate_weight),
         )
 
@@ -208,20 +215,18 @@ class Accounting:
 
     # Dispatch and completion; every add has exactly one matching remove.
     def prefill_started(self, pe: EngineLoad, tokens: int, read_node: str, hit_tokens: int) -> None:
-        pe.dispatched_tokens += tokens
+        pe.dispatched_tokens += tokens - hit_tokens
         pe.dispatched_requests += 1
         self.dispatched_read_tokens[read_node] += hit_tokens
-        self.prefill_rate.started(pe.name)
         if hit_tokens:
             self.read_rate.started(read_node)
 
     def prefill_finished(
         self, pe: EngineLoad, tokens: int, read_node: str, hit_tokens: int, *, completed: bool
     ) -> None:
-        pe.dispatched_tokens -= tokens
+        pe.dispatched_tokens -= tokens - hit_tokens
         pe.dispatched_requests -= 1
         self.dispatched_read_tokens[read_node] -= hit_tokens
-        self.prefill_rate.finished(pe.name, tokens, completed=completed)
         if hit_tokens:
             # The PE answers after reading and computing: an upper bound on the read time.
             self.read_rate.finished(read_node, hit_tokens, completed=completed)
@@ -244,4 +249,16 @@ class Accounting:
         engine.reported_read_queue_tokens = report.read_queue_tokens
         engine.kv_usage = report.kv_usage
         engine.kv_capacity_tokens = report.kv_capacity_tokens
+        if engine.role == "prefill":
+            self._learn_prefill_rate(engine, report)
+
+    def _learn_prefill_rate(self, pe: EngineLoad, report: EngineReport) -> None:
+        if report.computed_tokens is None or report.prefill_seconds is None:
+            return
+        if pe.reported_computed_tokens is not None and pe.reported_prefill_seconds is not None:
+            # A counter that went down is an engine restart: only re-baseline.
+            self.prefill_rate.add(report.computed_tokens - pe.reported_computed_tokens,
+                                  report.prefill_seconds - pe.reported_prefill_seconds)
+        pe.reported_computed_tokens = report.computed_tokens
+        pe.reported_prefill_seconds = report.prefill_seconds
 

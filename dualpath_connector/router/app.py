@@ -67,7 +67,7 @@ class RouterMetrics:
         accounting = self._dispatcher.accounting
         labels = ["engine", "role"]
         tokens = GaugeMetricFamily("dualpath_router_engine_unfinished_tokens",
-                                   "Prompt tokens dispatched to the engine and not finished", labels=labels)
+                                   "Tokens dispatched to the engine and not finished (PE: to compute, hits excluded; DE: prompts)", labels=labels)
         requests = GaugeMetricFamily("dualpath_router_engine_unfinished_requests",
                                      "Unfinished requests (router's count or the engine's, the larger)",
                                      labels=labels)
@@ -85,7 +85,7 @@ class RouterMetrics:
         yield from (tokens, requests, healthy, read_queue)
         yield GaugeMetricFamily("dualpath_router_queued_requests", "Requests waiting for a PE under beta",
                                 value=self._dispatcher.queued_requests)
-        yield GaugeMetricFamily("dualpath_router_prefill_tokens_per_second", "Estimated prefill rate per PE",
+        yield GaugeMetricFamily("dualpath_router_prefill_tokens_per_second", "Estimated prefill compute rate per PE (tokens computed per second)",
                                 value=accounting.prefill_rate.tokens_per_s)
         yield GaugeMetricFamily("dualpath_router_read_tokens_per_second", "Estimated store read rate per node",
                                 value=accounting.read_rate.tokens_per_s)

@@ -55,7 +55,8 @@ class SchedulingConfig:
     alpha_s: float = 3.0
     # A PE holding more than this many seconds of prefill work is overloaded and skipped.
     beta_s: float = 5.0
-    # Starting rates (tokens per second), refined from completed requests.
+    # Starting rates (tokens per second; prefill: tokens computed, hits
+    # excluded), refined from measurements.
     read_tokens_per_s: float = 20_000.0
     prefill_tokens_per_s: float = 5_000.0
     # Weight of the newest completed request in the rate estimates.
