@@ -200,7 +200,7 @@ class SaveWaiter:
         """Wait until ``expected_new`` more chunks were saved (or skipped) since the last wait.
 
         The connector's counters reach ``/metrics`` only with an engine step, and
-        a save finishes on the I/O thread after the step that planned it; an idle
+        a save finishes on the save lane after the step that planned it; an idle
         engine would never report it. So while the counters lag, a tiny probe
         request (shorter than one chunk: never looked up, never saved) makes the
         engine step. Gives up after ``--save-timeout`` seconds; also returns when

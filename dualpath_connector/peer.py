@@ -54,7 +54,7 @@ class PeerLink:
         port: int,
         namespace_digest: str,
         local_kv: Callable[[], dict[str, Any]],
-        serve_read: Callable[[list[str], Callable[[dict[str, Any]], None]], None],
+        serve_read: Callable[[list[str], float, Callable[[dict[str, Any]], None]], None],
         lease_s: float,
         cpu_affinity: set[int] | None = None,
     ) -> None:
@@ -93,7 +93,7 @@ class PeerLink:
             # Different model/layout/rank: these bytes would be garbage there.
             reply({"error": f"namespace {message.get('namespace')} is not this engine's ({self.namespace_digest})"})
             return
-        self._serve_read(list(message["chunk_hashes"]), reply)
+        self._serve_read(list(message["chunk_hashes"]), float(message["deadline_s"]), reply)
 
     def lease(self, pool: HostBufferPool, slots: list[int]) -> str:
         """Lend ``slots`` of ``pool`` to a peer until it sends ``release:<lease>`` or the lease expires."""
@@ -203,5 +203,7 @@ class PeerLink:
 
     @staticmethod
     def read_request(address: str, namespace_digest: str, chunk_hashes: list[str], timeout_s: float) -> dict[str, Any]:
-        return request(address, {"op": "read", "namespace": namespace_digest, "chunk_hashes": chunk_hashes}, timeout_s)
+        """Ask the DE at ``address`` to read a hit; it declines at once (:class:`PeerBusy`) if it cannot within ``timeout_s``."""
+        message = {"op": "read", "namespace": namespace_digest, "chunk_hashes": chunk_hashes, "deadline_s": timeout_s}
+        return request(address, message, timeout_s)
 

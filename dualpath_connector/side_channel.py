@@ -34,6 +34,10 @@ class SideChannelError(RuntimeError):
     """The peer did not answer in time, or answered with an error."""
 
 
+class PeerBusy(SideChannelError):
+    """The peer declined at once: it could not answer within the asker's deadline."""
+
+
 def encode_bytes(data: bytes) -> str:
     return base64.b64encode(data).decode()
 
@@ -161,5 +165,6 @@ def request(address: str, message: dict[str, Any], timeout_s: float) -> dict[str
         sock.close()
     answer = json.loads(body)
     if "error" in answer:
-        raise SideChannelError(f"{address} refused {message['op']!r}: {answer['error']}")
+        error = PeerBusy if answer.get("busy") else SideChannelError
+        raise error(f"{address} refused {message['op']!r}: {answer['error']}")
     return answer

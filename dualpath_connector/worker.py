@@ -4,13 +4,19 @@ All bytes between host buffers and the store, and between engines, move
 through NIXL; between a host buffer and the KV cache they move as one indexed
 tensor copy per layer, never in a Python loop.
 
-Loads are asynchronous in vLLM's sense. The *read* runs on the I/O thread:
+NIXL jobs run on three I/O lanes, one thread each, because they use three
+different links and must not wait for each other: store reads (the storage
+NIC's receive side), store writes (its send side) and pulls between engines
+(the compute network). On one thread a DE's reads for a PE held up its saves
+and its pulls of prefilled prompts, and the agents' next turns waited for them.
+
+Loads are asynchronous in vLLM's sense. The *read* runs on the read lane:
 from the store into this engine's pool (read side ``pe``), or, asked over the
 side channel, by the DE into its own pool (read side ``de``); a DE that does
 not answer in time makes this engine read the store itself. The *injection*
 into the KV cache then depends on ``load_mode``:
 
-- ``bulk``: on the I/O thread, every layer at once, before the load is reported;
+- ``bulk``: on the thread that read it, every layer at once, before the load is reported;
 - ``layerwise``: the load is reported as soon as the bytes sit in a buffer, and
   the next forward injects layer ``l`` of every such hit right before attention
   layer ``l`` (a local indexed copy, or a NIXL READ from the DE's buffer posted
@@ -25,8 +31,8 @@ them until then or until the lease expires (:mod:`dualpath_connector.peer`).
 
 Saves copy a step's completed chunks out of the KV cache in ``wait_for_save``
 of the very step that computed them, before the scheduler can hand the blocks
-to anyone else (preemption, finish), and write them to the store on the I/O
-thread: the forward never waits on storage, and a reused block is never stored.
+to anyone else (preemption, finish), and write them to the store on the save
+lane: the forward never waits on storage, and a reused block is never stored.
 """
 
 from __future__ import annotations
@@ -56,6 +62,8 @@ from dualpath_connector.affinity import kv_transfer_cores, pin_current_thread, t
 from dualpath_connector.config import ChunkGeometry, DualPathConfig, namespace_for
 from dualpath_connector.metadata import ChunkLoad, DualPathMetadata, LoadSpec, PullSpec, SaveSpec
 from dualpath_connector.peer import PULLED, RELEASE, PeerKV, PeerLink
+from dualpath_connector.read_queue import StoreReadQueue
+from dualpath_connector.side_channel import PeerBusy
 from dualpath_connector.stats import DualPathStats, StatsRecorder
 
 if TYPE_CHECKING:
@@ -63,21 +71,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# A repair blocks a forward, so it jumps every queue.
-_REPAIR_PRIORITY, _LOAD_PRIORITY, _SAVE_PRIORITY, _STOP_PRIORITY = -1, 0, 1, 2
+# A repair blocks a forward, so it jumps its lane's queue.
+_REPAIR_PRIORITY, _JOB_PRIORITY, _STOP_PRIORITY = -1, 0, 1
 
 
-class _IOThread:
-    """One thread runs every NIXL job; loads jump ahead of queued saves."""
+class _IOLane:
+    """One thread that runs NIXL jobs in order (repairs first)."""
 
-    def __init__(self, cores: set[int] | None) -> None:
+    def __init__(self, name: str, cores: set[int] | None) -> None:
+        self.name = name
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._cores = cores
-        self._thread = threading.Thread(target=self._run, name="dualpath-io", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
-    def submit(self, priority: int, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[], None], priority: int = _JOB_PRIORITY) -> None:
         self._queue.put((priority, next(self._order), job))
 
     def _run(self) -> None:
@@ -89,12 +98,12 @@ class _IOThread:
             try:
                 job()
             except Exception:  # a job reports its own failures; this keeps the thread alive
-                logger.exception("dualpath I/O job failed")
+                logger.exception("%s job failed", self.name)
 
     def stop(self, timeout_s: float) -> bool:
         """Finish queued work and stop; False if the thread is still running after ``timeout_s``."""
-        # Queued after every pending save, so those still reach the store.
-        self.submit(_STOP_PRIORITY, lambda: None)
+        # Queued after every pending job, so pending saves still reach the store.
+        self.submit(lambda: None, _STOP_PRIORITY)
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
 
@@ -194,7 +203,7 @@ class DualPathWorker:
         self._digest = self.namespace.digest()
         self.layout = BlockLayout(self.namespace.num_layers, self.namespace.layer_block_bytes)
         agent_name = f"dualpath-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        # The I/O thread, the side channel and (layerwise) the forward all use
+        # The I/O lanes, the side channel and (layerwise) the forward all use
         # the agent. No progress thread: NIXL's spins on a core for good, and
         # polling a transfer or the notifications (the side channel's tick)
         # makes progress as well.
@@ -215,7 +224,9 @@ class DualPathWorker:
             self.save_pool = HostBufferPool(self.agent, self.layout.full_block_bytes, config.save_buffer_chunks)
         self.stats = StatsRecorder()
         self.peers: PeerLink | None = None
-        self._io = _IOThread(self._transfer_cores)
+        self._reads = _IOLane("dualpath-read", self._transfer_cores)
+        self._saves = _IOLane("dualpath-save", self._transfer_cores)
+        self._pulls = _IOLane("dualpath-pull", self._transfer_cores)
         # PE: threads that wait for DEs to read hits (one per read in flight, up to this many).
         self._de_reads = ThreadPoolExecutor(
             max_workers=8,
@@ -233,7 +244,7 @@ class DualPathWorker:
         self._in_flight: set[str] = set()
         self._dropped: set[str] = set()
         self._injection: _Injection | None = None
-        self._read_queue_tokens = 0
+        self.read_queue = StoreReadQueue()
         self._layers: list[torch.Tensor] = []
         self._layer_index: dict[str, int] = {}
         self._kv_registration = None
@@ -332,22 +343,19 @@ class DualPathWorker:
             if self.config.benchmark_oracle:
                 self._load_nothing(spec)
             elif spec.read_side == "de":
-                # Not on the I/O thread: waiting for a DE must not hold up this
+                # Not on the read lane: waiting for a DE must not hold up this
                 # engine's own store reads, or the two sides would take turns.
                 self._de_reads.submit(self._load_through_de, spec, time.perf_counter())
             else:
                 self._queue_local_read(spec, time.perf_counter())
         for pull in meta.pulls:
-            self._io.submit(_LOAD_PRIORITY, lambda pull=pull: self._pull(pull))
+            self._pulls.submit(lambda pull=pull: self._pull(pull))
 
     def _spec_tokens(self, spec: LoadSpec) -> int:
         return sum(len(c.block_ids) for c in spec.chunks) * self.geometry.block_size
 
     def _count_read_queue(self, tokens: int) -> None:
-        with self._lock:
-            self._read_queue_tokens += tokens
-            queued = self._read_queue_tokens
-        self.stats.gauge(read_queue_tokens=queued)
+        self.stats.gauge(read_queue_tokens=self.read_queue.add(tokens))
 
     def _note_ended(self, meta: DualPathMetadata) -> None:
         """Requests that ended: a hit of theirs not yet injected must never be."""
@@ -377,7 +385,7 @@ class DualPathWorker:
                 self._count_read_queue(-tokens)
             self._finish_load(spec, hit, started)
 
-        self._io.submit(_LOAD_PRIORITY, job)
+        self._reads.submit(job)
 
     def _load_through_de(self, spec: LoadSpec, started: float) -> None:
         hit = self._guarded_read(spec, lambda: self._read_through_de(spec))
@@ -431,7 +439,7 @@ class DualPathWorker:
         """Read the hit from the store into this engine's pool; the leading readable chunks."""
         slots = self.load_pool.acquire(len(spec.chunks))
         try:
-            ok = self.store.read([self._key(c.chunk_hash) for c in spec.chunks], [self.load_pool.slot_addr(s) for s in slots])
+            ok = self._store_read([c.chunk_hash for c in spec.chunks], slots)
         except TransferAbandoned:
             # NIXL may still write these slots: they never return to the pool.
             logger.error("request %s: store read abandoned; %d load slots retired", spec.req_id, len(slots))
@@ -446,6 +454,13 @@ class DualPathWorker:
         self.stats.add(bytes_read=readable * self.layout.full_block_bytes)
         return _LoadedHit(spec.req_id, spec.chunks[:readable], slots=slots[:readable])
 
+    def _store_read(self, chunk_hashes: list[str], slots: list[int]) -> list[bool]:
+        """Read chunks into load-pool slots; the time it took feeds the read-rate estimate."""
+        started = time.perf_counter()
+        ok = self.store.read([self._key(h) for h in chunk_hashes], [self.load_pool.slot_addr(s) for s in slots])
+        self.read_queue.record_read(sum(ok) * self.geometry.chunk_tokens, time.perf_counter() - started)
+        return ok
+
     def _read_through_de(self, spec: LoadSpec) -> _LoadedHit | None:
         """Ask the DE to read the hit into its buffer; None if it cannot (then this engine reads)."""
         address = spec.de_side_channel
@@ -453,6 +468,11 @@ class DualPathWorker:
         try:
             peer = self.peers.peer(address, timeout_s)
             answer = PeerLink.read_request(address, self._digest, [c.chunk_hash for c in spec.chunks], timeout_s)
+        except PeerBusy as exc:
+            # Declined at once: no time lost, and the peer is healthy.
+            logger.info("request %s: %s; reading the hit here", spec.req_id, exc)
+            self.stats.add(de_reads_declined=1)
+            return None
         except Exception as exc:
             logger.warning("request %s: DE %s did not read the hit (%s); reading it here", spec.req_id, address, exc)
             self.peers.forget(address)
@@ -464,18 +484,28 @@ class DualPathWorker:
         remote = _RemoteBuffer(address, peer, answer["lease"], [int(a) for a in answer["chunk_addrs"]])
         return _LoadedHit(spec.req_id, spec.chunks[:readable], remote=remote)
 
-    def _serve_read(self, chunk_hashes: list[str], reply: Callable[[dict[str, Any]], None]) -> None:
-        """DE side: a PE asked this engine to read a hit into its buffer (side-channel thread)."""
+    def _serve_read(self, chunk_hashes: list[str], deadline_s: float, reply: Callable[[dict[str, Any]], None]) -> None:
+        """DE side: a PE asked this engine to read a hit into its buffer within ``deadline_s`` (side-channel thread)."""
         tokens = len(chunk_hashes) * self.geometry.chunk_tokens
+        reason = self.read_queue.decline_reason(tokens, deadline_s)
+        if reason is not None:
+            self.stats.add(de_reads_declined=1)
+            reply({"error": reason, "busy": True})
+            return
         self._count_read_queue(tokens)
+        received = time.monotonic()
 
         def job() -> None:
             try:
-                reply(self._read_for_peer(chunk_hashes))
+                if time.monotonic() - received > deadline_s:
+                    # The PE has stopped waiting and reads the hit itself.
+                    reply({"error": "the read waited past the PE's deadline", "busy": True})
+                else:
+                    reply(self._read_for_peer(chunk_hashes))
             finally:
                 self._count_read_queue(-tokens)
 
-        self._io.submit(_LOAD_PRIORITY, job)
+        self._reads.submit(job)
 
     def _read_for_peer(self, chunk_hashes: list[str]) -> dict[str, Any]:
         try:
@@ -483,7 +513,7 @@ class DualPathWorker:
         except PoolExhausted:
             return {"error": f"host buffer has no room for {len(chunk_hashes)} chunks"}
         try:
-            ok = self.store.read([self._key(h) for h in chunk_hashes], [self.load_pool.slot_addr(s) for s in slots])
+            ok = self._store_read(chunk_hashes, slots)
         except TransferAbandoned:
             logger.error("store read for a peer abandoned; %d load slots retired", len(slots))
             return {"error": "store read timed out"}
@@ -544,7 +574,7 @@ class DualPathWorker:
     def _repair_from_store(self, hit: _LoadedHit) -> None:
         """A READ from the DE failed after the hit was reported: read the same chunks here.
 
-        Runs on the I/O thread and waits for it. On the forward thread
+        Runs on the read lane and waits for it. On the forward thread
         (layerwise) this stalls the step, but the KV must be right before
         attention runs; a store that cannot serve it either leaves no correct
         answer, so that is an error.
@@ -562,7 +592,7 @@ class DualPathWorker:
             finally:
                 done.set()
 
-        self._io.submit(_REPAIR_PRIORITY, job)
+        self._reads.submit(job, _REPAIR_PRIORITY)
         done.wait()
         if not result or len(result[0].chunks) != len(hit.chunks):
             if result:
@@ -713,7 +743,7 @@ class DualPathWorker:
                 self.stats.add(save_skipped_chunks=len(spec.chunk_hashes))
                 continue
             self._copy_out(spec, slots)
-            self._io.submit(_SAVE_PRIORITY, lambda spec=spec, slots=slots: self._save(spec, slots))
+            self._saves.submit(lambda spec=spec, slots=slots: self._save(spec, slots))
 
     def _copy_out(self, spec: SaveSpec, slots: list[int]) -> None:
         bpc = self.geometry.blocks_per_chunk
@@ -757,9 +787,10 @@ class DualPathWorker:
         self._de_reads.shutdown(wait=True, cancel_futures=True)
         if self.peers is not None:
             self.peers.close()
-        if not self._io.stop(timeout_s=60.0):
+        busy = [lane.name for lane in (self._reads, self._pulls, self._saves) if not lane.stop(timeout_s=60.0)]
+        if busy:
             # A transfer is still running: its memory stays registered.
-            logger.warning("DualPath I/O thread still busy at shutdown; host buffers left registered")
+            logger.warning("DualPath I/O lanes %s still busy at shutdown; host buffers left registered", busy)
             return
         if self._kv_registration is not None:
             self.agent.deregister_memory(self._kv_registration, backends=[UCX])

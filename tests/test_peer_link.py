@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from dualpath_connector.peer import PULLED, RELEASE, PeerLink
-from dualpath_connector.side_channel import SideChannelError, request
+from dualpath_connector.side_channel import PeerBusy, SideChannelError, request
 from dualpath_connector.devstack import free_port
 from nixl_backends.buffers import HostBufferPool
 from nixl_backends.transport import UCX, add_ucx_backend, post_read
@@ -45,6 +45,8 @@ class Side:
         )
         self.pool = HostBufferPool(self.agent, BLOCK_BYTES, 4)
         self.reads: list[list[str]] = []
+        self.deadlines: list[float] = []
+        self.busy = False
         self.port = free_port()
         self.link = PeerLink(self.agent, "127.0.0.1", self.port, "ns-1", self.kv, self.serve_read, lease_s)
 
@@ -62,8 +64,12 @@ class Side:
             "device_id": 0,
         }
 
-    def serve_read(self, chunk_hashes, reply) -> None:
+    def serve_read(self, chunk_hashes, deadline_s, reply) -> None:
         self.reads.append(chunk_hashes)
+        self.deadlines.append(deadline_s)
+        if self.busy:
+            reply({"error": "queue too long", "busy": True})
+            return
         slots = self.pool.acquire(len(chunk_hashes))
         reply({"readable": len(slots), "lease": self.link.lease(self.pool, slots), "chunk_addrs": [self.pool.slot_addr(s) for s in slots]})
 
@@ -121,7 +127,7 @@ def test_a_hold_nobody_pulls_expires(pair):
 def test_de_side_read_lease_released_by_the_pe(pair):
     pe, de = pair
     answer = PeerLink.read_request(de.address, "ns-1", ["a", "b"], timeout_s=5)
-    assert de.reads == [["a", "b"]] and answer["readable"] == 2
+    assert de.reads == [["a", "b"]] and de.deadlines == [5] and answer["readable"] == 2
     assert de.pool.free_slots == 2
     peer = pe.link.peer(de.address, timeout_s=5)
     pe.link.notify(peer.agent, RELEASE + answer["lease"].encode())
@@ -163,3 +169,15 @@ def test_coalesce_merges_only_runs_contiguous_on_both_sides():
     merged_local, merged_remote = coalesce(local, remote)
     assert merged_local.tolist() == [[0, 20, 0], [20, 10, 0], [40, 10, 0], [50, 10, 0]]
     assert merged_remote.tolist() == [[100, 20, 0], [500, 10, 0], [510, 10, 0], [520, 10, 1]]
+
+
+def test_a_busy_de_declines_with_peer_busy_and_lends_nothing(pair):
+    _, de = pair
+    de.busy = True
+    with pytest.raises(PeerBusy, match="queue too long"):
+        PeerLink.read_request(de.address, "ns-1", ["a"], timeout_s=5)
+    assert de.pool.free_slots == 4
+    # Any other refusal is a plain SideChannelError (the PE forgets that peer).
+    with pytest.raises(SideChannelError) as refused:
+        PeerLink.read_request(de.address, "other-namespace", ["a"], timeout_s=5)
+    assert not isinstance(refused.value, PeerBusy)

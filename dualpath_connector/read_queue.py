@@ -1,0 +1,60 @@
+"""An engine's store-read queue: what it has yet to read, and how fast it reads.
+
+The router balances the queue length (``read_queue_tokens``) between nodes.
+A DE also uses it to answer a PE's read request honestly: a read that would
+finish after the PE stops waiting is declined at once, so the PE reads the
+hit itself straight away instead of after its deadline, and no hit crosses
+both storage links.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from dualpath_connector.rates import RateEstimate
+
+
+class StoreReadQueue:
+    """Tokens queued or in flight in this engine's store reads, and the measured read rate."""
+
+    def __init__(self, rate_weight: float = 0.3) -> None:
+        self._lock = threading.Lock()
+        self._queued_tokens = 0
+        self._read_rate = RateEstimate(None, rate_weight)
+
+    @property
+    def queued_tokens(self) -> int:
+        return self._queued_tokens
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Measured store read rate; None until a read finished."""
+        return self._read_rate.tokens_per_s
+
+    def add(self, tokens: int) -> int:
+        """Count ``tokens`` in (negative: out); the new length."""
+        with self._lock:
+            self._queued_tokens += tokens
+            return self._queued_tokens
+
+    def record_read(self, tokens: int, seconds: float) -> None:
+        """One finished store read of ``tokens`` that took ``seconds``."""
+        with self._lock:
+            self._read_rate.add(tokens, seconds)
+
+    def decline_reason(self, tokens: int, deadline_s: float) -> str | None:
+        """Why a read of ``tokens`` queued now would miss ``deadline_s``; None if it should make it.
+
+        Reads are served one after another, so the wait is the whole queue
+        plus this read. Before the first read is measured nothing is declined.
+        """
+        rate = self.tokens_per_s
+        if rate is None:
+            return None
+        expected_s = (self._queued_tokens + tokens) / rate
+        if expected_s <= deadline_s:
+            return None
+        return (
+            f"{self._queued_tokens} tokens already queued; at {rate:.0f} tokens/s this read would end in "
+            f"{expected_s:.1f}s, after the {deadline_s:.1f}s deadline"
+        )
