@@ -42,19 +42,21 @@ class StoreReadQueue:
         with self._lock:
             self._read_rate.add(tokens, seconds)
 
-    def decline_reason(self, tokens: int, deadline_s: float) -> str | None:
-        """Why a read of ``tokens`` queued now would miss ``deadline_s``; None if it should make it.
+    def decline_reason(self, tokens: int, time_left_s: float, tokens_ahead: int | None = None) -> str | None:
+        """Why a read of ``tokens`` would end after ``time_left_s``; None if it should make it.
 
-        Reads are served one after another, so the wait is the whole queue
-        plus this read. Before the first read is measured nothing is declined.
+        Reads are served one after another: the read waits for ``tokens_ahead``
+        (default: the whole queue now). Before the first read is measured
+        nothing is declined.
         """
         rate = self.tokens_per_s
         if rate is None:
             return None
-        expected_s = (self._queued_tokens + tokens) / rate
-        if expected_s <= deadline_s:
+        ahead = self._queued_tokens if tokens_ahead is None else tokens_ahead
+        expected_s = (ahead + tokens) / rate
+        if expected_s <= time_left_s:
             return None
         return (
-            f"{self._queued_tokens} tokens already queued; at {rate:.0f} tokens/s this read would end in "
-            f"{expected_s:.1f}s, after the {deadline_s:.1f}s deadline"
+            f"{ahead} tokens queued ahead; at {rate:.0f} tokens/s this read would end in "
+            f"{expected_s:.1f}s, {time_left_s:.1f}s are left"
         )

@@ -497,9 +497,13 @@ class DualPathWorker:
 
         def job() -> None:
             try:
-                if time.monotonic() - received > deadline_s:
-                    # The PE has stopped waiting and reads the hit itself.
-                    reply({"error": "the read waited past the PE's deadline", "busy": True})
+                # The estimate at arrival can be off (reads slowed down): a read
+                # that can no longer end in time is not started, so the PE
+                # reads it once, itself, rather than both sides reading it.
+                late = self.read_queue.decline_reason(tokens, deadline_s - (time.monotonic() - received), 0)
+                if late is not None:
+                    self.stats.add(de_reads_declined=1)
+                    reply({"error": late, "busy": True})
                 else:
                     reply(self._read_for_peer(chunk_hashes))
             finally:

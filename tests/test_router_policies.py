@@ -196,6 +196,7 @@ def test_booking_balances_and_read_queue_goes_to_the_chosen_side():
         dispatcher = make_dispatcher()
         accounting = dispatcher.accounting
         accounting.engines["pe0"].reported_read_queue_tokens = 5000  # n1's storage NIC is busy
+        accounting.engines["pe0"].reported_requests = 3
         placement = await dispatcher.start_prefill(100, 64, {"pe1"}, None)
         assert (placement.prefill.name, placement.decode.name, placement.read_side) == ("pe0", "de0", "de")
         assert accounting.read_queue_tokens("n3") == 64
@@ -250,3 +251,14 @@ def test_prefill_rate_is_learnt_from_the_pes_compute_counters():
     assert accounting.prefill_rate.tokens_per_s == pytest.approx(1200.0)
     accounting.apply_report(pe, parse_engine_metrics(pe_metrics(400, 1.5)))
     assert accounting.prefill_rate.tokens_per_s == pytest.approx(600.0)
+
+
+def test_an_idle_engines_read_queue_gauge_is_stale_and_ignored():
+    accounting = Accounting.build([EngineConfig("pe0", "http://127.0.0.1:1", "n1")],
+                                  [EngineConfig("de0", "http://127.0.0.1:2", "n2")], 1000.0, 1000.0, 0.2)  # fmt: skip
+    de = accounting.engines["de0"]
+    de.reported_read_queue_tokens, de.reported_requests = 4000, 0  # its last step's value
+    accounting.dispatched_read_tokens["n2"] = 300
+    assert accounting.read_queue_tokens("n2") == 300
+    de.reported_requests = 1  # stepping: the gauge is current and may count reads the router did not send
+    assert accounting.read_queue_tokens("n2") == 4000

@@ -201,7 +201,10 @@ class Accounting:
         return {e.node for e in self.engines.values()}
 
     def read_queue_tokens(self, node: str) -> int:
-        reported = sum(e.reported_read_queue_tokens for e in self.engines.values() if e.node == node)
+        # vLLM ships connector stats with step outputs, so an engine without
+        # requests (a DE reading for a PE before its decode arrives) keeps
+        # showing the queue of its last step: only stepping engines count.
+        reported = sum(e.reported_read_queue_tokens for e in self.engines.values() if e.node == node and e.reported_requests)
         return max(self.dispatched_read_tokens[node], reported)
 
     def read_queues(self) -> dict[str, int]:
