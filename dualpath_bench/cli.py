@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # A short storage-bound workload for the cluster comparison on a 2-core machine (see README: the arithmetic).
-CLUSTER_TRACE = {"agents": 4, "turns": 5, "first_append_tokens": 3072, "sigma": 0.3}
+CLUSTER_TRACE = {"agents": 8, "turns": 8, "first_append_tokens": 2048, "sigma": 0.3}
 
 
 def _trace_args(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:

@@ -383,6 +383,8 @@ class EngineSpec:
 
     extra: dict = field(default_factory=dict)
     env: dict = field(default_factory=dict)
+    # In the engines' log names, so a restart does not overwrite the last run's logs.
+    name: str = "io"
 
 
 class EmulatedCluster:
@@ -448,7 +450,7 @@ class EmulatedCluster:
                 **spec.extra,
             }
             server = VLLMServer(
-                self.model, self.s3, self.workdir / f"{self.network.prefix}-{node.name}-vllm.log",
+                self.model, self.s3, self.workdir / f"{self.network.prefix}-{node.name}-{spec.name}-vllm.log",
                 max_model_len=self.max_model_len, config="pe.json" if node.role == "prefill" else "de.json",
                 extra=extra, host=node.compute_addr, launcher=node.launcher,
             )  # fmt: skip

@@ -39,7 +39,17 @@ logger = logging.getLogger(__name__)
 MODES = ("basic", "dualpath", "oracle")
 POLICY = {"basic": "basic", "dualpath": "dualpath", "oracle": "dualpath"}
 TOPOLOGY_RE = re.compile(r"^(\d+)P(\d+)D$")
-ORACLE_SPEC = EngineSpec(extra={"benchmark_oracle": True}, env={"DUALPATH_BENCHMARK": "1"})
+# Connector settings scaled to the emulated links, which are ~10^4 times slower
+# than a real storage NIC. Every agent's first prompt reaches the store at once
+# (from the DE): 8 agents' 2k-token prompts are ~500 chunks, more than the
+# default save buffer (256), and a skipped save makes the agent's next turn a
+# miss. A hit takes ~2.5 s to read here, so a DE with four reads queued needs
+# longer than the default 10 s de_read_timeout_s (meant to detect a dead DE);
+# the DE still declines at once what it could not finish in time.
+ENGINE_SETTINGS = {"save_buffer_chunks": 2048, "de_read_timeout_s": 30.0}
+IO_SPEC = EngineSpec(extra=ENGINE_SETTINGS)
+ORACLE_SPEC = EngineSpec(extra={**ENGINE_SETTINGS, "benchmark_oracle": True}, env={"DUALPATH_BENCHMARK": "1"},
+                         name="oracle")  # fmt: skip
 
 # Engine series whose change over a run the report uses (sums over label sets).
 ENGINE_SERIES = (
@@ -50,8 +60,9 @@ ENGINE_SERIES = (
     "dualpath_kv:pull_seconds_sum", "dualpath_kv:pull_seconds_count",
     "dualpath_kv:bytes_read_total", "dualpath_kv:bytes_read_for_peer_total",
     "dualpath_kv:bytes_pulled_from_peer_total", "dualpath_kv:bytes_written_total",
+    "dualpath_kv:save_skipped_chunks_total",
     "dualpath_kv:loaded_tokens_total", "dualpath_kv:load_failed_tokens_total",
-    "dualpath_kv:de_read_fallbacks_total",
+    "dualpath_kv:de_read_fallbacks_total", "dualpath_kv:de_reads_declined_total",
 )  # fmt: skip
 
 
@@ -260,7 +271,7 @@ def run_topology(topology: str, agents: list[Agent], config: BenchConfig, workdi
         logger.info("%s: network %s, S3 %s", topology, cluster.network.prefix, cluster.s3.endpoint)
         plain = [m for m in config.modes if m != "oracle"]
         if plain:
-            cluster.start_engines(EngineSpec())
+            cluster.start_engines(IO_SPEC)
             watcher, bytes_per_token = _watcher(cluster)
             for mode in plain:
                 runs[mode] = _guarded(mode, lambda m=mode: _run_mode(

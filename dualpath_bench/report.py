@@ -13,6 +13,14 @@ def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{suffix}"
 
 
+# Counters that explain a slow run: hits read twice, misses made by dropped saves.
+RUN_EVENTS = {
+    "saves skipped (chunks)": "dualpath_kv:save_skipped_chunks_total",
+    "DE reads declined": "dualpath_kv:de_reads_declined_total",
+    "DE read fallbacks": "dualpath_kv:de_read_fallbacks_total",
+}
+
+
 def markdown(payload: dict) -> str:
     trace = payload["trace"]
     cluster = payload["config"]["cluster"]
@@ -26,7 +34,7 @@ def markdown(payload: dict) -> str:
         f"replay {payload['config']['replay_mode']}.",
         "",
         "| topology | mode | JCT s | speedup vs Basic | bound (P+D)/P | NIC read max/avg | TTFT mean s "
-        "| queue s | read s | prefill s | other s | TTFT p90 s | TPOT p50 ms | read sides | failed |",
+        "| queue s | read s | prefill s | other s | TTFT p90 s | TPOT p50 ms | read sides | failed requests |",
         "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|",
     ]
     for topology in payload["topologies"]:
@@ -44,7 +52,7 @@ def markdown(payload: dict) -> str:
                 f"| {_fmt(b.get('queue_s'))} | {_fmt(b.get('read_s'))} | {_fmt(b.get('prefill_s'))} "
                 f"| {_fmt(b.get('other_s'))} | {_fmt(s['ttft_s'].get('p90'))} "
                 f"| {_fmt(s['tpot_s']['p50'] * 1000 if s['tpot_s'] else None, '.0f')} | {sides} "
-                f"| {s['failed_requests']} |"
+                f"| {s['failed_requests']}{' (+' + str(s['agents_failed']) + ' agents)' if s.get('agents_failed') else ''} |"
             )
     lines += ["", "Comparison:", ""]
     for topology in payload["topologies"]:
@@ -56,6 +64,10 @@ def markdown(payload: dict) -> str:
         )
     for topology in payload["topologies"]:
         for mode, run in topology["runs"].items():
+            events = {label: sum(engine.get(series, 0) for engine in run.get("engine_deltas", {}).values())
+                      for label, series in RUN_EVENTS.items()}  # fmt: skip
+            if any(events.values()):
+                lines.append(f"- {topology['topology']} {mode}: " + ", ".join(f"{k} {v:.0f}" for k, v in events.items()) + ".")
             slo = run.get("summary", {}).get("slo")
             if slo:
                 lines.append(

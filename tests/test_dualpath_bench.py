@@ -2,8 +2,7 @@
 
 Network tests need root and network namespaces; they are skipped with the
 reason when ``ip netns add`` is refused. The 1P1D smoke run starts real vLLM
-engines in namespaces and is skipped unless ``DUALPATH_RUN_PD_E2E=1`` (PD on
-vLLM's CPU build is not reliable yet: issue 3).
+engines in namespaces.
 """
 
 from __future__ import annotations
