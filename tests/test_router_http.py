@@ -426,7 +426,8 @@ def test_every_accepted_request_is_answered(engines, start_router):
 
 def test_health_and_metrics(engines, start_router):
     pe, de = engines("pe0", "prefill"), engines("de0", "decode")
-    pe.metrics_text += "dualpath_kv:read_queue_tokens{engine=\"1\"} 640\n"
+    # A queue counts only from an engine that has requests (an idle one's gauge is stale).
+    pe.metrics_text += "dualpath_kv:read_queue_tokens{engine=\"1\"} 640\nvllm:num_requests_waiting{engine=\"1\"} 1\n"
     router = start_router(router_config([pe], [de]))
     assert httpx.get(f"{router.url}/health").status_code == 200
     complete(router, prompt=PROMPT, max_tokens=2)
@@ -470,7 +471,8 @@ def test_overloaded_pe_queues_the_request_until_it_has_room(engines, start_route
 
 def test_dualpath_reads_on_the_side_with_the_shorter_queue(engines, start_router):
     pe, de = engines("pe0", "prefill"), engines("de0", "decode")
-    pe.metrics_text += 'dualpath_kv:read_queue_tokens{engine="1"} 5000\n'  # the PE node's NIC is busy
+    # The PE node's NIC is busy (and the PE has requests, so its gauge is current).
+    pe.metrics_text += 'dualpath_kv:read_queue_tokens{engine="1"} 5000\nvllm:num_requests_waiting{engine="1"} 1\n'
     router = start_router(router_config([pe], [de]))
     wait_for_gauge(router, 'dualpath_router_node_read_queue_tokens{node="node-pe0"}', 5000.0)
     response = complete(router, prompt=PROMPT, max_tokens=2)
