@@ -24,8 +24,8 @@ COUNTERS = {
     "bytes_pulled_from_peer": "Bytes pulled from another engine: DE-read hits on a PE, prefilled prompts on a DE",
     "pulled_tokens": "Prompt tokens whose KV a DE pulled from its PE",
     "de_read_fallbacks": "DE-side reads that failed or timed out, read from the store by the PE instead",
-    "de_reads_declined": "DE-side reads a DE declined at once (its read queue would miss the PE's deadline); "
-    "counted on both sides, read by the PE",
+    "de_reads_declined": "PE read requests this DE declined (its read queue would miss the PE's deadline); "
+    "the PE read those hits itself",
 }
 TIMINGS = {
     "load_seconds": "Time from a load's start to its hit being readable (bulk: in the KV cache)",

@@ -469,9 +469,8 @@ class DualPathWorker:
             peer = self.peers.peer(address, timeout_s)
             answer = PeerLink.read_request(address, self._digest, [c.chunk_hash for c in spec.chunks], timeout_s)
         except PeerBusy as exc:
-            # Declined at once: no time lost, and the peer is healthy.
+            # Declined at once (the DE counts it): no time lost, and the peer is healthy.
             logger.info("request %s: %s; reading the hit here", spec.req_id, exc)
-            self.stats.add(de_reads_declined=1)
             return None
         except Exception as exc:
             logger.warning("request %s: DE %s did not read the hit (%s); reading it here", spec.req_id, address, exc)
@@ -489,8 +488,7 @@ class DualPathWorker:
         tokens = len(chunk_hashes) * self.geometry.chunk_tokens
         reason = self.read_queue.decline_reason(tokens, deadline_s)
         if reason is not None:
-            self.stats.add(de_reads_declined=1)
-            reply({"error": reason, "busy": True})
+            self._decline_read(reason, reply)
             return
         self._count_read_queue(tokens)
         received = time.monotonic()
@@ -502,14 +500,17 @@ class DualPathWorker:
                 # reads it once, itself, rather than both sides reading it.
                 late = self.read_queue.decline_reason(tokens, deadline_s - (time.monotonic() - received), 0)
                 if late is not None:
-                    self.stats.add(de_reads_declined=1)
-                    reply({"error": late, "busy": True})
+                    self._decline_read(late, reply)
                 else:
                     reply(self._read_for_peer(chunk_hashes))
             finally:
                 self._count_read_queue(-tokens)
 
         self._reads.submit(job)
+
+    def _decline_read(self, reason: str, reply: Callable[[dict[str, Any]], None]) -> None:
+        self.stats.add(de_reads_declined=1)
+        reply({"error": reason, "busy": True})
 
     def _read_for_peer(self, chunk_hashes: list[str]) -> dict[str, Any]:
         try:
