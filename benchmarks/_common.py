@@ -127,7 +127,9 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
     """
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
-    from dualpath_connector.devstack import CONFIGS, SeaweedFS, VLLMServer, make_tiny_llama
+    from dualpath_dev.engines import CONFIGS, VLLMServer
+    from dualpath_dev.seaweedfs import SeaweedFS
+    from dualpath_dev.tiny_model import make_tiny_llama
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = make_tiny_llama(args.workdir / "tiny-llama")

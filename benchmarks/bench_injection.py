@@ -29,6 +29,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
 from _common import (  # noqa: E402
     VOCAB,
     SaveWaiter,
@@ -46,7 +47,7 @@ from _common import (  # noqa: E402
     vllm_stack,
 )
 
-from dualpath_connector.devstack import VLLMServer, cached_tokens  # noqa: E402
+from dualpath_dev.engines import VLLMServer, cached_tokens  # noqa: E402
 
 MODES = ("bulk", "layerwise")
 LOAD_SECONDS = "dualpath_kv:load_seconds_sum"

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
 from _common import RESULTS_DIR, environment, exit_on_sigterm, markdown_table, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

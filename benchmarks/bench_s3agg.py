@@ -41,12 +41,13 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
 from _common import RESULTS_DIR, environment, exit_on_sigterm, markdown_table, median, run_and_report  # noqa: E402
 
-from dualpath_connector.devstack import SeaweedFS  # noqa: E402
+from dualpath_dev.seaweedfs import SeaweedFS  # noqa: E402
 from nixl_backends.layout import BlockLayout  # noqa: E402
 from nixl_backends.store import make_store, parse_store_config  # noqa: E402
-from s3agg_gateway_ext.devserver import GatewayProcess  # noqa: E402
+from dualpath_dev.gateway import GatewayProcess  # noqa: E402
 from s3agg_gateway_ext.scheduling import allocate  # noqa: E402
 
 MIB = 1 << 20

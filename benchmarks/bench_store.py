@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
 from _common import environment, exit_on_sigterm, markdown_table, median, run_and_report  # noqa: E402
 
 from nixl_backends.buffers import HostBufferPool  # noqa: E402
@@ -141,7 +142,7 @@ def measure(backend: str, store_section: dict, chunk_bytes: int, num_chunks: int
 
 
 def run(args: argparse.Namespace) -> dict:
-    from dualpath_connector.devstack import SeaweedFS
+    from dualpath_dev.seaweedfs import SeaweedFS
 
     sizes = [parse_size(s) for s in args.chunk_sizes]
     for size in sizes:

@@ -23,7 +23,6 @@ from dualpath_bench.trace import TraceConfig, TraceError, generate, read_jsonl, 
 
 logger = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 # A short storage-bound workload for the cluster comparison on a 2-core machine (see README: the arithmetic).
 CLUSTER_TRACE = {"agents": 8, "turns": 8, "first_append_tokens": 2048, "sigma": 0.3}
 
@@ -69,7 +68,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         import boto3
         from botocore.config import Config
 
-        from dualpath_connector.devstack import namespace_info
+        from dualpath_dev.engines import namespace_info
 
         info = namespace_info(args.namespace_from)
         # Credentials from the usual AWS sources (AWS_ACCESS_KEY_ID...), as the router takes them.
@@ -94,8 +93,16 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_cluster(args: argparse.Namespace) -> int:
     from dualpath_bench import report
     from dualpath_bench.cluster import ClusterConfig, netns_supported
-    from dualpath_bench.compare import BenchConfig, run_comparison
-    from dualpath_connector.devstack import make_tiny_llama
+    try:
+        from dualpath_bench.compare import BenchConfig, run_comparison
+        from dualpath_dev.tiny_model import make_tiny_llama
+    except ModuleNotFoundError as exc:
+        if exc.name is None or not exc.name.startswith("dualpath_dev"):
+            raise
+        # The emulated cluster starts SeaweedFS and vLLM with the checkout's dev scaffolding (not installed).
+        print("dualpath-bench cluster runs from a source checkout (make bench-dualpath): "
+              "it needs the dualpath_dev package, which the wheel does not ship", file=sys.stderr)
+        return 2
 
     supported, why = netns_supported()
     if not supported:
@@ -134,7 +141,7 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="replay a trace through a running dualpath-router")
     p.add_argument("--router", required=True, help="router base URL, e.g. http://127.0.0.1:8000")
     p.add_argument("--model", required=True, help="a served model name of the router")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results/dualpath-replay.json"))
+    p.add_argument("--out", type=Path, default=Path("dualpath-replay.json"))
     p.add_argument("--salt", type=int, default=0, help="added to every token id: a fresh prefix space per run")
     p.add_argument("--store-endpoint", help="S3 endpoint to wait for each turn's chunks on (else no waiting)")
     p.add_argument("--store-bucket", default="dualpath-kv")
@@ -151,8 +158,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--subnet", default="10.213", help="first two octets of the private /16 to use")
     p.add_argument("--nic-interval-s", type=float, default=1.0)
     p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--workdir", type=Path, default=REPO_ROOT / ".cache", help="model, logs, S3 data")
-    p.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
+    p.add_argument("--workdir", type=Path, default=Path("dualpath-bench-work"),
+                   help="model, logs, S3 data")
+    p.add_argument("--out-dir", type=Path, default=Path("."))
     p.add_argument("--name", default="dualpath-bench", help="results file stem")
     _trace_args(p, CLUSTER_TRACE)
     _replay_args(p)

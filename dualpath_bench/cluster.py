@@ -40,7 +40,8 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dualpath_connector.devstack import RouterProcess, SeaweedFS, VLLMServer
+from dualpath_dev.engines import RouterProcess, VLLMServer
+from dualpath_dev.seaweedfs import SeaweedFS
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from dualpath_connector.devstack import namespace_info
+from dualpath_dev.engines import namespace_info
 
 from dualpath_bench.cluster import BUCKET, ClusterConfig, EmulatedCluster, EngineSpec, NicSampler, NicSample
 from dualpath_bench.replay import ReplayConfig, StoreWatcher, replay

@@ -29,7 +29,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-VOCAB = 1024  # the tiny test Llama's vocabulary (dualpath_connector.devstack.TINY_LLAMA)
+VOCAB = 1024  # the tiny test Llama's vocabulary (dualpath_dev.tiny_model.TINY_LLAMA)
 PAPER_MAX_CONTEXT = 65536
 PAPER_APPEND_TOKENS = 429
 PAPER_GEN_TOKENS = 200  # assumed, see the module docstring

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 
-from dualpath_connector.rates import RateEstimate
+from nixl_backends.rates import RateEstimate
 
 
 class StoreReadQueue:

@@ -9,8 +9,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-.venv/bin/python}
+# The driver uses the checkout's dev scaffolding (dualpath_dev/), which is not installed.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 
-"$PYTHON" -m dualpath_connector.disagg_demo "$@" &
+"$PYTHON" examples/disagg_demo.py "$@" &
 driver=$!
 trap 'kill -TERM "$driver" 2>/dev/null || true; wait "$driver" 2>/dev/null || true' INT TERM EXIT
 wait "$driver"

@@ -5,6 +5,7 @@ Everything a fixture starts it stops in its finalizer, by the PID it holds.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import uuid
@@ -12,10 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from dualpath_connector.devstack import SeaweedFS, make_tiny_llama
+from dualpath_dev.seaweedfs import SeaweedFS
+from dualpath_dev.tiny_model import make_tiny_llama
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _agent_names = itertools.count()
+
+
+def load_example(name: str):
+    """A script of ``examples/`` as a module (examples are not installed packages)."""
+    spec = importlib.util.spec_from_file_location(f"examples_{name}", REPO_ROOT / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ from botocore.exceptions import ClientError
 
 from nixl_backends.layout import BlockLayout
 from nixl_backends.store import make_store, parse_store_config
-from s3agg_gateway_ext.devserver import GatewayProcess
+from dualpath_dev.gateway import GatewayProcess
 
 CLIENT_ACCESS_KEY = "s3agg-client"
 CLIENT_SECRET_KEY = "s3agg-client-secret-do-not-log"

@@ -12,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dualpath_connector.devstack import SeaweedFS, stop_process_group
+from dualpath_dev.processes import stop_process_group
+from dualpath_dev.seaweedfs import SeaweedFS
 
 RUNNER = Path(__file__).with_name("engine_runner.py")
 ENGINE_START_TIMEOUT_S = 600

@@ -25,7 +25,7 @@ import httpx
 import pytest
 import yaml
 
-from dualpath_connector.devstack import free_port, stop_process_group
+from dualpath_dev.processes import free_port, stop_process_group
 
 MODEL = "tiny-llama"
 PROMPT = list(range(100, 170))
@@ -157,7 +157,7 @@ class StandInEngine:
 
 
 class RouterProcess:
-    """``python -m dualpath_connector.router.app`` on a free port, stopped by its PID."""
+    """``python -m dualpath_router.app`` on a free port, stopped by its PID."""
 
     def __init__(self, config: dict, workdir: Path) -> None:
         self.port = free_port()
@@ -171,7 +171,7 @@ class RouterProcess:
     def start(self, timeout_s: float = 180.0) -> RouterProcess:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "dualpath_connector.router.app", "--config", str(self.config_path)],
+                [sys.executable, "-m", "dualpath_router.app", "--config", str(self.config_path)],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )
         deadline = time.monotonic() + timeout_s

@@ -9,7 +9,7 @@ import pytest
 from nixl_backends.configuration import ConfigError
 from s3agg_gateway_ext.config import load_config, parse_config
 
-SHIPPED = Path(__file__).resolve().parent.parent / "configs" / "gateway.yaml"
+SHIPPED = Path(__file__).resolve().parents[2] / "configs" / "gateway.yaml"
 MINIMAL = {
     "store_endpoint": "http://127.0.0.1:8333",
     "buckets": ["kv-bucket"],

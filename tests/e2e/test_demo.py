@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from dualpath_connector import demo
-from dualpath_connector.devstack import S3_SECRET_KEY
+from dualpath_dev.seaweedfs import S3_SECRET_KEY
+from tests.conftest import load_example
 
 pytestmark = pytest.mark.engine
 
 CHUNK = 32
+
+
+demo = load_example("demo_single")
 
 
 def test_demo_hits_grow_and_metrics_and_logs_are_right(tmp_path, tiny_model):

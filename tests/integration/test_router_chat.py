@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from tests.test_router_http import MODEL, RouterProcess, StandInEngine, router_config
+from tests.integration.test_router_http import MODEL, RouterProcess, StandInEngine, router_config
 
 WORDS = ["hello", "world", "how", "are", "you", "user", "assistant", "fine", "thanks", ":"]
 

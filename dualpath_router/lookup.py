@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from nixl_backends.layout import BlockLayout, chunk_hashes, chunk_key
 from nixl_backends.store import KVStore, make_store
 
-from dualpath_connector.router.config import StoreNamespace
+from dualpath_router.config import StoreNamespace
 
 logger = logging.getLogger(__name__)
 

@@ -15,10 +15,10 @@ import pytest
 from nixl_backends.layout import chunk_hashes, chunk_key
 from nixl_backends.store import parse_store_config
 
-from dualpath_connector.devstack import free_port
-from dualpath_connector.router.config import StoreNamespace
-from dualpath_connector.router.lookup import HitLookup
-from tests.test_router_http import MODEL, engines, router_config, start_router  # noqa: F401 (fixtures)
+from dualpath_dev.processes import free_port
+from dualpath_router.config import StoreNamespace
+from dualpath_router.lookup import HitLookup
+from tests.integration.test_router_http import MODEL, engines, router_config, start_router  # noqa: F401 (fixtures)
 
 NAMESPACE = StoreNamespace(digest="0123abcd" * 4, key_prefix="dualpath", chunk_tokens=32, num_layers=4,
                            layer_block_bytes=1024)

@@ -2,7 +2,7 @@
 
 It runs exactly as in production (``python -m s3agg_gateway_ext.app --config``),
 in its own process group, ready once ``/healthz`` answers, and is stopped by
-the PID it holds (:class:`dualpath_connector.devstack.ServiceProcess`).
+the PID it holds (:class:`dualpath_dev.processes.ServiceProcess`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from dualpath_connector.devstack import ServiceProcess, free_port
+from dualpath_dev.processes import ServiceProcess, free_port
 
 
 class GatewayProcess(ServiceProcess):

@@ -35,7 +35,7 @@ from dualpath_bench.compare import compare_runs, nic_balance, ttft_breakdown
 from dualpath_bench.replay import ReplayConfig, ReplayError, replay
 from dualpath_bench.trace import TraceConfig, TraceError, generate, read_jsonl, summarize, write_jsonl
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 _NETNS_OK, _NETNS_WHY = netns_supported()
 needs_netns = pytest.mark.skipif(not _NETNS_OK, reason=f"network namespaces not allowed here: {_NETNS_WHY}")
 
@@ -283,12 +283,12 @@ def test_failure_while_building_leaves_nothing(monkeypatch, prefix):
 
 @needs_netns
 def test_service_failure_in_cluster_start_leaves_nothing(monkeypatch, tmp_path, prefix):
-    from dualpath_connector import devstack
+    from dualpath_dev import seaweedfs
 
     def refuse(self, timeout_s=60.0):
         raise RuntimeError("injected S3 start failure")
 
-    monkeypatch.setattr(devstack.SeaweedFS, "start", refuse)
+    monkeypatch.setattr(seaweedfs.SeaweedFS, "start", refuse)
     cluster = EmulatedCluster(ClusterConfig(subnet=_subnet(), prefix=prefix), tmp_path, tmp_path / "model")
     with pytest.raises(RuntimeError, match="injected S3"):
         with cluster:

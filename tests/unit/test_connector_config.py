@@ -25,7 +25,7 @@ def test_defaults_and_store_section_are_parsed():
 
 @pytest.mark.parametrize("name", ["single.json", "pe.json", "de.json"])
 def test_shipped_configs_parse(name):
-    shipped = json.loads((Path(__file__).parent.parent / "configs" / name).read_text())
+    shipped = json.loads((Path(__file__).resolve().parents[2] / "configs" / name).read_text())
     config = parse_config(shipped["kv_connector_extra_config"], shipped["kv_role"])
     assert isinstance(config.store_config, S3StoreConfig)
     assert config.load_mode == "layerwise"

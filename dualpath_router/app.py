@@ -27,12 +27,12 @@ from prometheus_client.core import GaugeMetricFamily
 
 from nixl_backends.configuration import ConfigError
 
-from dualpath_connector.router.accounting import Accounting
-from dualpath_connector.router.config import RouterConfig, load_router_config
-from dualpath_connector.router.dispatcher import Dispatcher, Placement, QueueTimeout
-from dualpath_connector.router.lookup import HitLookup
-from dualpath_connector.router.policies import make_policy
-from dualpath_connector.router.prompts import BadRequest, PromptBuilder, RoutedRequest
+from dualpath_router.accounting import Accounting
+from dualpath_router.config import RouterConfig, load_router_config
+from dualpath_router.dispatcher import Dispatcher, Placement, QueueTimeout
+from dualpath_router.lookup import HitLookup
+from dualpath_router.policies import make_policy
+from dualpath_router.prompts import BadRequest, PromptBuilder, RoutedRequest
 
 logger = logging.getLogger(__name__)
 

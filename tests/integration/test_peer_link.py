@@ -17,7 +17,7 @@ import pytest
 
 from dualpath_connector.peer import PULLED, RELEASE, PeerLink
 from dualpath_connector.side_channel import PeerBusy, SideChannelError, request
-from dualpath_connector.devstack import free_port
+from dualpath_dev.processes import free_port
 from nixl_backends.buffers import HostBufferPool
 from nixl_backends.transport import UCX, add_ucx_backend, post_read
 

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import httpx
 
-from dualpath_connector.router.accounting import Accounting, EngineLoad, Role, parse_engine_metrics
-from dualpath_connector.router.config import RouterConfig
-from dualpath_connector.router.lookup import HitLookup
-from dualpath_connector.router.policies import Policy, ReadSide
+from dualpath_router.accounting import Accounting, EngineLoad, Role, parse_engine_metrics
+from dualpath_router.config import RouterConfig
+from dualpath_router.lookup import HitLookup
+from dualpath_router.policies import Policy, ReadSide
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from typing import Literal
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from dualpath_connector.rates import RateEstimate
-from dualpath_connector.router.config import EngineConfig, StoreNamespace
+from nixl_backends.rates import RateEstimate
+from dualpath_router.config import EngineConfig, StoreNamespace
 
 logger = logging.getLogger(__name__)
 

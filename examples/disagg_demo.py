@@ -21,7 +21,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from dualpath_connector.devstack import RouterProcess, SeaweedFS, VLLMServer, make_tiny_llama
+from dualpath_dev.engines import RouterProcess, VLLMServer
+from dualpath_dev.seaweedfs import SeaweedFS
+from dualpath_dev.tiny_model import make_tiny_llama
 
 
 def _agent(session: dict, agent: int, args: argparse.Namespace, rows: list, start: threading.Barrier) -> None:

@@ -6,11 +6,11 @@ import asyncio
 
 import pytest
 
-from dualpath_connector.router.accounting import Accounting, EngineLoad, ThroughputEstimate, parse_engine_metrics
-from dualpath_connector.router.config import EngineConfig, parse_router_config
-from dualpath_connector.router.dispatcher import Dispatcher, QueueTimeout
-from dualpath_connector.router.lookup import HitLookup
-from dualpath_connector.router.policies import (
+from dualpath_router.accounting import Accounting, EngineLoad, ThroughputEstimate, parse_engine_metrics
+from dualpath_router.config import EngineConfig, parse_router_config
+from dualpath_router.dispatcher import Dispatcher, QueueTimeout
+from dualpath_router.lookup import HitLookup
+from dualpath_router.policies import (
     BasicPolicy,
     RoundRobinPolicy,
     make_policy,
@@ -123,7 +123,7 @@ def test_basic_least_tokens_and_pe_reads():
 
 def test_throughput_estimate_charges_concurrent_work_once(monkeypatch):
     clock = [0.0]
-    monkeypatch.setattr("dualpath_connector.router.accounting.time.monotonic", lambda: clock[0])
+    monkeypatch.setattr("dualpath_router.accounting.time.monotonic", lambda: clock[0])
     estimate = ThroughputEstimate(initial_tokens_per_s=1000.0, weight=1.0)
     estimate.started("pe0")
     estimate.started("pe0")

@@ -18,7 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from dualpath_connector.devstack import SeaweedFS, VLLMServer, cached_tokens, make_tiny_llama
+from dualpath_dev.engines import VLLMServer, cached_tokens
+from dualpath_dev.seaweedfs import SeaweedFS
+from dualpath_dev.tiny_model import make_tiny_llama
 
 
 CHUNK_TOKENS = 32  # configs/single.json keeps the default: one vLLM block

@@ -12,8 +12,8 @@ from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from typing import Literal
 
-from dualpath_connector.router.accounting import Accounting, EngineLoad
-from dualpath_connector.router.config import PolicyName, SchedulingConfig
+from dualpath_router.accounting import Accounting, EngineLoad
+from dualpath_router.config import PolicyName, SchedulingConfig
 
 ReadSide = Literal["pe", "de"]
 

@@ -298,7 +298,7 @@ def test_gateway_stopped_mid_request_falls_back_to_plain_s3(seaweedfs, s3agg_buc
 
 
 def test_unreachable_gateway_falls_back(seaweedfs, s3agg_bucket, stored, agent):
-    from dualpath_connector.devstack import free_port
+    from dualpath_dev.processes import free_port
 
     keys, blocks = stored
     store = open_store(seaweedfs, s3agg_bucket, f"http://127.0.0.1:{free_port()}", BlockLayout(4, 4096), agent)

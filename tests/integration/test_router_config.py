@@ -11,9 +11,9 @@ import yaml
 
 from nixl_backends.configuration import ConfigError
 
-from dualpath_connector.router.config import StoreNamespace, load_router_config
+from dualpath_router.config import StoreNamespace, load_router_config
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 
 VALID = {
     "served_model_names": ["m"],
@@ -73,7 +73,7 @@ def test_errors_name_the_key(tmp_path, change, message):
 def test_cli_refuses_a_bad_config_naming_the_key(tmp_path):
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump({**VALID, "scheduling": {"beta": 5}}))
-    result = subprocess.run([sys.executable, "-m", "dualpath_connector.router.app", "--config", str(path)],
+    result = subprocess.run([sys.executable, "-m", "dualpath_router.app", "--config", str(path)],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert "router.yaml: unknown key scheduling.'beta'" in result.stderr

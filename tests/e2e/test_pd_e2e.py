@@ -28,7 +28,7 @@ import urllib.request
 
 import pytest
 
-from dualpath_connector.devstack import RouterProcess, VLLMServer
+from dualpath_dev.engines import RouterProcess, VLLMServer
 from tests.vllm_engine import Engine
 
 pytestmark = pytest.mark.engine

@@ -1,0 +1,220 @@
+"""vLLM engines with DualPathConnector and the router in front of them, as child processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from dualpath_dev.processes import ServiceProcess, free_port
+from dualpath_dev.seaweedfs import SeaweedFS
+
+# The ready-made configs of the checkout (this package exists only in a checkout).
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+
+
+class VLLMServer(ServiceProcess):
+    """vLLM's OpenAI server (CPU build, tiny Llama) with DualPathConnector on an S3 server.
+
+    ``config`` names a file in ``configs/`` (``single.json``, ``pe.json``,
+    ``de.json``); the store endpoint, the side-channel port (a free one) and
+    ``extra`` keys of ``kv_connector_extra_config`` are filled in here.
+    Credentials travel in the standard AWS variables, never on the command
+    line, where vLLM would log them with its arguments. vLLM's local prefix
+    cache is off, so every hit it reports was read from the store.
+    ``host``: the address it listens on and is reached at; ``launcher``: a
+    command prefix (``ip netns exec <ns>`` for a network namespace).
+    """
+
+    def __init__(
+        self,
+        model: Path,
+        s3: SeaweedFS,
+        log_path: Path,
+        max_model_len: int = 8192,
+        config: str = "single.json",
+        extra: dict | None = None,
+        max_num_batched_tokens: int | None = None,
+        bucket: str | None = None,
+        *,
+        host: str = "127.0.0.1",
+        launcher: Sequence[str] = (),
+    ) -> None:
+        self.kv_config = json.loads((CONFIGS / config).read_text())
+        extra_config = self.kv_config["kv_connector_extra_config"]
+        extra_config["store"]["endpoint"] = s3.endpoint
+        if bucket is not None:
+            extra_config["store"]["bucket"] = bucket
+        extra_config.update(extra or {})
+        self.side_channel = None
+        if self.kv_config["kv_role"] != "kv_both":
+            extra_config["side_channel_port"] = free_port()
+            self.side_channel = f"{extra_config['side_channel_host']}:{extra_config['side_channel_port']}"
+        self.model = model
+        self._s3 = s3
+        self.log_path = log_path
+        self.port = free_port()
+        self.base_url = f"http://{host}:{self.port}"
+        self.env = dict(
+            os.environ,
+            AWS_ACCESS_KEY_ID=s3.access_key,
+            AWS_SECRET_ACCESS_KEY=s3.secret_key,
+            VLLM_CPU_KVCACHE_SPACE="2",
+            VLLM_CPU_NUM_OF_RESERVED_CPU="1",
+            PYTHONUNBUFFERED="1",
+        )
+        self.args = [
+            *launcher, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+            "--model", str(model), "--skip-tokenizer-init", "--dtype", "bfloat16",
+            "--block-size", "32", "--enforce-eager", "--seed", "0",
+            "--host", host, "--port", str(self.port),
+            "--max-model-len", str(max_model_len),
+            "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--kv-transfer-config", json.dumps(self.kv_config),
+        ]  # fmt: skip
+        if max_num_batched_tokens is not None:
+            self.args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+        self.health_url = f"{self.base_url}/health"
+
+    def complete(self, prompt: list[int], max_tokens: int, timeout_s: float = 600.0) -> tuple[float, list[int], dict]:
+        """A greedy streaming completion: (seconds to first token, token ids, usage)."""
+        import urllib.request
+
+        body = {
+            "model": str(self.model),
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
+        request = urllib.request.Request(
+            f"{self.base_url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        started = time.perf_counter()
+        first_token_s = None
+        tokens: list[int] = []
+        usage: dict = {}
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                for choice in event.get("choices", []):
+                    ids = choice.get("token_ids") or []
+                    if ids and first_token_s is None:
+                        first_token_s = time.perf_counter() - started
+                    tokens.extend(ids)
+                usage = event.get("usage") or usage
+        if first_token_s is None:
+            raise RuntimeError("the stream carried no token ids")
+        return first_token_s, tokens, usage
+
+    def wait_stored(self, tokens: list[int], timeout_s: float = 120.0) -> None:
+        """Wait until every full chunk of ``tokens`` is in the store (saves are asynchronous)."""
+        from nixl_backends.layout import chunk_hashes, chunk_key
+
+        info = namespace_info(self.base_url)
+        namespace, chunk_tokens = info["namespace"], int(info["chunk_tokens"])
+        keys = [chunk_key(info["key_prefix"], namespace, h) for h in chunk_hashes(namespace, tokens, chunk_tokens)]
+        bucket = self.kv_config["kv_connector_extra_config"]["store"]["bucket"]
+        client = self._s3.client()
+        deadline = time.monotonic() + timeout_s
+        # Saves go in step order, so the last chunk lands last: check it first, then the rest once.
+        for key in keys[-1:] + keys[:-1]:
+            while not _object_exists(client, bucket, key):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"chunk {key} not stored within {timeout_s}s")
+                time.sleep(0.05)  # polling S3: there is no notification to wait on
+
+    def metric_total(self, name: str) -> float:
+        """Sum of a Prometheus series over its labels on the server's /metrics."""
+        import re
+        import urllib.request
+
+        text = urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30).read().decode()
+        pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
+        return sum(float(v) for v in pattern.findall(text))
+
+
+def namespace_info(base_url: str) -> dict[str, str]:
+    """Labels of an engine's ``dualpath_kv:store_namespace_info`` (namespace, key_prefix, chunk geometry)."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=30).read().decode()
+    for line in text.splitlines():
+        if line.startswith("dualpath_kv:store_namespace_info{"):
+            return dict(re.findall(r'(\w+)="([^"]*)"', line))
+    raise RuntimeError(f"{base_url}/metrics has no dualpath_kv:store_namespace_info (is the connector loaded?)")
+
+
+def _object_exists(client, bucket: str, key: str) -> bool:
+    try:
+        client.head_object(Bucket=bucket, Key=key)
+        return True
+    except client.exceptions.ClientError:
+        return False
+
+
+class RouterProcess(ServiceProcess):
+    """``dualpath-router`` in its own process on a free port, in front of PD engines.
+
+    The store section is the PE's (credentials travel in the AWS variables);
+    ``overrides`` are top-level router config keys (``policy``, ``read_side``...).
+    """
+
+    def __init__(
+        self, prefill: list[VLLMServer], decode: list[VLLMServer], s3: SeaweedFS, workdir: Path, **overrides: object
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        store = prefill[0].kv_config["kv_connector_extra_config"]["store"]
+        config = {
+            "host": "127.0.0.1",
+            "port": self.port,
+            "served_model_names": [str(prefill[0].model)],
+            "policy": "dualpath",
+            "prefill_engines": [
+                {"name": f"pe{i}", "url": pe.base_url, "node": f"node-pe{i}"} for i, pe in enumerate(prefill)
+            ],
+            "decode_engines": [
+                {"name": f"de{i}", "url": de.base_url, "node": f"node-de{i}", "side_channel": de.side_channel}
+                for i, de in enumerate(decode)
+            ],
+            "store": store,
+            "namespace": "auto",
+            **overrides,
+        }
+        self.config_path = workdir / f"router-{self.port}.yaml"
+        self.config_path.write_text(json.dumps(config))  # JSON is YAML
+        self.log_path = workdir / f"router-{self.port}.log"
+        self.env = dict(os.environ, AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key)
+        self.args = [sys.executable, "-m", "dualpath_router.app", "--config", str(self.config_path)]
+        # /health is 200 once the router itself sees a healthy PE and DE.
+        self.health_url = f"{self.url}/health"
+        self.stop_grace_s = 10.0
+
+    def complete(self, body: dict, timeout_s: float = 600.0) -> tuple[dict, dict[str, str], float]:
+        """A non-streaming completion: (answer, x-dualpath-* headers, seconds)."""
+        import urllib.request
+
+        request = urllib.request.Request(
+            f"{self.url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        started = time.perf_counter()
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            headers = {k.lower(): v for k, v in response.headers.items() if k.lower().startswith("x-dualpath")}
+            answer = json.loads(response.read())
+        return answer, headers, time.perf_counter() - started
+
+
+def cached_tokens(usage: dict) -> int:
+    """Prompt tokens vLLM did not compute (``--enable-prompt-tokens-details``)."""
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)

@@ -1,0 +1,99 @@
+"""Child processes for tests, demos and benchmarks: free ports, process groups, a health-checked service.
+
+Everything started here runs in its own process group and is stopped by the
+PID held here (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+
+def _port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+
+def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the process group ``proc`` leads, SIGKILL it after ``grace_s``."""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+class ServiceProcess:
+    """A service in its own process group, logging to a file, ready when ``health_url`` answers 200.
+
+    Subclasses set ``args``, ``env``, ``log_path`` and ``health_url``; ``stop``
+    ends the whole group by the PID held here.
+    """
+
+    args: list[str]
+    env: dict[str, str] | None = None
+    log_path: Path
+    health_url: str
+    stop_grace_s = 20.0
+    proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 600.0) -> ServiceProcess:
+        import urllib.request
+
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"{self.args[:3]} exited during start-up; see {self.log_path}")
+                try:
+                    if urllib.request.urlopen(self.health_url, timeout=5).status == 200:
+                        return self
+                except OSError:
+                    pass  # not listening yet
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not healthy after {timeout_s}s; see {self.log_path}")
+                time.sleep(0.2)
+        except BaseException:
+            self.stop()
+            raise
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            stop_process_group(self.proc, grace_s=self.stop_grace_s)
+            self.proc = None
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
