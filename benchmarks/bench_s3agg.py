@@ -46,7 +46,7 @@ from _common import RESULTS_DIR, environment, exit_on_sigterm, markdown_table, m
 
 from dualpath_dev.seaweedfs import SeaweedFS  # noqa: E402
 from nixl_backends.layout import BlockLayout  # noqa: E402
-from nixl_backends.store import make_store, parse_store_config  # noqa: E402
+from nixl_backends.registry import make_store, parse_store_config  # noqa: E402
 from dualpath_dev.gateway import GatewayProcess  # noqa: E402
 from s3agg_gateway_ext.scheduling import allocate  # noqa: E402
 

@@ -28,7 +28,7 @@ from _common import environment, exit_on_sigterm, markdown_table, median, run_an
 
 from nixl_backends.buffers import HostBufferPool  # noqa: E402
 from nixl_backends.layout import BlockLayout, chunk_key  # noqa: E402
-from nixl_backends.store import make_store, parse_store_config  # noqa: E402
+from nixl_backends.registry import make_store, parse_store_config  # noqa: E402
 
 KIB = 1024
 MIB = 1024 * KIB

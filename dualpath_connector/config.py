@@ -12,7 +12,7 @@ from typing import Any
 
 from nixl_backends.configuration import ConfigError, from_dict
 from nixl_backends.layout import KVNamespace
-from nixl_backends.store import parse_store_config
+from nixl_backends.registry import parse_store_config
 
 _WHERE = "kv_connector_extra_config."
 LOAD_MODES = ("layerwise", "bulk")

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nixl_backends.layout import BlockLayout, chunk_hashes, chunk_key
-from nixl_backends.store import make_store
+from nixl_backends.registry import make_store
 
 from dualpath_connector.config import ChunkGeometry, DualPathConfig, namespace_for
 from dualpath_connector.metadata import ChunkLoad, DualPathMetadata, LoadSpec, PullSpec, SaveSpec, SendSpec

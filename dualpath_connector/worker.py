@@ -55,7 +55,8 @@ import torch
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.layout import BlockLayout, chunk_key
-from nixl_backends.store import TransferAbandoned, make_store
+from nixl_backends.registry import make_store
+from nixl_backends.store import TransferAbandoned
 from nixl_backends.transport import UCX, PeerRead, add_ucx_backend, mem_type, post_read
 
 from dualpath_connector.affinity import kv_transfer_cores, pin_current_thread, threads_started_on

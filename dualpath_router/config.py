@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import yaml
 
 from nixl_backends.configuration import ConfigError, from_dict
-from nixl_backends.store import parse_store_config
+from nixl_backends.registry import parse_store_config
 
 PolicyName = Literal["basic", "round_robin", "dualpath"]
 ReadSideOverride = Literal["auto", "pe", "de"]

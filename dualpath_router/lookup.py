@@ -16,7 +16,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 from nixl_backends.layout import BlockLayout, chunk_hashes, chunk_key
-from nixl_backends.store import KVStore, make_store
+from nixl_backends.registry import make_store
+from nixl_backends.store import KVStore
 
 from dualpath_router.config import StoreNamespace
 

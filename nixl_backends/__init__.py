@@ -7,7 +7,8 @@ once (:mod:`nixl_backends.buffers`) and the stores behind one interface
 """
 
 from nixl_backends.layout import BlockLayout, KVNamespace, chunk_hashes, chunk_key
-from nixl_backends.store import KVStore, StoreCapabilities, make_store, parse_store_config
+from nixl_backends.registry import make_store, parse_store_config
+from nixl_backends.store import KVStore, StoreCapabilities
 
 __all__ = [
     "BlockLayout",

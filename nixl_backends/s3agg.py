@@ -47,7 +47,7 @@ from botocore.awsrequest import AWSRequest
 from botocore.credentials import Credentials
 from prometheus_client import Counter
 
-from nixl_backends.configuration import ConfigError
+from nixl_backends.configuration import ConfigError, from_dict
 from nixl_backends.layout import BlockLayout
 from nixl_backends.s3 import S3Store, S3StoreConfig
 from nixl_backends.store import (
@@ -55,7 +55,6 @@ from nixl_backends.store import (
     StoreCapabilities,
     TransferAbandoned,
     descriptors,
-    parse_store_config,
     run_nixl_transfers,
 )
 
@@ -121,9 +120,10 @@ class S3AggStoreConfig:
             raise ConfigError("store.connect_timeout_s and store.request_timeout_s must be positive")
         if self.compute_window_s is not None and self.compute_window_s <= 0:
             raise ConfigError("store.compute_window_s must be positive")
-        self.s3_config = parse_store_config({"backend": "s3", **self.s3}, "store.s3.")
-        if not isinstance(self.s3_config, S3StoreConfig):
+        s3 = dict(self.s3)
+        if s3.pop("backend", "s3") != "s3":
             raise ConfigError(f"store.s3.backend must be 's3', got {self.s3.get('backend')!r}")
+        self.s3_config = from_dict(S3StoreConfig, s3, "store.s3.")
 
 
 @dataclass

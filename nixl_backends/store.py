@@ -1,4 +1,4 @@
-"""The KVStore interface, shared NIXL transfer plumbing, and the factory from config.
+"""The KVStore interface and shared NIXL transfer plumbing (backends: :mod:`nixl_backends.registry`).
 
 A store holds Full Blocks, one immutable object/file per chunk, named by
 :func:`nixl_backends.layout.chunk_key`. The interface is deliberately narrow:
@@ -18,7 +18,6 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from nixl_backends.configuration import ConfigError, from_dict
 from nixl_backends.layout import BlockLayout
 
 logger = logging.getLogger(__name__)
@@ -140,36 +139,3 @@ def run_nixl_transfers(
 def descriptors(rows: Sequence[tuple[int, int, int]]) -> np.ndarray:
     """Nx3 uint64 descriptor array, the form NIXL converts without a Python loop."""
     return np.asarray(rows, dtype=np.uint64).reshape(-1, 3)
-
-
-def _backends() -> dict[str, tuple[type, type[KVStore]]]:
-    # Imported here: each backend module imports this one.
-    from nixl_backends.posix import PosixStore, PosixStoreConfig
-    from nixl_backends.s3 import S3Store, S3StoreConfig
-    from nixl_backends.s3agg import S3AggStore, S3AggStoreConfig
-
-    return {
-        "posix": (PosixStoreConfig, PosixStore),
-        "s3": (S3StoreConfig, S3Store),
-        "s3agg": (S3AggStoreConfig, S3AggStore),
-    }
-
-
-def parse_store_config(data: dict[str, Any], where: str = "store.") -> Any:
-    """Validate a store section ``{"backend": NAME, ...}`` into that backend's config dataclass."""
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where.rstrip('.')!r} must be an object, got {type(data).__name__}")
-    backends = _backends()
-    rest = dict(data)
-    name = rest.pop("backend", None)
-    if name not in backends:
-        raise ConfigError(f"bad value for {where}'backend': {name!r}; choose one of {sorted(backends)}")
-    return from_dict(backends[name][0], rest, where)
-
-
-def make_store(config: Any, layout: BlockLayout, agent=None) -> KVStore:
-    """Open the store for a parsed config. Without ``agent`` only ``lookup`` works."""
-    for config_cls, store_cls in _backends().values():
-        if isinstance(config, config_cls):
-            return store_cls(config, layout, agent)
-    raise TypeError(f"not a store config: {type(config).__name__}")

@@ -10,7 +10,7 @@ import pytest
 from botocore.exceptions import ClientError
 
 from nixl_backends.layout import BlockLayout
-from nixl_backends.store import make_store, parse_store_config
+from nixl_backends.registry import make_store, parse_store_config
 from dualpath_dev.gateway import GatewayProcess
 
 CLIENT_ACCESS_KEY = "s3agg-client"

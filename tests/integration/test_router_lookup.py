@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from nixl_backends.layout import chunk_hashes, chunk_key
-from nixl_backends.store import parse_store_config
+from nixl_backends.registry import parse_store_config
 
 from dualpath_dev.processes import free_port
 from dualpath_router.config import StoreNamespace

@@ -13,7 +13,7 @@ from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.layout import BlockLayout, KVNamespace, chunk_hashes, chunk_key
 from nixl_backends.posix import PosixStore
 from nixl_backends.s3 import S3Store
-from nixl_backends.store import make_store, parse_store_config
+from nixl_backends.registry import make_store, parse_store_config
 
 LAYOUT = BlockLayout(num_layers=4, layer_block_bytes=16384)
 FULL = LAYOUT.full_block_bytes

@@ -9,7 +9,7 @@ import pytest
 from nixl_backends.configuration import ConfigError, from_dict
 from nixl_backends.posix import PosixStoreConfig
 from nixl_backends.s3 import S3StoreConfig
-from nixl_backends.store import parse_store_config
+from nixl_backends.registry import parse_store_config
 
 SECRET = "Sup3r-S3cret-Value-9f8e7d"
 
