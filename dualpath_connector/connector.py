@@ -51,7 +51,7 @@ class DualPathConnector(KVConnectorBase_V1):
         if role == KVConnectorRole.SCHEDULER:
             from dualpath_connector.scheduler import DualPathScheduler
 
-            self._scheduler = DualPathScheduler(vllm_config, self.config, kv_role)
+            self._scheduler = DualPathScheduler.from_vllm(vllm_config, self.config, kv_role)
         else:
             from dualpath_connector.worker import DualPathWorker
 

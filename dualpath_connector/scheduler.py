@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nixl_backends.layout import BlockLayout, chunk_hashes, chunk_key
+from nixl_backends.layout import KVNamespace, chunk_hashes, chunk_key
+from nixl_backends.lookup import PresentChunks
 from nixl_backends.registry import make_store
+from nixl_backends.store import KVStore
 
 from dualpath_connector.config import ChunkGeometry, DualPathConfig, namespace_for
 from dualpath_connector.metadata import ChunkLoad, DualPathMetadata, LoadSpec, PullSpec, SaveSpec, SendSpec
+from dualpath_connector.protocol import PrefillHandoff, PrefillRequest, ProtocolError
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -40,23 +42,23 @@ class _RequestState:
     # Loads issued for this request; a second ask follows a failed load.
     loads_issued: int = 0
     # PE: the router asked for prefill only; the DE persists the chunks.
-    remote_decode: bool = False
-    # DE: the PE's kv_transfer_params, until the pull is planned.
-    remote_prefill: dict[str, Any] | None = None
+    remote_decode: PrefillRequest | None = None
+    # DE: the PE's hand-off, until the pull is planned.
+    remote_prefill: PrefillHandoff | None = None
 
 
 class DualPathScheduler:
-    def __init__(self, vllm_config: VllmConfig, config: DualPathConfig, kv_role: str) -> None:
+    """The scheduler half, built from its collaborators (no vLLM config needed: unit-testable)."""
+
+    def __init__(
+        self, config: DualPathConfig, kv_role: str, geometry: ChunkGeometry, namespace: KVNamespace, store: KVStore
+    ) -> None:
         self.config = config
         self.kv_role = kv_role
-        self.geometry = ChunkGeometry.of(config, vllm_config)
-        # The scheduler looks up rank 0's keys: every rank stores its own shard
-        # of the same chunks at the same time.
-        namespace = namespace_for(vllm_config, config, self.geometry.chunk_tokens, tp_rank=0, pp_rank=0)
+        self.geometry = geometry
         self.namespace_digest = namespace.digest()
-        layout = BlockLayout(namespace.num_layers, namespace.layer_block_bytes)
-        self.store = make_store(config.store_config, layout)  # lookup only: no NIXL agent here
-        self._present: OrderedDict[str, None] = OrderedDict()
+        self.store = store
+        self._present = PresentChunks(config.lookup_cache_chunks)
         self._states: dict[str, _RequestState] = {}
         # Hit found by get_num_new_matched_tokens, consumed by update_state_after_alloc.
         self._pending_hit_chunks: dict[str, int] = {}
@@ -71,6 +73,15 @@ class DualPathScheduler:
             self.geometry.chunk_tokens,
             type(self.store).__name__,
         )
+
+    @classmethod
+    def from_vllm(cls, vllm_config: VllmConfig, config: DualPathConfig, kv_role: str) -> DualPathScheduler:
+        geometry = ChunkGeometry.of(config, vllm_config)
+        # The scheduler looks up rank 0's keys: every rank stores its own shard
+        # of the same chunks at the same time.
+        namespace = namespace_for(vllm_config, config, geometry.chunk_tokens, tp_rank=0, pp_rank=0)
+        store = make_store(config.store_config, namespace.block_layout())  # lookup only: no NIXL agent here
+        return cls(config, kv_role, geometry, namespace, store)
 
     # -- hashing and lookup ---------------------------------------------------
 
@@ -98,20 +109,6 @@ class DualPathScheduler:
     def key(self, chunk_hash: str) -> str:
         return chunk_key(self.config.key_prefix, self.namespace_digest, chunk_hash)
 
-    def _leading_present(self, keys: list[str]) -> int:
-        known = 0
-        while known < len(keys) and keys[known] in self._present:
-            self._present.move_to_end(keys[known])
-            known += 1
-        if known == len(keys):
-            return known
-        found = known + self.store.lookup(keys[known:])
-        for key in keys[known:found]:
-            self._present[key] = None
-        while len(self._present) > self.config.lookup_cache_chunks:
-            self._present.popitem(last=False)
-        return found
-
     # -- vLLM scheduler hooks -------------------------------------------------
 
     @staticmethod
@@ -126,18 +123,19 @@ class DualPathScheduler:
         )
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        params = request.kv_transfer_params or {}
-        if self.kv_role == "kv_consumer" and params.get("do_remote_prefill"):
-            # The whole prompt was prefilled by a PE; vLLM itself recomputes
-            # the last token to sample the next one.
-            state = self._state(request)
-            state.remote_prefill = params
-            count = max(0, len(request.prompt_token_ids or ()) - num_computed_tokens)
-            return count, count > 0
+        if self.kv_role == "kv_consumer":
+            handoff = self._parsed(request, PrefillHandoff)
+            if handoff is not None:
+                # The whole prompt was prefilled by a PE; vLLM itself recomputes
+                # the last token to sample the next one.
+                self._state(request).remote_prefill = handoff
+                count = max(0, len(request.prompt_token_ids or ()) - num_computed_tokens)
+                return count, count > 0
         if not self._cacheable(request):
             return 0, False
         state = self._state(request)
-        state.remote_decode = self.kv_role == "kv_producer" and bool(params.get("do_remote_decode"))
+        if self.kv_role == "kv_producer":
+            state.remote_decode = self._parsed(request, PrefillRequest)
         if state.loads_issued >= MAX_LOAD_ATTEMPTS:
             return 0, False
         # Never claim the last token: vLLM must compute it to sample the next one.
@@ -147,10 +145,9 @@ class DualPathScheduler:
         if state.loads_issued:
             # vLLM asks again after a load failed: what the cache remembers as
             # present may be what failed, so ask the store itself.
-            for key in keys:
-                self._present.pop(key, None)
+            self._present.forget(keys)
         try:
-            present = self._leading_present(keys)
+            present = self._present.leading_present(self.store, keys)
         except Exception as exc:  # a store outage is a miss, never a dead scheduler
             self._log_lookup_error(exc)
             present = 0
@@ -188,30 +185,34 @@ class DualPathScheduler:
                     block_ids=state.block_ids[first_block + skip : first_block + self.geometry.blocks_per_chunk],
                 )
             )
-        self._loads.append(LoadSpec(request.request_id, chunks, *self._read_side(request)))
+        remote = state.remote_decode
+        read_side = (remote.read_side, remote.de_side_channel) if remote is not None else ("pe", None)
+        self._loads.append(LoadSpec(request.request_id, chunks, *read_side))
         state.loads_issued += 1
         logger.debug("request %s: loading %d tokens from the store", request.request_id, num_external_tokens)
 
-    def _read_side(self, request: Request) -> tuple[str, str | None]:
-        """Who reads this request's hit from the store, as the router asked (PE role only)."""
-        params = request.kv_transfer_params or {}
-        if self.kv_role != "kv_producer" or params.get("read_side", "pe") == "pe":
-            return "pe", None
-        side, de = params.get("read_side"), params.get("de_side_channel")
-        if side == "de" and isinstance(de, str) and de:
-            return "de", de
-        logger.warning("request %s: bad read side %r / de_side_channel %r; reading here", request.request_id, side, de)
-        return "pe", None
+    @staticmethod
+    def _parsed(request: Request, message: type[PrefillRequest] | type[PrefillHandoff]) -> Any:
+        """The request's ``kv_transfer_params`` as ``message``; None if absent or unusable.
+
+        Unusable parameters (another protocol version, bad types) serve the
+        request without a hand-off: a PE computes and saves it itself, a DE
+        recomputes the prompt. Never a wrong KV, never a dead engine.
+        """
+        try:
+            return message.from_dict(request.kv_transfer_params)
+        except ProtocolError as exc:
+            logger.warning("request %s: ignoring kv_transfer_params: %s", request.request_id, exc)
+            return None
 
     def _plan_pull(self, state: _RequestState, num_external_tokens: int) -> None:
-        params, state.remote_prefill = state.remote_prefill, None
+        handoff, state.remote_prefill = state.remote_prefill, None
         request = state.request
         # vLLM would ask again after a failed pull: then it recomputes.
-        request.kv_transfer_params = {**params, "do_remote_prefill": False}
+        request.kv_transfer_params = {**request.kv_transfer_params, "do_remote_prefill": False}
         num_prompt = len(request.prompt_token_ids or ())
-        stored = int(params.get("stored_chunks") or 0)
-        state.stored_chunks = state.saved_chunks = stored
-        remote_blocks = list(params.get("remote_block_ids") or ())
+        state.stored_chunks = state.saved_chunks = handoff.stored_chunks
+        remote_blocks = list(handoff.remote_block_ids)
         wanted = -(-num_prompt // self.geometry.block_size)
         # Leading blocks the local prefix cache already held are not pulled.
         first = (num_prompt - num_external_tokens) // self.geometry.block_size
@@ -223,8 +224,8 @@ class DualPathScheduler:
         self._pulls.append(
             PullSpec(
                 req_id=request.request_id,
-                remote_side_channel=str(params.get("remote_side_channel")),
-                remote_req_id=str(params.get("remote_request_id")),
+                remote_side_channel=handoff.remote_side_channel,
+                remote_req_id=handoff.remote_request_id,
                 remote_block_ids=remote_blocks[first:wanted] if local else [],
                 block_ids=local,
             )
@@ -254,7 +255,7 @@ class DualPathScheduler:
         return meta
 
     def _plan_save(self, state: _RequestState, computed_after_step: int, meta: DualPathMetadata) -> None:
-        if state.remote_decode:
+        if state.remote_decode is not None:
             return  # its DE persists the chunks, with the decoded ones
         # Only tokens that exist (not async-scheduling placeholders) are hashed.
         complete = min(computed_after_step, len(state.request.all_token_ids)) // self.geometry.chunk_tokens
@@ -294,22 +295,19 @@ class DualPathScheduler:
             return False, None
         if state.remote_prefill is not None:
             # Aborted before its pull was planned: the PE still holds blocks.
-            self._pulls.append(
-                PullSpec(request.request_id, str(state.remote_prefill.get("remote_side_channel")),
-                         str(state.remote_prefill.get("remote_request_id")), [], [])
-            )  # fmt: skip
+            handoff = state.remote_prefill
+            self._pulls.append(PullSpec(request.request_id, handoff.remote_side_channel, handoff.remote_request_id, [], []))
             return False, None
         prefilled = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
-        if not (state.remote_decode and prefilled and block_ids):
+        if not (state.remote_decode is not None and prefilled and block_ids):
             return False, None
         self._sends.append(SendSpec(request.request_id, time.time() + self.config.pd_lease_s))
-        return True, {
-            "do_remote_prefill": True,
-            "remote_side_channel": f"{self.config.side_channel_host}:{self.config.side_channel_port}",
-            "remote_request_id": request.request_id,
-            "remote_block_ids": list(block_ids),
-            "stored_chunks": state.stored_chunks,
-        }
+        return True, PrefillHandoff(
+            remote_side_channel=f"{self.config.side_channel_host}:{self.config.side_channel_port}",
+            remote_request_id=request.request_id,
+            remote_block_ids=list(block_ids),
+            stored_chunks=state.stored_chunks,
+        ).to_dict()
 
     def shutdown(self) -> None:
         self.store.close()

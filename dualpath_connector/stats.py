@@ -13,29 +13,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-COUNTERS = {
-    "loaded_tokens": "Tokens whose KV was loaded from the store (hit tokens)",
-    "load_failed_tokens": "Hit tokens that could not be loaded and were recomputed or failed",
-    "bytes_read": "Bytes read from the store",
-    "bytes_written": "Bytes written to the store",
-    "saved_chunks": "Chunks written to the store",
-    "save_skipped_chunks": "Chunks not saved because the save buffer was full or the write failed",
-    "bytes_read_for_peer": "Bytes read from the store into this engine's buffer for a PE (DE-side reads)",
-    "bytes_pulled_from_peer": "Bytes pulled from another engine: DE-read hits on a PE, prefilled prompts on a DE",
-    "pulled_tokens": "Prompt tokens whose KV a DE pulled from its PE",
-    "de_read_fallbacks": "DE-side reads that failed or timed out, read from the store by the PE instead",
-    "de_reads_declined": "PE read requests this DE declined (its read queue would miss the PE's deadline); "
-    "the PE read those hits itself",
-}
-TIMINGS = {
-    "load_seconds": "Time from a load's start to its hit being readable (bulk: in the KV cache)",
-    "save_seconds": "Time to write one step's completed chunks to the store",
-    "pull_seconds": "Time for a DE to pull a prefilled prompt's KV from its PE",
-}
-GAUGES = {
-    "read_queue_tokens": "Tokens queued or in flight in this engine's store reads, including reads served for a PE",
-}
-
+from dualpath_connector.protocol import COUNTERS, GAUGES, METRIC_PREFIX, NAMESPACE_INFO_METRIC, TIMINGS, StoreKeySpace
 
 def _empty() -> dict[str, Any]:
     data: dict[str, Any] = dict.fromkeys(COUNTERS, 0)
@@ -113,7 +91,7 @@ class DualPathPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
             name: create_metric_per_engine(
-                self._counter_cls(name=f"dualpath_kv:{name}", documentation=doc, labelnames=labelnames),
+                self._counter_cls(name=f"{METRIC_PREFIX}{name}", documentation=doc, labelnames=labelnames),
                 per_engine_labelvalues,
             )
             for name, doc in COUNTERS.items()
@@ -121,14 +99,14 @@ class DualPathPromMetrics(KVConnectorPromMetrics):
         buckets = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
         self._histograms = {
             name: create_metric_per_engine(
-                self._histogram_cls(name=f"dualpath_kv:{name}", documentation=doc, buckets=buckets, labelnames=labelnames),
+                self._histogram_cls(name=f"{METRIC_PREFIX}{name}", documentation=doc, buckets=buckets, labelnames=labelnames),
                 per_engine_labelvalues,
             )
             for name, doc in TIMINGS.items()
         }
         self._gauges = {
             name: create_metric_per_engine(
-                self._gauge_cls(name=f"dualpath_kv:{name}", documentation=doc, labelnames=labelnames),
+                self._gauge_cls(name=f"{METRIC_PREFIX}{name}", documentation=doc, labelnames=labelnames),
                 per_engine_labelvalues,
             )
             for name, doc in GAUGES.items()
@@ -143,16 +121,16 @@ class DualPathPromMetrics(KVConnectorPromMetrics):
         config = parse_config(kv_transfer.kv_connector_extra_config, kv_transfer.kv_role)
         chunk_tokens = ChunkGeometry.of(config, vllm_config).chunk_tokens
         namespace = namespace_for(vllm_config, config, chunk_tokens, tp_rank=0, pp_rank=0)
-        info = {
-            "namespace": namespace.digest(),
-            "key_prefix": config.key_prefix,
-            "chunk_tokens": str(chunk_tokens),
-            "num_layers": str(namespace.num_layers),
-            "layer_block_bytes": str(namespace.layer_block_bytes),
-            "kv_role": kv_transfer.kv_role,
-        }
+        key_space = StoreKeySpace(
+            digest=namespace.digest(),
+            key_prefix=config.key_prefix,
+            chunk_tokens=chunk_tokens,
+            num_layers=namespace.num_layers,
+            layer_block_bytes=namespace.layer_block_bytes,
+        )
+        info = {**key_space.to_labels(), "kv_role": kv_transfer.kv_role}
         gauge = self._gauge_cls(
-            name="dualpath_kv:store_namespace_info",
+            name=NAMESPACE_INFO_METRIC,
             documentation="The store namespace and chunk geometry of this engine's keys (value 1)",
             labelnames=[*labelnames, *info],
         )

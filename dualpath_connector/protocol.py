@@ -1,0 +1,331 @@
+"""The engine <-> router <-> bench contract, in one place and without a vLLM import.
+
+Everything that crosses a process boundary between our components is defined
+here and nowhere else:
+
+- the ``kv_transfer_params`` the router sends a prefill engine
+  (:class:`PrefillRequest`) and the hand-off a PE answers with and the router
+  passes to a decode engine (:class:`PrefillHandoff`);
+- the side-channel operations between engines (``hello``, ``read``), their
+  messages and the NIXL notification prefixes (``pulled:``, ``release:``);
+- metric names (``dualpath_kv:*``) and the store key space an engine exports as
+  the labels of ``dualpath_kv:store_namespace_info`` (:class:`StoreKeySpace`);
+- one parser of Prometheus text (:func:`metric_samples`, :func:`metric_total`).
+
+Every message carries :data:`PROTOCOL_VERSION`; a peer speaking another
+version is refused with a message naming both. Parsers validate types before
+anything reaches an engine: hostile input raises :class:`ProtocolError`.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from nixl_backends.layout import BlockLayout, chunk_hashes, chunk_key
+
+# Bumped on any incompatible change of a message, a key or a label below.
+PROTOCOL_VERSION = 1
+VERSION_KEY = "dualpath_version"
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow this contract; the text says what is wrong."""
+
+
+def check_version(message: dict[str, Any], what: str) -> None:
+    version = message.get(VERSION_KEY)
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"{what} speaks dualpath protocol version {version!r}, this side speaks {PROTOCOL_VERSION}: "
+            "run the same dualpath-kv release on every engine and router"
+        )
+
+
+def _int_list(value: Any, name: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+        raise ProtocolError(f"{name} must be a list of non-negative integers")
+    return list(value)
+
+
+def _nonempty_str(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ProtocolError(f"{name} must be a non-empty string, got {value!r}")
+    return value
+
+
+# -- kv_transfer_params --------------------------------------------------------
+
+ReadSide = Literal["pe", "de"]
+READ_SIDES: tuple[str, ...] = ("pe", "de")
+
+
+@dataclass(frozen=True)
+class PrefillRequest:
+    """Router -> PE: prefill only, hand the KV to a DE; who reads the store hit.
+
+    ``read_side`` ``"de"`` names the DE whose side channel reads the hit into
+    its buffer (``de_side_channel``, ``host:port``).
+    """
+
+    read_side: ReadSide = "pe"
+    de_side_channel: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "do_remote_decode": True,
+            "read_side": self.read_side,
+            "de_side_channel": self.de_side_channel,
+            VERSION_KEY: PROTOCOL_VERSION,
+        }
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None) -> PrefillRequest | None:
+        """The request in ``params``; None if it asks for no remote decode."""
+        if not params or not params.get("do_remote_decode"):
+            return None
+        check_version(params, "the router's kv_transfer_params")
+        side = params.get("read_side", "pe")
+        if side not in READ_SIDES:
+            raise ProtocolError(f"read_side must be one of {READ_SIDES}, got {side!r}")
+        de = params.get("de_side_channel")
+        if side == "de":
+            de = _nonempty_str(de, "de_side_channel (read_side 'de')")
+        return cls(side, de if side == "de" else None)
+
+
+@dataclass(frozen=True)
+class PrefillHandoff:
+    """PE -> router -> DE: where the prefilled prompt's KV waits to be pulled.
+
+    ``remote_block_ids`` are the PE's blocks of the prompt in token order;
+    ``stored_chunks`` leading chunks were already in the store when the PE
+    looked, so the DE does not save them again.
+    """
+
+    remote_side_channel: str
+    remote_request_id: str
+    remote_block_ids: list[int]
+    stored_chunks: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "do_remote_prefill": True,
+            "remote_side_channel": self.remote_side_channel,
+            "remote_request_id": self.remote_request_id,
+            "remote_block_ids": list(self.remote_block_ids),
+            "stored_chunks": self.stored_chunks,
+            VERSION_KEY: PROTOCOL_VERSION,
+        }
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None) -> PrefillHandoff | None:
+        """The hand-off in ``params``; None if it carries no remote prefill."""
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        check_version(params, "the prefill engine's kv_transfer_params")
+        stored = params.get("stored_chunks", 0)
+        if not isinstance(stored, int) or isinstance(stored, bool) or stored < 0:
+            raise ProtocolError(f"stored_chunks must be a non-negative integer, got {stored!r}")
+        return cls(
+            remote_side_channel=_nonempty_str(params.get("remote_side_channel"), "remote_side_channel"),
+            remote_request_id=_nonempty_str(params.get("remote_request_id"), "remote_request_id"),
+            remote_block_ids=_int_list(params.get("remote_block_ids"), "remote_block_ids"),
+            stored_chunks=stored,
+        )
+
+
+# -- the side channel between engines ------------------------------------------
+
+OP_HELLO = "hello"
+OP_READ = "read"
+# NIXL notifications: a DE's READ of a prefilled prompt ends with PULLED + the
+# PE's request id; a PE hands a DE's leased buffer back with RELEASE + lease.
+PULLED = b"pulled:"
+RELEASE = b"release:"
+
+
+def hello_message() -> dict[str, Any]:
+    return {"op": OP_HELLO, VERSION_KEY: PROTOCOL_VERSION}
+
+
+@dataclass(frozen=True)
+class ReadRequest:
+    """PE -> DE: read these chunks into your buffer within ``deadline_s``, or decline at once."""
+
+    namespace: str
+    chunk_hashes: list[str]
+    deadline_s: float
+
+    def to_message(self) -> dict[str, Any]:
+        return {
+            "op": OP_READ,
+            VERSION_KEY: PROTOCOL_VERSION,
+            "namespace": self.namespace,
+            "chunk_hashes": list(self.chunk_hashes),
+            "deadline_s": self.deadline_s,
+        }
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> ReadRequest:
+        hashes = message.get("chunk_hashes")
+        if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
+            raise ProtocolError("chunk_hashes must be a list of strings")
+        deadline = message.get("deadline_s")
+        if not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not deadline > 0:
+            raise ProtocolError(f"deadline_s must be a positive number, got {deadline!r}")
+        return cls(str(message.get("namespace")), hashes, float(deadline))
+
+
+@dataclass(frozen=True)
+class ReadAnswer:
+    """DE -> PE: the leading ``readable`` chunks sit at ``chunk_addrs``, lent under ``lease``."""
+
+    readable: int
+    lease: str | None
+    chunk_addrs: list[int]
+
+    def to_message(self) -> dict[str, Any]:
+        return {"readable": self.readable, "lease": self.lease, "chunk_addrs": list(self.chunk_addrs)}
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any], asked: int) -> ReadAnswer:
+        readable = message.get("readable")
+        if not isinstance(readable, int) or isinstance(readable, bool) or not 0 <= readable <= asked:
+            raise ProtocolError(f"readable must be an integer in [0, {asked}], got {readable!r}")
+        addrs = _int_list(message.get("chunk_addrs"), "chunk_addrs")
+        lease = message.get("lease")
+        if readable and (len(addrs) != readable or not isinstance(lease, str) or not lease):
+            raise ProtocolError("a read answer names one address per readable chunk and a lease")
+        return cls(readable, lease if readable else None, addrs[:readable])
+
+
+# -- metrics ---------------------------------------------------------------------
+
+METRIC_PREFIX = "dualpath_kv:"
+NAMESPACE_INFO_METRIC = f"{METRIC_PREFIX}store_namespace_info"
+
+COUNTERS = {
+    "loaded_tokens": "Tokens whose KV was loaded from the store (hit tokens)",
+    "load_failed_tokens": "Hit tokens that could not be loaded and were recomputed or failed",
+    "bytes_read": "Bytes read from the store",
+    "bytes_written": "Bytes written to the store",
+    "saved_chunks": "Chunks written to the store",
+    "save_skipped_chunks": "Chunks not saved because the save buffer was full or the write failed",
+    "bytes_read_for_peer": "Bytes read from the store into this engine's buffer for a PE (DE-side reads)",
+    "bytes_pulled_from_peer": "Bytes pulled from another engine: DE-read hits on a PE, prefilled prompts on a DE",
+    "pulled_tokens": "Prompt tokens whose KV a DE pulled from its PE",
+    "de_read_fallbacks": "DE-side reads that failed or timed out, read from the store by the PE instead",
+    "de_reads_declined": "PE read requests this DE declined (its read queue would miss the PE's deadline); "
+    "the PE read those hits itself",
+}
+TIMINGS = {
+    "load_seconds": "Time from a load's start to its hit being readable (bulk: in the KV cache)",
+    "save_seconds": "Time to write one step's completed chunks to the store",
+    "pull_seconds": "Time for a DE to pull a prefilled prompt's KV from its PE",
+}
+GAUGES = {
+    "read_queue_tokens": "Tokens queued or in flight in this engine's store reads, including reads served for a PE",
+}
+
+
+def counter_total_name(name: str) -> str:
+    """The exported name of counter ``name`` (prometheus_client appends ``_total``)."""
+    return f"{METRIC_PREFIX}{name}_total"
+
+
+def metric_samples(text: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """``(name, labels, value)`` of every sample in Prometheus exposition text."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            yield sample.name, sample.labels, sample.value
+
+
+def metric_totals(text: str) -> dict[str, float]:
+    """Each series summed over its label sets (engines export one per engine index/model)."""
+    totals: dict[str, float] = defaultdict(float)
+    for name, _, value in metric_samples(text):
+        totals[name] += value
+    return dict(totals)
+
+
+def metric_total(text: str, name: str) -> float:
+    return metric_totals(text).get(name, 0.0)
+
+
+# -- the store key space -----------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StoreKeySpace:
+    """What names an engine's stored chunks: enough to compute its keys from token ids.
+
+    ``digest`` is the namespace digest (:meth:`nixl_backends.layout.KVNamespace.digest`);
+    engines export it with the rest as labels of ``dualpath_kv:store_namespace_info``.
+    """
+
+    digest: str
+    key_prefix: str
+    chunk_tokens: int
+    num_layers: int
+    layer_block_bytes: int
+
+    def validate(self) -> None:
+        if not self.digest or self.digest.strip("0123456789abcdef"):
+            raise ProtocolError(f"digest must be a lowercase hex string, got {self.digest!r}")
+        for name in ("chunk_tokens", "num_layers", "layer_block_bytes"):
+            if getattr(self, name) <= 0:
+                raise ProtocolError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @property
+    def layout(self) -> BlockLayout:
+        return BlockLayout(self.num_layers, self.layer_block_bytes)
+
+    def key(self, chunk_hash: str) -> str:
+        return chunk_key(self.key_prefix, self.digest, chunk_hash)
+
+    def chunk_keys(self, token_ids: Sequence[int]) -> list[str]:
+        """Keys of every full chunk of ``token_ids``."""
+        return [self.key(h) for h in chunk_hashes(self.digest, token_ids, self.chunk_tokens)]
+
+    def claimable_keys(self, token_ids: Sequence[int]) -> list[str]:
+        """Keys of the chunks an engine can load for this prompt: never the last token's
+        (vLLM computes the last prompt token itself, it needs its logits)."""
+        claimable = max(0, (len(token_ids) - 1) // self.chunk_tokens)
+        return self.chunk_keys(token_ids[: claimable * self.chunk_tokens])
+
+    def to_labels(self) -> dict[str, str]:
+        return {
+            "namespace": self.digest,
+            "key_prefix": self.key_prefix,
+            "chunk_tokens": str(self.chunk_tokens),
+            "num_layers": str(self.num_layers),
+            "layer_block_bytes": str(self.layer_block_bytes),
+        }
+
+    @classmethod
+    def from_labels(cls, labels: dict[str, str]) -> StoreKeySpace:
+        try:
+            space = cls(
+                digest=labels["namespace"],
+                key_prefix=labels["key_prefix"],
+                chunk_tokens=int(labels["chunk_tokens"]),
+                num_layers=int(labels["num_layers"]),
+                layer_block_bytes=int(labels["layer_block_bytes"]),
+            )
+        except (KeyError, ValueError) as exc:
+            raise ProtocolError(f"malformed {NAMESPACE_INFO_METRIC} labels {labels}: {exc!r}") from None
+        space.validate()
+        return space
+
+    @classmethod
+    def from_metrics(cls, text: str) -> StoreKeySpace:
+        """The key space an engine exports on its /metrics; ProtocolError if it exports none."""
+        for name, labels, _ in metric_samples(text):
+            if name == NAMESPACE_INFO_METRIC:
+                return cls.from_labels(labels)
+        raise ProtocolError(f"no {NAMESPACE_INFO_METRIC} in the metrics (is DualPathConnector loaded?)")
