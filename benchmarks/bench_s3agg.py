@@ -47,7 +47,7 @@ from _common import RESULTS_DIR, environment, exit_on_sigterm, markdown_table, m
 from dualpath_dev.seaweedfs import SeaweedFS  # noqa: E402
 from nixl_backends.layout import BlockLayout  # noqa: E402
 from nixl_backends.registry import make_store, parse_store_config  # noqa: E402
-from dualpath_dev.gateway import GatewayProcess  # noqa: E402
+from dualpath_dev.gateway import GatewayProcess, gateway_config  # noqa: E402
 from s3agg_gateway_ext.scheduling import allocate  # noqa: E402
 
 MIB = 1 << 20
@@ -124,10 +124,11 @@ def write_chunks(client: Client, rng: np.random.Generator, count: int, tag: str)
     return keys, blocks
 
 
-def gateway_config(s3: SeaweedFS, bucket: str, **overrides) -> dict:
-    return {"store_endpoint": s3.endpoint, "buckets": [bucket], "store_access_key": s3.access_key,
-            "store_secret_key": s3.secret_key, "client_access_key": CLIENT_KEY, "client_secret_key": CLIENT_SECRET,
-            "io_threads": 8, "log_level": "WARNING", **overrides}
+def bench_gateway(s3: SeaweedFS, bucket: str, workdir: Path, **settings) -> GatewayProcess:
+    """A gateway serving ``bucket`` with this benchmark's defaults, overridden by ``settings``."""
+    config = gateway_config(s3, bucket, CLIENT_KEY, CLIENT_SECRET, **{"io_threads": 8, "log_level": "WARNING",
+                                                                      **settings})
+    return GatewayProcess(config, workdir)
 
 
 def delete_all(s3: SeaweedFS, bucket: str) -> None:
@@ -169,10 +170,9 @@ def large_object_mbps(s3: SeaweedFS, bucket: str, reps: int) -> list[float]:
 
 def part_paths(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
     gateways = {
-        "chunkwise": GatewayProcess(gateway_config(s3, bucket, theta_bytes=16 << 30), workdir),
-        "aggregated": GatewayProcess(gateway_config(s3, bucket, theta_bytes=1), workdir),
-        "aggregated-win": GatewayProcess(gateway_config(s3, bucket, theta_bytes=1, min_read_bytes=args.min_read),
-                                         workdir),
+        "chunkwise": bench_gateway(s3, bucket, workdir, theta_bytes=16 << 30),
+        "aggregated": bench_gateway(s3, bucket, workdir, theta_bytes=1),
+        "aggregated-win": bench_gateway(s3, bucket, workdir, theta_bytes=1, min_read_bytes=args.min_read),
     }
     rows = []
     with contextlib.ExitStack() as stack:
@@ -265,7 +265,7 @@ def part_scheduling(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
         not the policy, so it is discarded and repeated (the count goes to the JSON).
         """
         samples, split = [], 0
-        with GatewayProcess(gateway_config(s3, bucket, **common, **gateway_overrides), workdir) as gateway:
+        with bench_gateway(s3, bucket, workdir, **common, **gateway_overrides) as gateway:
             for name in names:  # warm-up: one chunk each opens the UCX connections
                 clients[name].use(gateway).read(chunks[name][0][:1])
             while len(samples) < args.reps and split <= 3 * args.reps:

@@ -20,30 +20,25 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from nixl_backends.buffers import HostBufferPool
 
+from dualpath_connector.kv_regions import KVRegions
+from dualpath_connector.protocol import (
+    OP_HELLO,
+    OP_READ,
+    PROTOCOL_VERSION,
+    PULLED,
+    RELEASE,
+    VERSION_KEY,
+    ReadRequest,
+    check_version,
+    hello_message,
+)
 from dualpath_connector.side_channel import SideChannelServer, decode_bytes, encode_bytes, request
 
 logger = logging.getLogger(__name__)
-
-PULLED = b"pulled:"
-RELEASE = b"release:"
-
-@dataclass(frozen=True)
-class PeerKV:
-    """Where a peer's KV cache lives: layer ``l``, outer ``o``, block ``b`` is at
-    ``layer_addrs[l] + o * outer_stride + b * block_bytes``."""
-
-    agent: str
-    layer_addrs: list[int]
-    outer: int
-    outer_stride: int
-    block_bytes: int
-    mem_type: str
-    device_id: int
 
 
 class PeerLink:
@@ -53,8 +48,8 @@ class PeerLink:
         host: str,
         port: int,
         namespace_digest: str,
-        local_kv: Callable[[], dict[str, Any]],
-        serve_read: Callable[[list[str], float, Callable[[dict[str, Any]], None]], None],
+        local_kv: KVRegions,
+        serve_read: Callable[[ReadRequest, Callable[[dict[str, Any]], None]], None],
         lease_s: float,
         cpu_affinity: set[int] | None = None,
     ) -> None:
@@ -65,7 +60,7 @@ class PeerLink:
         self._lease_s = lease_s
         self._lock = threading.Lock()
         self._handshake_lock = threading.Lock()
-        self._peers: dict[str, PeerKV] = {}
+        self._peers: dict[str, KVRegions] = {}
         # PE: requests whose blocks a DE may still pull -> expiry.
         self._holds: dict[str, float] = {}
         self._pulled: set[str] = set()
@@ -73,27 +68,31 @@ class PeerLink:
         # DE: buffer slots lent to a PE -> (pool, slots, expiry).
         self._leases: dict[str, tuple[HostBufferPool, list[int], float]] = {}
         self._server = SideChannelServer(
-            host, port, {"hello": self._hello, "read": self._read}, self._tick, cpu_affinity=cpu_affinity
+            host, port, {OP_HELLO: self._hello, OP_READ: self._read}, self._tick, cpu_affinity=cpu_affinity
         )
 
     # -- serving peers --------------------------------------------------------
 
     def _hello(self, message: dict[str, Any], reply: Callable[[dict[str, Any]], None]) -> None:
+        check_version(message, "the peer")  # a ProtocolError is answered as an error naming both versions
         reply(
             {
+                VERSION_KEY: PROTOCOL_VERSION,
                 "agent": self.agent.name,
                 "metadata": encode_bytes(self.agent.get_agent_metadata()),
                 "namespace": self.namespace_digest,
-                "kv": self._local_kv(),
+                "kv": self._local_kv.to_wire(),
             }
         )
 
     def _read(self, message: dict[str, Any], reply: Callable[[dict[str, Any]], None]) -> None:
-        if message.get("namespace") != self.namespace_digest:
+        check_version(message, "the peer")
+        read = ReadRequest.from_message(message)
+        if read.namespace != self.namespace_digest:
             # Different model/layout/rank: these bytes would be garbage there.
-            reply({"error": f"namespace {message.get('namespace')} is not this engine's ({self.namespace_digest})"})
+            reply({"error": f"namespace {read.namespace} is not this engine's ({self.namespace_digest})"})
             return
-        self._serve_read(list(message["chunk_hashes"]), float(message["deadline_s"]), reply)
+        self._serve_read(read, reply)
 
     def lease(self, pool: HostBufferPool, slots: list[int]) -> str:
         """Lend ``slots`` of ``pool`` to a peer until it sends ``release:<lease>`` or the lease expires."""
@@ -155,29 +154,23 @@ class PeerLink:
 
     # -- talking to peers -----------------------------------------------------
 
-    def peer(self, address: str, timeout_s: float) -> PeerKV:
+    def peer(self, address: str, timeout_s: float) -> KVRegions:
         """The peer at ``address`` (side channel ``host:port``), handshaking once."""
         # Several DE-side reads may ask at once: one handshake, one remote agent.
         with self._handshake_lock:
             return self._known_peer(address) or self._handshake(address, timeout_s)
 
-    def _known_peer(self, address: str) -> PeerKV | None:
+    def _known_peer(self, address: str) -> KVRegions | None:
         with self._lock:
             return self._peers.get(address)
 
-    def _handshake(self, address: str, timeout_s: float) -> PeerKV:
-        answer = request(address, {"op": "hello"}, timeout_s)
+    def _handshake(self, address: str, timeout_s: float) -> KVRegions:
+        answer = request(address, hello_message(), timeout_s)
+        check_version(answer, f"the engine at {address}")
+        # Validated before NIXL sees the peer: a bad answer adds no remote agent.
+        KVRegions.from_wire(answer.get("kv"), "")
         name = self.agent.add_remote_agent(decode_bytes(answer["metadata"]))
-        kv = answer["kv"]
-        peer = PeerKV(
-            agent=name if isinstance(name, str) else name.decode(),
-            layer_addrs=[int(a) for a in kv["layer_addrs"]],
-            outer=int(kv["outer"]),
-            outer_stride=int(kv["outer_stride"]),
-            block_bytes=int(kv["block_bytes"]),
-            mem_type=kv["mem_type"],
-            device_id=int(kv["device_id"]),
-        )
+        peer = KVRegions.from_wire(answer["kv"], name if isinstance(name, str) else name.decode())
         with self._lock:
             self._peers[address] = peer
         return peer
@@ -200,10 +193,3 @@ class PeerLink:
 
     def close(self) -> None:
         self._server.stop()
-
-    @staticmethod
-    def read_request(address: str, namespace_digest: str, chunk_hashes: list[str], timeout_s: float) -> dict[str, Any]:
-        """Ask the DE at ``address`` to read a hit; it declines at once (:class:`PeerBusy`) if it cannot within ``timeout_s``."""
-        message = {"op": "read", "namespace": namespace_digest, "chunk_hashes": chunk_hashes, "deadline_s": timeout_s}
-        return request(address, message, timeout_s)
-

@@ -3,6 +3,7 @@
 It runs exactly as in production (``python -m s3agg_gateway_ext.app --config``),
 in its own process group, ready once ``/healthz`` answers, and is stopped by
 the PID it holds (:class:`dualpath_dev.processes.ServiceProcess`).
+:func:`gateway_config` is the config the tests and the benchmark give it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,19 @@ from typing import Any
 import yaml
 
 from dualpath_dev.processes import ServiceProcess, free_port
+from dualpath_dev.seaweedfs import SeaweedFS
+
+
+def gateway_config(seaweedfs: SeaweedFS, bucket: str, client_access_key: str, client_secret_key: str,
+                   **settings: Any) -> dict[str, Any]:
+    """A gateway config serving ``bucket`` of ``seaweedfs``; ``settings`` are further top-level keys."""
+    return {
+        # The store section a connector would use for this bucket.
+        "store": seaweedfs.store_config(bucket),
+        "client_access_key": client_access_key,
+        "client_secret_key": client_secret_key,
+        **settings,
+    }
 
 
 class GatewayProcess(ServiceProcess):

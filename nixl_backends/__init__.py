@@ -8,13 +8,12 @@ once (:mod:`nixl_backends.buffers`) and the stores behind one interface
 
 from nixl_backends.layout import BlockLayout, KVNamespace, chunk_hashes, chunk_key
 from nixl_backends.registry import make_store, parse_store_config
-from nixl_backends.store import KVStore, StoreCapabilities
+from nixl_backends.store import KVStore
 
 __all__ = [
     "BlockLayout",
     "KVNamespace",
     "KVStore",
-    "StoreCapabilities",
     "chunk_hashes",
     "chunk_key",
     "make_store",

@@ -17,7 +17,8 @@ from typing import Literal
 
 from nixl_backends.configuration import ConfigError
 from nixl_backends.layout import BlockLayout
-from nixl_backends.store import KVStore, StoreCapabilities, TransferAbandoned, descriptors, run_nixl_transfers
+from nixl_backends.nixl_io import TransferAbandoned, descriptors, run_nixl_transfers
+from nixl_backends.store import KVStore
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,6 @@ class PosixStoreConfig:
 
 
 class PosixStore(KVStore):
-    capabilities = StoreCapabilities(ranged_reads=True, shared_across_nodes=True)
-
     def __init__(self, config: PosixStoreConfig, layout: BlockLayout, agent=None) -> None:
         super().__init__(layout)
         self.config = config
@@ -78,7 +77,7 @@ class PosixStore(KVStore):
         results = run_nixl_transfers(
             self._agent,
             op,
-            [(descriptors([(addrs[i], size, 0)]), descriptors([(0, size, fds[i])])) for i in live],
+            [(descriptors(addrs[i], size), descriptors(0, size, fds[i])) for i in live],
             "FILE",
             self.config.io_timeout_s,
         )

@@ -15,25 +15,17 @@ ranged GETs through NIXL OBJ; ``s3agg_client_fallbacks_total`` counts it and a
 warning says why. Requests the gateway refuses (4xx: unknown key, bad
 descriptor, credentials) are errors, not fallbacks.
 
-Wire protocol shared with the gateway: ``POST /<bucket>?aggregate`` with a JSON
-descriptor (see ``s3agg_gateway_ext/descriptor.py``), SigV4-signed, request id in
-``x-s3agg-request-id``; the chosen mode comes back in ``x-s3agg-mode``. NIXL
-notifications are ``s3agg:<request id>:<layer>`` (``all`` in chunkwise mode). HTTP
-frames are a 16-byte header ``FRAME`` (kind, index, length) and ``length`` bytes.
+The wire protocol shared with the gateway is :mod:`nixl_backends.s3agg_protocol`.
 """
 
 from __future__ import annotations
 
-import base64
 import collections
 import ctypes
 import http.client
-import itertools
 import json
 import logging
-import struct
 import threading
-import time
 import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
@@ -49,27 +41,31 @@ from prometheus_client import Counter
 
 from nixl_backends.configuration import ConfigError, from_dict
 from nixl_backends.layout import BlockLayout
+from nixl_backends.nixl_io import Polling, TransferAbandoned, descriptors, run_nixl_transfers
+from nixl_backends.obj_backend import OBJ, obj_device_ids
 from nixl_backends.s3 import S3Store, S3StoreConfig
-from nixl_backends.store import (
-    KVStore,
-    StoreCapabilities,
-    TransferAbandoned,
-    descriptors,
-    run_nixl_transfers,
+from nixl_backends.s3agg_protocol import (
+    ALL_LAYERS,
+    EXTENSION_QUERY,
+    FRAME,
+    FRAME_CHUNKS,
+    FRAME_END,
+    FRAME_ERROR,
+    FRAME_LAYER,
+    LAYOUT_CHUNK_MAJOR,
+    LAYOUT_LAYER_MAJOR,
+    MODE_CHUNKWISE,
+    MODE_HEADER,
+    REQUEST_ID_HEADER,
+    TargetLayout,
+    descriptor_body,
+    http_target,
+    nixl_target,
+    parse_notification,
 )
+from nixl_backends.store import KVStore
 
 logger = logging.getLogger(__name__)
-
-EXTENSION_QUERY = "aggregate"
-REQUEST_ID_HEADER = "x-s3agg-request-id"
-MODE_HEADER = "x-s3agg-mode"
-FRAME = struct.Struct("<IIQ")  # kind, index (layer), payload length
-FRAME_LAYER, FRAME_CHUNKS, FRAME_END, FRAME_ERROR = 1, 2, 3, 4
-_NOTIF_PREFIX = "s3agg:"
-_POLL_MIN_S, _POLL_MAX_S = 50e-6, 1e-3  # notification polling interval bounds
-# OBJ device ids name objects inside one agent; the s3 store counts up from 1,
-# ranged reads here take theirs from a disjoint range.
-_RANGE_DEV_IDS = itertools.count(1 << 31)
 
 FALLBACKS = Counter("s3agg_client_fallbacks_total", "Reads served by plain S3 because the gateway was unreachable",
                     ["op"])
@@ -156,19 +152,17 @@ class _Inbox:
         with self._lock:
             for messages in self._agent.get_new_notifs().values():
                 for message in messages:
-                    text = message.decode(errors="replace")
-                    if text.startswith(_NOTIF_PREFIX):
-                        rid, _, token = text[len(_NOTIF_PREFIX):].rpartition(":")
-                        self._boxes[rid].append(token)
-                    else:
-                        logger.debug("s3agg: dropped a notification not from the gateway: %r", text[:64])
+                    parsed = parse_notification(message)
+                    if parsed is None:
+                        logger.debug("s3agg: dropped a notification not from the gateway: %r", message[:64])
+                        continue
+                    rid, token = parsed
+                    self._boxes[rid].append(token)
             box = self._boxes.pop(request_id, None)
         return list(box) if box else []
 
 
 class S3AggStore(KVStore):
-    capabilities = StoreCapabilities(ranged_reads=True, shared_across_nodes=True)
-
     def __init__(self, config: S3AggStoreConfig, layout: BlockLayout, agent=None) -> None:
         super().__init__(layout)
         self.config = config
@@ -207,7 +201,7 @@ class S3AggStore(KVStore):
         request_id = uuid.uuid4().hex
         regions = [[int(a), self.layout.full_block_bytes] for a in dst_addrs]
         try:
-            self._nixl_request(request_id, keys, "chunk_major", regions, lambda token: None)
+            self._nixl_request(request_id, keys, LAYOUT_CHUNK_MAJOR, regions, lambda token: None)
         except (GatewayUnavailable, GatewayRefused) as exc:
             # Per-chunk results (a missing chunk is False, not an error) come from the store.
             self._count_fallback("read", request_id, exc)
@@ -249,7 +243,7 @@ class S3AggStore(KVStore):
         def hand_over(token: str) -> None:
             nonlocal next_layer
             result.notifications.append(token)
-            upto = num_layers if token == "all" else int(token) + 1
+            upto = num_layers if token == ALL_LAYERS else int(token) + 1
             while next_layer < upto:  # in order, once each
                 on_layer(next_layer)
                 next_layer += 1
@@ -261,7 +255,7 @@ class S3AggStore(KVStore):
             else:
                 size = len(keys) * self.layout.layer_block_bytes
                 result.mode, result.summary = self._nixl_request(
-                    request_id, keys, "layer_major", [[int(a), size] for a in layer_addrs], hand_over, window)
+                    request_id, keys, LAYOUT_LAYER_MAJOR, [[int(a), size] for a in layer_addrs], hand_over, window)
         except GatewayUnavailable as exc:
             self._count_fallback("read_layerwise", request_id, exc)
             result.mode, result.error = "fallback", str(exc)
@@ -271,17 +265,8 @@ class S3AggStore(KVStore):
     # --- the gateway request ----------------------------------------------------------------------
 
     def _descriptor(self, keys: Sequence[str], target: dict[str, Any], window: float | None) -> bytes:
-        body: dict[str, Any] = {
-            "chunk_keys": list(keys),
-            "num_layers": self.layout.num_layers,
-            "chunk_tokens": self.config.chunk_tokens,
-            "per_layer_chunk_bytes": self.layout.layer_block_bytes,
-            "delivery": "layer_major",
-            "target": target,
-        }
-        if window is not None:
-            body["compute_window_s"] = window
-        return json.dumps(body).encode()
+        return descriptor_body(keys, self.layout.num_layers, self.config.chunk_tokens,
+                               self.layout.layer_block_bytes, target, window)
 
     def _post(self, request_id: str, body: bytes) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
         """Send the signed request; returns the open response of a 200, raises otherwise."""
@@ -304,14 +289,13 @@ class S3AggStore(KVStore):
         self,
         request_id: str,
         keys: Sequence[str],
-        layout: str,
+        layout: TargetLayout,
         regions: list[list[int]],
         on_token: Callable[[str], None],
         window: float | None = None,
     ) -> tuple[str, dict[str, Any]]:
         """POST on a helper thread while this thread hands over notifications as they arrive."""
-        target = {"type": "nixl", "layout": layout, "regions": regions,
-                  "agent_metadata": base64.b64encode(self._agent.get_agent_metadata()).decode()}
+        target = nixl_target(self._agent.get_agent_metadata(), layout, regions)
         body = self._descriptor(keys, target, window)
         outcome: dict[str, Any] = {}
 
@@ -319,6 +303,7 @@ class S3AggStore(KVStore):
             try:
                 conn, response = self._post(request_id, body)
                 try:
+                    outcome["mode"] = response.getheader(MODE_HEADER, "")
                     outcome["summary"] = json.loads(response.read())
                 finally:
                     conn.close()
@@ -330,27 +315,25 @@ class S3AggStore(KVStore):
         thread = threading.Thread(target=post, name=f"s3agg-{request_id[:8]}", daemon=True)
         thread.start()
         received: list[str] = []
-        deadline = time.monotonic() + self.config.request_timeout_s
-        idle_s = _POLL_MIN_S
+        polling = Polling(self.config.request_timeout_s)
         try:
             while True:
                 tokens = self._inbox.take(request_id)
                 for token in tokens:
                     received.append(token)
                     on_token(token)
-                # Poll fast while layers flow, back off while they do not (bounded latency, little CPU).
-                idle_s = _POLL_MIN_S if tokens else min(2 * idle_s, _POLL_MAX_S)
                 finished = not thread.is_alive()
                 if "error" in outcome:
                     raise outcome["error"]
                 if finished:
                     # Every notification follows its data; the last one ends the read.
-                    mode = outcome["summary"]["mode"]
-                    if len(received) >= (1 if mode == "chunkwise" else self.layout.num_layers):
+                    mode = outcome["mode"]
+                    if len(received) >= (1 if mode == MODE_CHUNKWISE else self.layout.num_layers):
                         return mode, outcome["summary"]
-                if time.monotonic() > deadline:
+                if polling.expired:
                     raise GatewayUnavailable(f"no complete delivery within {self.config.request_timeout_s}s")
-                time.sleep(idle_s)
+                # Poll fast while layers flow, back off while they do not (bounded latency, little CPU).
+                polling.sleep(progressed=bool(tokens))
         finally:
             # The gateway may still be writing our buffers: never return before the request ends.
             thread.join(self.config.request_timeout_s)
@@ -365,7 +348,7 @@ class S3AggStore(KVStore):
     ) -> tuple[str, dict[str, Any]]:
         """Layers arrive as response frames, each received straight into its layer region."""
         n, num_layers, s = len(keys), self.layout.num_layers, self.layout.layer_block_bytes
-        conn, response = self._post(request_id, self._descriptor(keys, {"type": "http"}, window))
+        conn, response = self._post(request_id, self._descriptor(keys, http_target(), window))
         mode = response.getheader(MODE_HEADER, "")
         try:
             while True:
@@ -380,7 +363,7 @@ class S3AggStore(KVStore):
                     per_chunk = blocks.reshape(n, num_layers, s)
                     for layer, addr in enumerate(layer_addrs):
                         _host_view(addr, n * s).reshape(n, s)[:] = per_chunk[:, layer, :]
-                    on_token("all")
+                    on_token(ALL_LAYERS)
                 elif kind == FRAME_END:
                     return mode, json.loads(_read_exact(response, length))
                 elif kind == FRAME_ERROR:
@@ -414,17 +397,17 @@ class S3AggStore(KVStore):
         N GETs run in parallel and land straight at their assembled offsets.
         """
         n, s = len(keys), self.layout.layer_block_bytes
-        dev_ids = np.fromiter(itertools.islice(_RANGE_DEV_IDS, n), dtype=np.int64, count=n)
+        dev_ids = obj_device_ids(self._agent, n)
         registration = self._agent.register_memory(
-            [(0, self.layout.full_block_bytes, int(d), key) for d, key in zip(dev_ids, keys)], "OBJ")
+            [(0, self.layout.full_block_bytes, d, key) for d, key in zip(dev_ids, keys)], OBJ)
         offsets = np.arange(n, dtype=np.int64) * s
-        lengths = np.full(n, s)
+        dev_id_column = np.arange(dev_ids.start, dev_ids.stop)
         abandoned = False
         try:
             for layer in range(start, self.layout.num_layers):
-                local = descriptors(np.column_stack((int(layer_addrs[layer]) + offsets, lengths, np.zeros(n))))
-                remote = descriptors(np.column_stack((np.full(n, layer * s), lengths, dev_ids)))
-                if not run_nixl_transfers(self._agent, "READ", [(local, remote)], "OBJ",
+                local = descriptors(int(layer_addrs[layer]) + offsets, s)
+                remote = descriptors(layer * s, s, dev_id_column)
+                if not run_nixl_transfers(self._agent, "READ", [(local, remote)], OBJ,
                                           self.config.s3_config.io_timeout_s)[0]:
                     raise RuntimeError(f"s3agg: ranged reads of layer {layer} failed")
                 on_layer(layer)

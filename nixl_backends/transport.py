@@ -10,9 +10,13 @@ once the READ is complete; that is how the owner learns it may reuse the memory.
 from __future__ import annotations
 
 import logging
-import time
 
 import numpy as np
+
+# post_read merges contiguous rows; coalesce stays importable from here.
+from nixl_backends.nixl_io import coalesce, wait_until
+
+__all__ = ["UCX", "PeerRead", "add_ucx_backend", "coalesce", "mem_type", "post_read"]
 
 logger = logging.getLogger(__name__)
 
@@ -56,32 +60,10 @@ class PeerRead:
         A READ still in flight at the deadline keeps its handle: NIXL may still
         write the local memory, so the caller must treat it as not loaded.
         """
-        deadline = time.monotonic() + timeout_s
-        while self.state() == "PROC":
-            if time.monotonic() > deadline:
-                logger.warning("NIXL READ from a peer still in flight after %.1fs", timeout_s)
-                return False
-            time.sleep(0.0002)
+        if not wait_until(lambda: self.state() != "PROC", timeout_s):
+            logger.warning("NIXL READ from a peer still in flight after %.1fs", timeout_s)
+            return False
         return self._state == "DONE"
-
-
-def coalesce(local: np.ndarray, remote: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Merge neighbouring descriptor pairs that are contiguous on both sides (same order kept).
-
-    vLLM hands out a prompt's blocks mostly in runs, so a pull of thousands
-    of blocks becomes a few large transfers instead of thousands of small ones.
-    """
-    if len(local) < 2:
-        return local, remote
-    ends_local = local[:-1, 0] + local[:-1, 1]
-    ends_remote = remote[:-1, 0] + remote[:-1, 1]
-    joined = (local[1:, 0] == ends_local) & (remote[1:, 0] == ends_remote)
-    joined &= (local[1:, 2] == local[:-1, 2]) & (remote[1:, 2] == remote[:-1, 2])
-    starts = np.flatnonzero(np.concatenate(([True], ~joined)))
-    merged_local, merged_remote = local[starts].copy(), remote[starts].copy()
-    merged_local[:, 1] = np.add.reduceat(local[:, 1], starts)
-    merged_remote[:, 1] = np.add.reduceat(remote[:, 1], starts)
-    return merged_local, merged_remote
 
 
 def post_read(

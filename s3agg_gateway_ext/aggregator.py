@@ -19,7 +19,6 @@ or as memoryviews the HTTP server writes out.
 from __future__ import annotations
 
 import collections
-import itertools
 import logging
 import math
 import os
@@ -30,14 +29,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Literal
 
-import boto3
 import numpy as np
-from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
-from nixl_backends.layout import BlockLayout
-from nixl_backends.s3 import S3Store, S3StoreConfig
-from nixl_backends.store import TransferAbandoned, run_nixl_transfers
+from nixl_backends.nixl_io import TransferAbandoned, coalesce, descriptors, run_nixl_transfers, wait_until
+from nixl_backends.obj_backend import OBJ, add_obj_backend, obj_device_ids
+from nixl_backends.s3_endpoint import object_size, s3_client, s3_session
+from nixl_backends.s3agg_protocol import MODE_CHUNKWISE, MODE_LAYERWISE, Mode, encode_notification
 from s3agg_gateway_ext.config import GatewayConfig
 from s3agg_gateway_ext.descriptor import Descriptor, DescriptorError, NixlTarget
 from s3agg_gateway_ext.scheduling import Demand, Flow, LinkScheduler
@@ -54,21 +52,6 @@ class StorageError(RuntimeError):
 
 class DeliveryError(RuntimeError):
     """A NIXL WRITE into the client's buffer failed (HTTP 502)."""
-
-
-def coalesce(local: np.ndarray, remote: np.ndarray, length: int) -> np.ndarray:
-    """Merge runs of slices contiguous on both sides; returns Nx3 (local, remote, length) int64 rows."""
-    remote = np.broadcast_to(remote, local.shape).ravel().astype(np.int64)
-    local = local.ravel().astype(np.int64)
-    breaks = np.ones(local.size, dtype=bool)
-    breaks[1:] = (np.diff(local) != length) | (np.diff(remote) != length)
-    starts = np.flatnonzero(breaks)
-    counts = np.diff(np.append(starts, local.size))
-    return np.column_stack((local[starts], remote[starts], counts * length))
-
-
-def _descs(addrs: np.ndarray, lengths: np.ndarray, dev_ids: np.ndarray | int = 0) -> np.ndarray:
-    return np.column_stack(np.broadcast_arrays(addrs, lengths, dev_ids)).astype(np.uint64)
 
 
 @dataclass
@@ -90,7 +73,7 @@ class Job:
 
     request_id: str
     desc: Descriptor
-    mode: Literal["chunkwise", "layerwise"]
+    mode: Mode
     io: BucketIO
     remote_agent: str | None
     flow: Flow | None
@@ -109,7 +92,7 @@ class Job:
 
 
 class BucketIO:
-    """One bucket's NIXL agent (UCX + OBJ) and a boto3 client for HEADs."""
+    """One bucket's NIXL agent (UCX + OBJ) and a boto3 client for HEADs, set up as the s3 store does."""
 
     def __init__(self, config: GatewayConfig, bucket: str) -> None:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
@@ -123,39 +106,24 @@ class BucketIO:
             nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
                               sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT),
         )
-        store_config = S3StoreConfig(
-            bucket=bucket, endpoint=config.store_endpoint, region=config.region,
-            addressing_style=config.addressing_style, access_key=config.store_access_key,
-            secret_key=config.store_secret_key, create_bucket=False, io_threads=config.io_threads,
-            io_timeout_s=config.io_timeout_s,
-        )
-        # The s3 store opens NIXL's OBJ backend on this agent exactly as clients
-        # do; its Full Block layout is unused, the gateway's reads are ranged
-        # per descriptor.
-        self.store = S3Store(store_config, BlockLayout(1, 1), self.agent)
-        self._client = boto3.client(
-            "s3", endpoint_url=config.store_endpoint, region_name=config.region,
-            aws_access_key_id=config.store_access_key, aws_secret_access_key=config.store_secret_key,
-            config=BotoConfig(s3={"addressing_style": config.addressing_style},
-                              max_pool_connections=_HEAD_THREADS, connect_timeout=2, read_timeout=10),
-        )
+        store = config.bucket_config(bucket)
+        session = s3_session(store)
+        self._client = s3_client(store, session, _HEAD_THREADS)
+        add_obj_backend(self.agent, store, session)
+        logger.info("bucket %s: NIXL agent %s, store endpoint %s, addressing %s", bucket, self.agent.name,
+                    store.endpoint or "<aws default>", store.addressing_style)
         self._sizes: collections.OrderedDict[str, int] = collections.OrderedDict()
         self._sizes_lock = threading.Lock()
         self._head_pool = ThreadPoolExecutor(_HEAD_THREADS, thread_name_prefix=f"head-{bucket}")
-        self._dev_ids = itertools.count(1)
-        self._dev_lock = threading.Lock()
 
     def _size(self, key: str) -> int | None:
         with self._sizes_lock:
             if key in self._sizes:
                 self._sizes.move_to_end(key)
                 return self._sizes[key]
-        try:
-            size = self._client.head_object(Bucket=self.bucket, Key=key)["ContentLength"]
-        except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return None
-            raise
+        size = object_size(self._client, self.bucket, key)
+        if size is None:
+            return None
         with self._sizes_lock:
             self._sizes[key] = size
             if len(self._sizes) > _SIZE_CACHE_ENTRIES:
@@ -174,13 +142,8 @@ class BucketIO:
                     f"{desc.num_layers}*{desc.layer_bytes} = {desc.full_block_bytes}",
                 )
 
-    def dev_ids(self, count: int) -> np.ndarray:
-        with self._dev_lock:
-            return np.fromiter(itertools.islice(self._dev_ids, count), dtype=np.int64, count=count)
-
     def close(self) -> None:
         self._head_pool.shutdown(wait=False)
-        self.store.close()
 
 
 class Aggregator:
@@ -208,7 +171,7 @@ class Aggregator:
             io.check_objects(desc)
         except (ClientError, BotoCoreError) as exc:
             raise DescriptorError(502, "StoreUnavailable", f"checking the chunk objects failed: {exc}") from None
-        mode = "layerwise" if desc.payload_bytes >= self.config.theta_bytes else "chunkwise"
+        mode = MODE_LAYERWISE if desc.payload_bytes >= self.config.theta_bytes else MODE_CHUNKWISE
         remote = self._attach_target(io, desc.target) if isinstance(desc.target, NixlTarget) else None
         job = Job(request_id, desc, mode, io, remote, None)
         job.timings["control_s"] = time.monotonic() - started
@@ -216,7 +179,7 @@ class Aggregator:
 
     def _admit(self, job: Job) -> None:
         """Join the link's next epoch (layerwise under a cap only); the stream leaves it when done."""
-        if job.mode != "layerwise" or self.scheduler is None:
+        if job.mode != MODE_LAYERWISE or self.scheduler is None:
             return
         started = time.monotonic()
         desc = job.desc
@@ -235,7 +198,7 @@ class Aggregator:
         # Preparing the whole target checks every region is memory the client
         # registered, before anything is read or written.
         try:
-            handle = io.agent.prep_xfer_dlist(remote, _descs(target.addrs, target.lengths), "DRAM")
+            handle = io.agent.prep_xfer_dlist(remote, descriptors(target.addrs, target.lengths), "DRAM")
         except Exception:
             raise DescriptorError(
                 400, "InvalidTarget", f"target regions are not memory registered by NIXL agent {remote}") from None
@@ -259,7 +222,7 @@ class Aggregator:
     def _deliveries(self, job: Job) -> Iterator[Unit]:
         desc, agent = job.desc, job.io.agent
         n, num_layers, s = desc.num_chunks, desc.num_layers, desc.layer_bytes
-        k = num_layers if job.mode == "chunkwise" else min(
+        k = num_layers if job.mode == MODE_CHUNKWISE else min(
             num_layers, max(1, math.ceil(self.config.min_read_bytes / s)))
         windows = [(l0, min(k, num_layers - l0)) for l0 in range(0, num_layers, k)]
         nbuf = min(2, len(windows))
@@ -267,22 +230,23 @@ class Aggregator:
         staging = np.empty(nbuf * window_bytes, dtype=np.uint8)
         base = staging.ctypes.data
         dram_reg = agent.register_memory([(base, staging.nbytes, 0, "")], "DRAM")
-        dev_ids = job.io.dev_ids(n)
+        dev_ids = obj_device_ids(agent, n)
         obj_reg = agent.register_memory(
-            [(0, desc.full_block_bytes, int(d), key) for d, key in zip(dev_ids, desc.chunk_keys)], "OBJ")
+            [(0, desc.full_block_bytes, d, key) for d, key in zip(dev_ids, desc.chunk_keys)], OBJ)
+        dev_id_column = np.arange(dev_ids.start, dev_ids.stop)
         chunks = np.arange(n, dtype=np.int64)
 
         def read(w: int) -> None:
             l0, kw = windows[w]
             local = base + (w % nbuf) * window_bytes + chunks * kw * s
-            rows_local = _descs(local, kw * s)
-            rows_remote = _descs(np.full(n, l0 * s), kw * s, dev_ids)
+            rows_local = descriptors(local, kw * s)
+            rows_remote = descriptors(l0 * s, kw * s, dev_id_column)
             # One NIXL request per group, so the OBJ backend's threads all work.
             groups = np.array_split(np.arange(n), min(n, self.config.io_threads))
             started = time.monotonic()
             try:
                 ok = run_nixl_transfers(agent, "READ", [(rows_local[g], rows_remote[g]) for g in groups],
-                                        "OBJ", self.config.io_timeout_s)
+                                        OBJ, self.config.io_timeout_s)
             except TransferAbandoned:
                 job.abandoned = True  # NIXL may still write the staging buffer
                 raise
@@ -303,7 +267,7 @@ class Aggregator:
                 offset = (w % nbuf) * window_bytes
                 win = staging[offset : offset + n * kw * s].reshape(n, kw, s)
                 slot = base + offset + (chunks * kw * s)[:, None] + np.arange(kw, dtype=np.int64)[None, :] * s
-                if job.mode == "chunkwise":
+                if job.mode == MODE_CHUNKWISE:
                     units = [Unit("chunks", 0, win.reshape(n, kw * s), slot, np.arange(kw)[None, :])]
                 else:
                     units = (Unit("layer", l0 + i, win[:, i, :], slot[:, i], np.array(l0 + i)) for i in range(kw))
@@ -334,24 +298,28 @@ class Aggregator:
         target, agent = job.desc.target, job.io.agent
         assert isinstance(target, NixlTarget) and job.remote_agent is not None
         chunks = np.arange(job.desc.num_chunks, dtype=np.int64).reshape(-1, *([1] * (unit.local.ndim - 1)))
-        remote = target.remote_addrs(chunks, unit.layers, job.desc.layer_bytes)
-        rows = coalesce(unit.local, remote, job.desc.layer_bytes)
-        notif = f"s3agg:{job.request_id}:{unit.index if unit.kind == 'layer' else 'all'}".encode()
+        layer_bytes = job.desc.layer_bytes
+        remote = np.broadcast_to(target.remote_addrs(chunks, unit.layers, layer_bytes), unit.local.shape)
+        local_rows, remote_rows = coalesce(descriptors(unit.local, layer_bytes), descriptors(remote, layer_bytes))
+        notification = encode_notification(job.request_id, unit.index if unit.kind == "layer" else None)
         try:
             handle = agent.initialize_xfer(
-                "WRITE", agent.get_xfer_descs(_descs(rows[:, 0], rows[:, 2]), "DRAM"),
-                agent.get_xfer_descs(_descs(rows[:, 1], rows[:, 2]), "DRAM"), job.remote_agent, notif)
+                "WRITE", agent.get_xfer_descs(local_rows, "DRAM"), agent.get_xfer_descs(remote_rows, "DRAM"),
+                job.remote_agent, notification)
         except Exception as exc:
             raise DeliveryError(f"NIXL WRITE to {job.remote_agent} could not start: {exc}") from None
-        deadline = time.monotonic() + self.config.io_timeout_s
+        state = "PROC"
+
+        def ended() -> bool:
+            nonlocal state
+            state = agent.check_xfer_state(handle)
+            return state != "PROC"
+
         try:
             state = agent.transfer(handle)
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    job.abandoned = True
-                    raise TransferAbandoned("WRITE", 1, self.config.io_timeout_s)
-                time.sleep(0.0001)
-                state = agent.check_xfer_state(handle)
+            if state == "PROC" and not wait_until(ended, self.config.io_timeout_s):
+                job.abandoned = True
+                raise TransferAbandoned("WRITE", 1, self.config.io_timeout_s)
         except TransferAbandoned:
             raise
         except Exception as exc:

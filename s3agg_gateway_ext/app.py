@@ -5,7 +5,7 @@ Endpoints:
 - ``POST /<bucket>?aggregate``: the extension request. SigV4-signed like any S3
   request; its JSON body is the descriptor (see :mod:`s3agg_gateway_ext.descriptor`).
   NIXL targets get a JSON summary once every layer is written and notified;
-  HTTP targets get a stream of frames (see :mod:`nixl_backends.s3agg`).
+  HTTP targets get a stream of frames (see :mod:`nixl_backends.s3agg_protocol`).
   Either way ``x-s3agg-mode`` says chunkwise or layerwise.
 - ``GET /healthz`` and ``GET /metrics`` (Prometheus), unauthenticated.
 - Any other S3 request is authenticated and then answered ``NotImplemented``:
@@ -31,7 +31,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from nixl_backends.s3agg import (
+from nixl_backends.nixl_io import TransferAbandoned
+from nixl_backends.s3agg_protocol import (
     EXTENSION_QUERY,
     FRAME,
     FRAME_CHUNKS,
@@ -41,7 +42,6 @@ from nixl_backends.s3agg import (
     MODE_HEADER,
     REQUEST_ID_HEADER,
 )
-from nixl_backends.store import TransferAbandoned
 from s3agg_gateway_ext.aggregator import Aggregator, DeliveryError, Job, StorageError
 from s3agg_gateway_ext.config import GatewayConfig, load_config
 from s3agg_gateway_ext.descriptor import DescriptorError, HttpTarget, parse_descriptor
@@ -166,7 +166,7 @@ class Gateway:
             raise DescriptorError(
                 501, "NotImplemented",
                 f"this gateway serves only POST /<bucket>?{EXTENSION_QUERY}; send ordinary S3 requests to the "
-                f"store at {self.config.store_endpoint}")
+                f"store at {self.config.store_config.endpoint or 'its AWS endpoint'}")
         except DescriptorError as exc:
             return self._error(exc, request.url.path, request_id)
 

@@ -1,12 +1,15 @@
 """The gateway's configuration: one dataclass, read from YAML and validated once.
 
-String values of the form ``${NAME}`` are taken from the environment, so
-secrets can stay out of the file. Secret fields never appear in a repr, a log
-line or an error message.
+The store behind the gateway is a ``store:`` section written exactly as for
+the connector's ``s3`` store (:class:`nixl_backends.s3_endpoint.S3StoreConfig`).
+String values of the form ``${NAME}``, also inside ``store``, are taken from
+the environment, so secrets can stay out of the file. Secret fields never
+appear in a repr, a log line or an error message.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from dataclasses import dataclass, field
@@ -16,6 +19,8 @@ from typing import Any, Literal
 import yaml
 
 from nixl_backends.configuration import ConfigError, from_dict
+from nixl_backends.registry import parse_store_config
+from nixl_backends.s3_endpoint import S3StoreConfig
 
 _ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
 MIB = 1 << 20
@@ -23,18 +28,25 @@ GIB = 1 << 30
 
 Policy = Literal["equal", "kv_prop", "bw_prop", "stall_opt", "calibrated_stall_opt"]
 
+# Keys of an s3 store section the gateway sets itself, and why.
+_GATEWAY_OWNED_STORE_KEYS = {
+    "create_bucket": "the gateway never creates buckets",
+    "io_threads": "the gateway's is the top-level io_threads",
+    "io_timeout_s": "the gateway's is the top-level io_timeout_s",
+}
+
 
 @dataclass
 class GatewayConfig:
     """Everything ``s3agg-gateway`` needs; see ``configs/gateway.yaml`` for a commented example."""
 
-    # The S3-compatible store behind the gateway.
-    store_endpoint: str
-    buckets: list
-    store_access_key: str | None = None
-    store_secret_key: str | None = field(default=None, repr=False)
-    region: str = "us-east-1"
-    addressing_style: Literal["path", "virtual"] = "path"
+    # The S3-compatible store behind the gateway: an s3 store section
+    # ({backend: s3, endpoint, bucket, region, addressing_style, access_key,
+    # secret_key, ca_bundle}); shown parsed, secret hidden, as store_config.
+    store: dict = field(repr=False)
+    # The buckets served (NIXL's OBJ backend binds one bucket: an agent each);
+    # default: the store section's bucket, which must be one of them.
+    buckets: list | None = None
     # The SigV4 identity clients sign extension requests with.
     client_access_key: str = ""
     client_secret_key: str = field(default="", repr=False)
@@ -62,14 +74,9 @@ class GatewayConfig:
     # Used for scheduling when a descriptor declares no per-layer compute window.
     default_compute_window_s: float = 0.01
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    store_config: S3StoreConfig = field(init=False)
 
     def validate(self) -> None:
-        if not self.store_endpoint.startswith(("http://", "https://")):
-            raise ConfigError(f"store_endpoint must start with http:// or https://, got {self.store_endpoint!r}")
-        if not self.buckets or not all(isinstance(b, str) and 3 <= len(b) <= 63 for b in self.buckets):
-            raise ConfigError(f"buckets must be a non-empty list of 3-63 character names, got {self.buckets!r}")
-        if (self.store_access_key is None) != (self.store_secret_key is None):
-            raise ConfigError("store_access_key and store_secret_key must be given together")
         if not self.client_access_key or not self.client_secret_key:
             raise ConfigError("client_access_key and client_secret_key are required (SigV4 identity of clients)")
         if not 0 < self.port < 65536:
@@ -82,9 +89,32 @@ class GatewayConfig:
         for name in ("min_read_bytes", "bandwidth_cap_bytes_s", "margin_bytes_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
+        self.store_config = self._parse_store()
+        if self.buckets is None:
+            self.buckets = [self.store_config.bucket]
+        if not self.buckets or not all(isinstance(b, str) and 3 <= len(b) <= 63 for b in self.buckets):
+            raise ConfigError(f"buckets must be a non-empty list of 3-63 character names, got {self.buckets!r}")
+        if self.store_config.bucket not in self.buckets:
+            raise ConfigError(f"store.bucket {self.store_config.bucket!r} must be one of buckets {self.buckets!r}")
+
+    def _parse_store(self) -> S3StoreConfig:
+        if self.store.get("backend") != "s3":
+            raise ConfigError(f"store.backend must be 's3' for the gateway, got {self.store.get('backend')!r}")
+        for key, reason in _GATEWAY_OWNED_STORE_KEYS.items():
+            if key in self.store:
+                raise ConfigError(f"store.{key} is not accepted here: {reason}")
+        gateway_owned = {"create_bucket": False, "io_threads": self.io_threads, "io_timeout_s": self.io_timeout_s}
+        return parse_store_config({**self.store, **gateway_owned}, "store.")
+
+    def bucket_config(self, bucket: str) -> S3StoreConfig:
+        """The store section for one served bucket (one NIXL agent and OBJ backend each)."""
+        return dataclasses.replace(self.store_config, bucket=bucket)
 
 
 def _expand_env(value: Any, where: str) -> Any:
+    """``${NAME}`` strings replaced by the environment's value, in nested sections too."""
+    if isinstance(value, dict):
+        return {k: _expand_env(v, f"{where}.{k}") for k, v in value.items()}
     if isinstance(value, str):
         match = _ENV_REF.match(value)
         if match:

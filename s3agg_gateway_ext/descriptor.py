@@ -5,9 +5,10 @@ before the gateway reads a byte: field types, sizes against the configured
 limits, and the delivery target's regions (count, length, overlap). Object
 existence and sizes are checked by the aggregator, still before any read.
 
-Wire form (JSON body of ``POST /<bucket>?aggregate``)::
+Wire form (JSON body of ``POST /<bucket>?aggregate``, names in
+:mod:`nixl_backends.s3agg_protocol`)::
 
-    {"chunk_keys": [...], "num_layers": L, "chunk_tokens": G, "per_layer_chunk_bytes": S,
+    {"version": 1, "chunk_keys": [...], "num_layers": L, "chunk_tokens": G, "per_layer_chunk_bytes": S,
      "delivery": "layer_major", "compute_window_s": 0.01,          # optional, per layer
      "target": {"type": "http"}
             | {"type": "nixl", "agent_metadata": "<base64>", "layout": "layer_major" | "chunk_major",
@@ -23,10 +24,33 @@ import base64
 import binascii
 import json
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 
+from nixl_backends.s3agg_protocol import (
+    AGENT_METADATA,
+    CHUNK_KEYS,
+    CHUNK_TOKENS,
+    COMPUTE_WINDOW,
+    DELIVERY,
+    DELIVERY_LAYER_MAJOR,
+    DESCRIPTOR_KEYS,
+    LAYER_BYTES,
+    LAYOUT_CHUNK_MAJOR,
+    LAYOUT_LAYER_MAJOR,
+    NIXL_TARGET_KEYS,
+    NUM_LAYERS,
+    PROTOCOL_VERSION,
+    REGIONS,
+    TARGET,
+    TARGET_HTTP,
+    TARGET_LAYOUT,
+    TARGET_NIXL,
+    TARGET_TYPE,
+    VERSION,
+    TargetLayout,
+)
 from s3agg_gateway_ext.config import GatewayConfig
 
 _MAX_KEY_BYTES = 1024  # S3's own limit on key length
@@ -50,14 +74,14 @@ def _bad(message: str) -> DescriptorError:
 @dataclass(frozen=True)
 class NixlTarget:
     agent_metadata: bytes
-    layout: Literal["layer_major", "chunk_major"]
+    layout: TargetLayout
     # (addr, length) per region, as int64 arrays for vectorised address arithmetic.
     addrs: np.ndarray
     lengths: np.ndarray
 
     def remote_addrs(self, chunks: np.ndarray, layers: np.ndarray, layer_bytes: int) -> np.ndarray:
         """Client addresses of (chunk, layer) slices; arguments broadcast against each other."""
-        if self.layout == "layer_major":
+        if self.layout == LAYOUT_LAYER_MAJOR:
             return self.addrs[layers] + chunks * layer_bytes
         return self.addrs[chunks] + layers * layer_bytes
 
@@ -101,33 +125,34 @@ def _int_field(body: dict[str, Any], name: str, low: int, high: int) -> int:
 
 def _parse_target(raw: Any, num_chunks: int, num_layers: int, layer_bytes: int) -> NixlTarget | HttpTarget:
     if not isinstance(raw, dict):
-        raise _bad(f"target must be an object, got {raw!r}")
-    kind = raw.get("type")
-    if kind == "http":
-        if set(raw) != {"type"}:
-            raise _bad(f"unknown target keys {sorted(set(raw) - {'type'})}")
+        raise _bad(f"{TARGET} must be an object, got {raw!r}")
+    kind = raw.get(TARGET_TYPE)
+    if kind == TARGET_HTTP:
+        if set(raw) != {TARGET_TYPE}:
+            raise _bad(f"unknown {TARGET} keys {sorted(set(raw) - {TARGET_TYPE})}")
         return HttpTarget()
-    if kind != "nixl":
-        raise _bad(f"target.type must be 'nixl' or 'http', got {kind!r}")
-    unknown = set(raw) - {"type", "agent_metadata", "layout", "regions"}
+    if kind != TARGET_NIXL:
+        raise _bad(f"{TARGET}.{TARGET_TYPE} must be {TARGET_NIXL!r} or {TARGET_HTTP!r}, got {kind!r}")
+    unknown = set(raw) - NIXL_TARGET_KEYS
     if unknown:
-        raise _bad(f"unknown target keys {sorted(unknown)}")
+        raise _bad(f"unknown {TARGET} keys {sorted(unknown)}")
     try:
-        metadata = base64.b64decode(raw.get("agent_metadata", ""), validate=True)
+        metadata = base64.b64decode(raw.get(AGENT_METADATA, ""), validate=True)
     except (binascii.Error, TypeError, ValueError):
-        raise _bad("target.agent_metadata must be base64") from None
+        raise _bad(f"{TARGET}.{AGENT_METADATA} must be base64") from None
     if not metadata:
-        raise _bad("target.agent_metadata is empty")
-    layout = raw.get("layout")
-    if layout not in ("layer_major", "chunk_major"):
-        raise _bad(f"target.layout must be 'layer_major' or 'chunk_major', got {layout!r}")
-    regions = raw.get("regions")
+        raise _bad(f"{TARGET}.{AGENT_METADATA} is empty")
+    layout = raw.get(TARGET_LAYOUT)
+    if layout not in (LAYOUT_LAYER_MAJOR, LAYOUT_CHUNK_MAJOR):
+        raise _bad(
+            f"{TARGET}.{TARGET_LAYOUT} must be {LAYOUT_LAYER_MAJOR!r} or {LAYOUT_CHUNK_MAJOR!r}, got {layout!r}")
+    regions = raw.get(REGIONS)
     if not isinstance(regions, list) or not all(
         isinstance(r, list) and len(r) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in r)
         for r in regions
     ):
-        raise _bad("target.regions must be a list of [addr, length] integer pairs")
-    expected, needed = (num_layers, num_chunks * layer_bytes) if layout == "layer_major" else (
+        raise _bad(f"{TARGET}.{REGIONS} must be a list of [addr, length] integer pairs")
+    expected, needed = (num_layers, num_chunks * layer_bytes) if layout == LAYOUT_LAYER_MAJOR else (
         num_chunks, num_layers * layer_bytes)
     if len(regions) != expected:
         raise DescriptorError(400, "InvalidTarget", f"{layout} target needs {expected} regions, got {len(regions)}")
@@ -150,6 +175,17 @@ def _parse_target(raw: Any, num_chunks: int, num_layers: int, layer_bytes: int) 
     return NixlTarget(metadata, layout, addrs, lengths)
 
 
+def _check_version(raw: dict[str, Any]) -> None:
+    # An absent version is refused too: every client of this protocol sends
+    # one, and guessing what an unversioned body means is what versions avoid.
+    version = raw.get(VERSION)
+    if type(version) is not int or version != PROTOCOL_VERSION:
+        got = "no version" if version is None else f"version {version!r}"
+        raise DescriptorError(
+            400, "UnsupportedProtocolVersion",
+            f"descriptor has {got}; this gateway speaks s3agg protocol version {PROTOCOL_VERSION}")
+
+
 def parse_descriptor(bucket: str, body: bytes, config: GatewayConfig) -> Descriptor:
     """Parse and validate a request body; raises :class:`DescriptorError` naming the problem."""
     try:
@@ -158,30 +194,31 @@ def parse_descriptor(bucket: str, body: bytes, config: GatewayConfig) -> Descrip
         raise _bad(f"body is not JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise _bad("body must be a JSON object")
-    unknown = set(raw) - {"chunk_keys", "num_layers", "chunk_tokens", "per_layer_chunk_bytes", "delivery",
-                          "compute_window_s", "target"}
+    # Before anything else: another version may have other keys.
+    _check_version(raw)
+    unknown = set(raw) - DESCRIPTOR_KEYS
     if unknown:
         raise _bad(f"unknown descriptor keys {sorted(unknown)}")
-    keys = raw.get("chunk_keys")
+    keys = raw.get(CHUNK_KEYS)
     if not isinstance(keys, list) or not all(isinstance(k, str) and k for k in keys):
-        raise _bad("chunk_keys must be a list of non-empty strings")
+        raise _bad(f"{CHUNK_KEYS} must be a list of non-empty strings")
     if not 1 <= len(keys) <= config.max_chunks:
-        raise DescriptorError(400, "InvalidArgument", f"{len(keys)} chunk_keys outside [1, {config.max_chunks}]")
+        raise DescriptorError(400, "InvalidArgument", f"{len(keys)} {CHUNK_KEYS} outside [1, {config.max_chunks}]")
     long_key = next((k for k in keys if len(k.encode()) > _MAX_KEY_BYTES), None)
     if long_key is not None:
         raise DescriptorError(400, "KeyTooLongError", f"key longer than {_MAX_KEY_BYTES} bytes: {long_key[:64]}...")
-    num_layers = _int_field(raw, "num_layers", 1, config.max_layers)
-    chunk_tokens = _int_field(raw, "chunk_tokens", 1, 1 << 20)
-    layer_bytes = _int_field(raw, "per_layer_chunk_bytes", 1, config.max_layer_chunk_bytes)
+    num_layers = _int_field(raw, NUM_LAYERS, 1, config.max_layers)
+    chunk_tokens = _int_field(raw, CHUNK_TOKENS, 1, 1 << 20)
+    layer_bytes = _int_field(raw, LAYER_BYTES, 1, config.max_layer_chunk_bytes)
     payload = len(keys) * num_layers * layer_bytes
     if payload > config.max_payload_bytes:
         raise DescriptorError(
             400, "InvalidArgument", f"payload {payload} bytes exceeds max_payload_bytes {config.max_payload_bytes}")
-    if raw.get("delivery", "layer_major") != "layer_major":
-        raise _bad(f"delivery must be 'layer_major', got {raw.get('delivery')!r}")
-    window = raw.get("compute_window_s")
+    if raw.get(DELIVERY, DELIVERY_LAYER_MAJOR) != DELIVERY_LAYER_MAJOR:
+        raise _bad(f"{DELIVERY} must be {DELIVERY_LAYER_MAJOR!r}, got {raw.get(DELIVERY)!r}")
+    window = raw.get(COMPUTE_WINDOW)
     if window is not None and (not isinstance(window, (int, float)) or isinstance(window, bool) or window <= 0):
-        raise _bad(f"compute_window_s must be a positive number, got {window!r}")
-    target = _parse_target(raw.get("target"), len(keys), num_layers, layer_bytes)
+        raise _bad(f"{COMPUTE_WINDOW} must be a positive number, got {window!r}")
+    target = _parse_target(raw.get(TARGET), len(keys), num_layers, layer_bytes)
     return Descriptor(bucket, tuple(keys), num_layers, chunk_tokens, layer_bytes,
                       float(window) if window is not None else None, target)

@@ -11,26 +11,11 @@ from botocore.exceptions import ClientError
 
 from nixl_backends.layout import BlockLayout
 from nixl_backends.registry import make_store, parse_store_config
-from dualpath_dev.gateway import GatewayProcess
+from dualpath_dev.gateway import GatewayProcess, gateway_config
 
 CLIENT_ACCESS_KEY = "s3agg-client"
 CLIENT_SECRET_KEY = "s3agg-client-secret-do-not-log"
 THETA = 64 * 1024  # small, so tests exercise both modes with small payloads
-
-
-def gateway_config(seaweedfs, bucket: str, **overrides) -> dict:
-    return {
-        "store_endpoint": seaweedfs.endpoint,
-        "buckets": [bucket],
-        "store_access_key": seaweedfs.access_key,
-        "store_secret_key": seaweedfs.secret_key,
-        "client_access_key": CLIENT_ACCESS_KEY,
-        "client_secret_key": CLIENT_SECRET_KEY,
-        "theta_bytes": THETA,
-        "io_threads": 4,
-        "io_timeout_s": 20.0,
-        **overrides,
-    }
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +41,9 @@ def start_gateway(seaweedfs, s3agg_bucket, tmp_path_factory) -> Callable[..., Ga
     workdir = tmp_path_factory.mktemp("gateway")
 
     def start(**overrides) -> GatewayProcess:
-        gateway = GatewayProcess(gateway_config(seaweedfs, s3agg_bucket, **overrides), workdir)
+        config = gateway_config(seaweedfs, s3agg_bucket, CLIENT_ACCESS_KEY, CLIENT_SECRET_KEY,
+                                theta_bytes=THETA, io_threads=4, io_timeout_s=20.0, **overrides)
+        gateway = GatewayProcess(config, workdir)
         started.append(gateway)
         return gateway.start()
 

@@ -15,7 +15,9 @@ import time
 import numpy as np
 import pytest
 
-from dualpath_connector.peer import PULLED, RELEASE, PeerLink
+from dualpath_connector.kv_regions import KVRegions
+from dualpath_connector.peer import PeerLink
+from dualpath_connector.protocol import PROTOCOL_VERSION, PULLED, RELEASE, VERSION_KEY, ReadRequest
 from dualpath_connector.side_channel import PeerBusy, SideChannelError, request
 from dualpath_dev.processes import free_port
 from nixl_backends.buffers import HostBufferPool
@@ -48,25 +50,26 @@ class Side:
         self.deadlines: list[float] = []
         self.busy = False
         self.port = free_port()
-        self.link = PeerLink(self.agent, "127.0.0.1", self.port, "ns-1", self.kv, self.serve_read, lease_s)
+        self.link = PeerLink(self.agent, "127.0.0.1", self.port, "ns-1", self.kv(), self.serve_read, lease_s)
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
-    def kv(self) -> dict:
-        return {
-            "layer_addrs": [layer.ctypes.data for layer in self.layers],
-            "outer": 1,
-            "outer_stride": NUM_BLOCKS * BLOCK_BYTES,
-            "block_bytes": BLOCK_BYTES,
-            "mem_type": "DRAM",
-            "device_id": 0,
-        }
+    def kv(self) -> KVRegions:
+        return KVRegions(
+            layer_addrs=tuple(layer.ctypes.data for layer in self.layers),
+            outer=1,
+            outer_stride=NUM_BLOCKS * BLOCK_BYTES,
+            block_bytes=BLOCK_BYTES,
+            mem_type="DRAM",
+            device_id=0,
+        )
 
-    def serve_read(self, chunk_hashes, deadline_s, reply) -> None:
+    def serve_read(self, read: ReadRequest, reply) -> None:
+        chunk_hashes = read.chunk_hashes
         self.reads.append(chunk_hashes)
-        self.deadlines.append(deadline_s)
+        self.deadlines.append(read.deadline_s)
         if self.busy:
             reply({"error": "queue too long", "busy": True})
             return
@@ -87,6 +90,10 @@ def pair():
     pe.close()
 
 
+def read_request(address: str, namespace: str, chunk_hashes: list[str], timeout_s: float) -> dict:
+    return request(address, ReadRequest(namespace, chunk_hashes, timeout_s).to_message(), timeout_s)
+
+
 def rows(layers: list[np.ndarray], blocks: list[int]) -> np.ndarray:
     return np.asarray(
         [(layer.ctypes.data + b * BLOCK_BYTES, BLOCK_BYTES, 0) for layer in layers for b in blocks], dtype=np.uint64
@@ -105,7 +112,7 @@ def test_de_pulls_pe_blocks_and_the_notification_ends_the_hold(pair):
     pe, de = pair
     pe.link.hold("req-1", time.time() + 60)
     peer = de.link.peer(pe.address, timeout_s=5)
-    assert peer.layer_addrs == [layer.ctypes.data for layer in pe.layers]
+    assert peer.layer_addrs == tuple(layer.ctypes.data for layer in pe.layers)
     remote_blocks, local_blocks = [3, 7, 8], [0, 1, 15]
     read = post_read(
         de.agent, peer.agent, rows(de.layers, local_blocks), "DRAM", rows(pe.layers, remote_blocks), "DRAM", PULLED + b"req-1"
@@ -126,7 +133,7 @@ def test_a_hold_nobody_pulls_expires(pair):
 
 def test_de_side_read_lease_released_by_the_pe(pair):
     pe, de = pair
-    answer = PeerLink.read_request(de.address, "ns-1", ["a", "b"], timeout_s=5)
+    answer = read_request(de.address, "ns-1", ["a", "b"], timeout_s=5)
     assert de.reads == [["a", "b"]] and de.deadlines == [5] and answer["readable"] == 2
     assert de.pool.free_slots == 2
     peer = pe.link.peer(de.address, timeout_s=5)
@@ -137,7 +144,7 @@ def test_de_side_read_lease_released_by_the_pe(pair):
 def test_unreleased_lease_expires():
     side = Side(lease_s=0.2)
     try:
-        PeerLink.read_request(side.address, "ns-1", ["a"], timeout_s=5)
+        read_request(side.address, "ns-1", ["a"], timeout_s=5)
         assert side.pool.free_slots == 3
         wait_for(lambda: side.pool.free_slots == 4)
     finally:
@@ -147,7 +154,7 @@ def test_unreleased_lease_expires():
 def test_read_for_another_namespace_is_refused(pair):
     _, de = pair
     with pytest.raises(SideChannelError, match="namespace ns-2 is not this engine's"):
-        PeerLink.read_request(de.address, "ns-2", ["a"], timeout_s=5)
+        read_request(de.address, "ns-2", ["a"], timeout_s=5)
     assert de.reads == []
 
 
@@ -175,9 +182,29 @@ def test_a_busy_de_declines_with_peer_busy_and_lends_nothing(pair):
     _, de = pair
     de.busy = True
     with pytest.raises(PeerBusy, match="queue too long"):
-        PeerLink.read_request(de.address, "ns-1", ["a"], timeout_s=5)
+        read_request(de.address, "ns-1", ["a"], timeout_s=5)
     assert de.pool.free_slots == 4
     # Any other refusal is a plain SideChannelError (the PE forgets that peer).
     with pytest.raises(SideChannelError) as refused:
-        PeerLink.read_request(de.address, "other-namespace", ["a"], timeout_s=5)
+        read_request(de.address, "other-namespace", ["a"], timeout_s=5)
     assert not isinstance(refused.value, PeerBusy)
+
+
+def test_a_peer_of_another_protocol_version_is_refused_by_name(pair):
+    _, de = pair
+    for op in ("hello", "read"):
+        message = {"op": op, VERSION_KEY: PROTOCOL_VERSION + 1, "namespace": "ns-1", "chunk_hashes": ["a"], "deadline_s": 5}
+        with pytest.raises(SideChannelError, match=f"version {PROTOCOL_VERSION + 1}.*speaks {PROTOCOL_VERSION}"):
+            request(de.address, message, 5)
+    assert de.reads == []
+    # Negative control: the same read with this side's version is served.
+    assert request(de.address, {**message, VERSION_KEY: PROTOCOL_VERSION}, 5)["readable"] == 1
+
+
+def test_a_malformed_read_is_refused_before_it_reaches_the_reader(pair):
+    _, de = pair
+    base = ReadRequest("ns-1", ["a"], 5).to_message()
+    for bad in ({"chunk_hashes": "a"}, {"chunk_hashes": [1]}, {"deadline_s": -1}, {"deadline_s": "soon"}):
+        with pytest.raises(SideChannelError, match="ProtocolError"):
+            request(de.address, {**base, **bad}, 5)
+    assert de.reads == []

@@ -22,7 +22,8 @@ from botocore.exceptions import ClientError
 from prometheus_client import REGISTRY
 
 from nixl_backends.layout import BlockLayout
-from nixl_backends.s3agg import EXTENSION_QUERY, GatewayRefused, parse_error, post_signed
+from nixl_backends.s3agg import GatewayRefused, parse_error, post_signed
+from nixl_backends.s3agg_protocol import EXTENSION_QUERY, PROTOCOL_VERSION
 from tests.s3agg_fixtures import (  # noqa: F401  (fixtures)
     CLIENT_ACCESS_KEY,
     CLIENT_SECRET_KEY,
@@ -159,6 +160,7 @@ def stored(seaweedfs, s3agg_bucket):
 
 def descriptor(keys, buffers: LayerBuffers, agent, **changes) -> dict:
     body = {
+        "version": PROTOCOL_VERSION,
         "chunk_keys": list(keys),
         "num_layers": 4,
         "chunk_tokens": 32,
@@ -194,6 +196,9 @@ BAD = {
     "wrong region count": (lambda k, b: {"target": {"regions": [[b.addrs[0], 4 * 4096]]}}, 400, "InvalidTarget",
                            "needs 4 regions, got 1"),
     "not a target type": (lambda k, b: {"target": {"type": "rdma"}}, 400, "MalformedDescriptor", "target.type"),
+    "other protocol version": (lambda k, b: {"version": PROTOCOL_VERSION + 1}, 400, "UnsupportedProtocolVersion",
+                               f"version {PROTOCOL_VERSION + 1}; this gateway speaks s3agg protocol version "
+                               f"{PROTOCOL_VERSION}"),
 }
 
 
@@ -209,7 +214,8 @@ def test_bad_descriptors_are_refused_before_anything_is_written(gateway, s3agg_b
     assert buffers.untouched()
 
 
-@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'{"chunk_keys": "k"}', b""])
+@pytest.mark.parametrize("body", [b"{not json", b"[1, 2]", b'{"version": %d, "chunk_keys": "k"}' % PROTOCOL_VERSION,
+                                  b""])
 def test_malformed_bodies_are_refused(gateway, s3agg_bucket, body):
     status, code, message, _ = signed(gateway.url, s3agg_bucket, body)
     assert (status, code) == (400, "MalformedDescriptor"), message

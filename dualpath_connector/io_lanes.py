@@ -1,0 +1,69 @@
+"""I/O lanes: one thread per link, each running its NIXL jobs in order.
+
+A worker has three, because its jobs use three different links and must not
+wait for each other: store reads (the storage NIC's receive side), store
+writes (its send side) and pulls between engines (the compute network). On
+one thread a DE's reads for a PE held up its saves and its pulls of prefilled
+prompts, and the agents' next turns waited for them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+from dualpath_connector.affinity import pin_current_thread
+
+logger = logging.getLogger(__name__)
+
+# A repair blocks a forward, so it jumps its lane's queue.
+REPAIR_PRIORITY, JOB_PRIORITY, _STOP_PRIORITY = -1, 0, 1
+
+
+class IOLane:
+    """One thread that runs jobs in order (repairs first)."""
+
+    def __init__(self, name: str, cores: set[int] | None) -> None:
+        self.name = name
+        self._queue: queue.PriorityQueue = queue.PriorityQueue()
+        self._order = itertools.count()
+        self._cores = cores
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Callable[[], None], priority: int = JOB_PRIORITY) -> None:
+        self._queue.put((priority, next(self._order), job))
+
+    def run_now(self, job: Callable[[], None]) -> None:
+        """Run ``job`` ahead of queued jobs and wait for it (repairs on a forward's critical path)."""
+        done = threading.Event()
+
+        def wrapped() -> None:
+            try:
+                job()
+            finally:
+                done.set()
+
+        self.submit(wrapped, REPAIR_PRIORITY)
+        done.wait()
+
+    def _run(self) -> None:
+        pin_current_thread(self._cores)
+        while True:
+            priority, _, job = self._queue.get()
+            if priority == _STOP_PRIORITY:
+                return
+            try:
+                job()
+            except Exception:  # a job reports its own failures; this keeps the thread alive
+                logger.exception("%s job failed", self.name)
+
+    def stop(self, timeout_s: float) -> bool:
+        """Finish queued work and stop; False if the thread is still running after ``timeout_s``."""
+        # Queued after every pending job, so pending saves still reach the store.
+        self.submit(lambda: None, _STOP_PRIORITY)
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()

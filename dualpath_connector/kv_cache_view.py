@@ -1,0 +1,111 @@
+"""A physical block view of vLLM's KV cache, whatever its layout: pure torch, no vLLM import.
+
+Each layer's tensor is viewed as ``uint8 [outer, num_blocks, block_bytes]`` in
+the order its bytes lie in memory: block-major layouts (CPU, FlashInfer
+``[blocks, 2, ...]``, MLA ``[blocks, block, dim]``) give ``outer == 1``;
+K/V-split layouts (FlashAttention ``[2, blocks, ...]``) give ``outer == 2``.
+A Layer Block in a host buffer holds a chunk's blocks in token order, each as
+its ``outer`` slices: ``[sub_block, outer, block_bytes]``.
+
+Copies between host buffers and the cache are one indexed tensor copy per
+layer (:meth:`copy_in`, :meth:`copy_out`), never a Python loop over blocks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dualpath_connector.kv_regions import KVRegions
+
+
+def physical_block_view(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """A uint8 view ``[outer, num_blocks, block_bytes]`` of one layer's KV cache tensor."""
+    order = sorted(range(kv.dim()), key=lambda d: kv.stride(d), reverse=True)
+    physical = kv.permute(order)
+    if not physical.is_contiguous():
+        raise ValueError(f"KV cache tensor with strides {kv.stride()} is not a permutation of a dense layout")
+    block_dims = [d for d, size in enumerate(physical.shape) if size == num_blocks]
+    if not block_dims:
+        raise ValueError(f"no dimension of size num_blocks={num_blocks} in KV cache shape {tuple(kv.shape)}")
+    dim = block_dims[0]
+    outer = math.prod(physical.shape[:dim])
+    return physical.reshape(outer, num_blocks, -1).view(torch.uint8)
+
+
+@dataclass(frozen=True)
+class CopyPlan:
+    """Which host slot and sub-block each KV cache block comes from (or goes to)."""
+
+    slots: torch.Tensor
+    sub_blocks: torch.Tensor
+    block_ids: torch.Tensor  # on the cache's device
+
+    def __len__(self) -> int:
+        return int(self.block_ids.numel())
+
+
+class KVCacheView:
+    """Every layer of one engine's KV cache as physical blocks."""
+
+    def __init__(self, layers: Sequence[torch.Tensor], num_blocks: int) -> None:
+        if not layers:
+            raise ValueError("a KV cache view needs at least one layer")
+        self.layers = [physical_block_view(kv, num_blocks) for kv in layers]
+        shapes = {tuple(view.shape) for view in self.layers}
+        if len(shapes) != 1:
+            raise ValueError(f"KV cache layers differ in shape: {sorted(shapes)}")
+        self.outer, self.num_blocks, self.block_bytes = self.layers[0].shape
+        self.device = self.layers[0].device
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def layer_block_bytes(self, blocks_per_chunk: int) -> int:
+        """Bytes of one layer of one chunk (a Layer Block)."""
+        return self.outer * self.block_bytes * blocks_per_chunk
+
+    def regions(self) -> KVRegions:
+        from nixl_backends.transport import mem_type
+
+        first = self.layers[0]
+        return KVRegions(
+            layer_addrs=tuple(view.data_ptr() for view in self.layers),
+            outer=self.outer,
+            outer_stride=first.stride(0),
+            block_bytes=self.block_bytes,
+            mem_type=mem_type(self.device.type),
+            device_id=self.device.index or 0,
+        )
+
+    def host_blocks(self, buffer: np.ndarray, num_slots: int, blocks_per_chunk: int) -> torch.Tensor:
+        """A host buffer of Full Blocks as ``[slot, layer, sub_block, outer, block_bytes]`` (a view, no copy)."""
+        return torch.from_numpy(buffer).view(num_slots, self.num_layers, blocks_per_chunk, self.outer, self.block_bytes)
+
+    def plan(self, slots: Sequence[int], sub_blocks: Sequence[int], block_ids: Sequence[int]) -> CopyPlan:
+        as_long = lambda values: torch.as_tensor(np.asarray(values, dtype=np.int64))  # noqa: E731
+        return CopyPlan(as_long(slots), as_long(sub_blocks), as_long(block_ids).to(self.device))
+
+    def copy_in(self, host: torch.Tensor, plan: CopyPlan, layers: Sequence[int]) -> None:
+        """Copy ``layers`` of the planned blocks from the host buffer into the cache."""
+        if not len(plan):
+            return
+        for layer in layers:
+            # host[...] is [n, outer, bytes]; the cache view wants [outer, n, bytes].
+            rows = host[plan.slots, layer, plan.sub_blocks].transpose(0, 1).to(self.device)
+            self.layers[layer].index_copy_(1, plan.block_ids, rows)
+        if self.device.type != "cpu":
+            # The KV must be in the cache, not merely queued on a stream.
+            torch.accelerator.synchronize(self.device)
+
+    def copy_out(self, host: torch.Tensor, plan: CopyPlan) -> None:
+        """Copy every layer of the planned blocks from the cache into the host buffer."""
+        if not len(plan):
+            return
+        for layer, view in enumerate(self.layers):
+            host[plan.slots, layer, plan.sub_blocks] = view.index_select(1, plan.block_ids).transpose(0, 1).cpu()

@@ -1,0 +1,126 @@
+"""Where a KV cache lives, as NIXL sees it: one type for this engine's cache and a peer's.
+
+Layer ``l``, outer index ``o`` (K/V for split layouts, else 0) and block ``b``
+are at ``layer_addrs[l] + o * outer_stride + b * block_bytes``. Engines send the
+wire form in the side channel's ``hello`` answer; a peer's parsed form names
+its NIXL agent. Descriptor rows are built with numpy, never a Python loop over
+bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from nixl_backends.layout import BlockLayout
+
+from dualpath_connector.protocol import ProtocolError
+
+_MEM_TYPES = ("DRAM", "VRAM")
+
+
+def descriptor_rows(addrs: np.ndarray, length: int, device_id: int) -> np.ndarray:
+    """Nx3 NIXL descriptor rows ``(addr, length, device)`` for every address in ``addrs``."""
+    flat = addrs.reshape(-1)
+    rows = np.empty((flat.size, 3), dtype=np.uint64)
+    rows[:, 0] = flat
+    rows[:, 1] = length
+    rows[:, 2] = device_id
+    return rows
+
+
+@dataclass(frozen=True)
+class KVRegions:
+    layer_addrs: tuple[int, ...]
+    outer: int
+    outer_stride: int
+    block_bytes: int
+    mem_type: str
+    device_id: int
+    # The owner's NIXL agent; empty for this engine's own cache.
+    agent: str = ""
+
+    def rows(self, layers: Sequence[int], block_ids: np.ndarray) -> np.ndarray:
+        """NIXL rows of ``block_ids`` in ``layers``, ordered layer, block, outer."""
+        bases = np.asarray(self.layer_addrs, dtype=np.uint64)[list(layers)]
+        outer = np.arange(self.outer, dtype=np.uint64) * np.uint64(self.outer_stride)
+        blocks = np.asarray(block_ids, dtype=np.uint64) * np.uint64(self.block_bytes)
+        addrs = bases[:, None, None] + blocks[None, :, None] + outer
+        return descriptor_rows(addrs, self.block_bytes, self.device_id)
+
+    def registration(self) -> list[tuple[int, int, int, str]]:
+        """One region per layer, as ``nixl_agent.register_memory`` takes them."""
+        return [(addr, self.outer * self.outer_stride, self.device_id, "") for addr in self.layer_addrs]
+
+    def same_block_geometry(self, other: KVRegions) -> bool:
+        """Blocks of ``other`` can be copied one to one into blocks of this cache."""
+        return (self.outer, self.block_bytes, len(self.layer_addrs)) == (
+            other.outer,
+            other.block_bytes,
+            len(other.layer_addrs),
+        )
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "layer_addrs": list(self.layer_addrs),
+            "outer": self.outer,
+            "outer_stride": self.outer_stride,
+            "block_bytes": self.block_bytes,
+            "mem_type": self.mem_type,
+            "device_id": self.device_id,
+        }
+
+    @classmethod
+    def from_wire(cls, data: Any, agent: str) -> KVRegions:
+        """A peer's regions from its ``hello`` answer; :class:`ProtocolError` if malformed."""
+        if not isinstance(data, dict):
+            raise ProtocolError("kv must be an object")
+
+        def count(name: str, minimum: int) -> int:
+            value = data.get(name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise ProtocolError(f"kv.{name} must be an integer >= {minimum}, got {value!r}")
+            return value
+
+        addrs = data.get("layer_addrs")
+        if not isinstance(addrs, list) or not addrs or not all(isinstance(a, int) and a > 0 for a in addrs):
+            raise ProtocolError("kv.layer_addrs must be a non-empty list of addresses")
+        if data.get("mem_type") not in _MEM_TYPES:
+            raise ProtocolError(f"kv.mem_type must be one of {_MEM_TYPES}, got {data.get('mem_type')!r}")
+        return cls(
+            layer_addrs=tuple(addrs),
+            outer=count("outer", 1),
+            outer_stride=count("outer_stride", 0),
+            block_bytes=count("block_bytes", 1),
+            mem_type=data["mem_type"],
+            device_id=count("device_id", 0),
+            agent=agent,
+        )
+
+
+def full_block_rows(
+    chunk_addrs: Sequence[int],
+    first_sub_blocks: Sequence[int],
+    block_counts: Sequence[int],
+    layers: Sequence[int],
+    layout: BlockLayout,
+    outer: int,
+    block_bytes: int,
+) -> np.ndarray:
+    """NIXL rows of hit blocks inside Full Blocks held in host memory, ordered like :meth:`KVRegions.rows`.
+
+    Chunk ``j``'s Full Block is at ``chunk_addrs[j]``; its blocks
+    ``first_sub_blocks[j] .. + block_counts[j]`` are the ones wanted. Within a
+    Layer Block, sub-block ``i``'s outer slice ``o`` is at ``(i * outer + o) * block_bytes``.
+    """
+    starts = np.repeat(np.asarray(chunk_addrs, dtype=np.uint64), block_counts)
+    subs = np.concatenate(
+        [np.arange(first, first + n, dtype=np.uint64) for first, n in zip(first_sub_blocks, block_counts)]
+    ) if len(block_counts) else np.empty(0, dtype=np.uint64)  # fmt: skip
+    first = starts + subs * np.uint64(outer * block_bytes)
+    layer_offsets = np.asarray(layers, dtype=np.uint64) * np.uint64(layout.layer_block_bytes)
+    outer_offsets = np.arange(outer, dtype=np.uint64) * np.uint64(block_bytes)
+    return descriptor_rows(layer_offsets[:, None, None] + first[None, :, None] + outer_offsets, block_bytes, 0)

@@ -1,0 +1,288 @@
+"""The store read path of a worker: hits read here, through the DE, and (on a DE) for a PE.
+
+A hit is read into a NIXL-registered host buffer, never straight into the KV
+cache, so that a failed or partial read never leaves wrong bytes where
+attention reads them. Where the bytes sit is a :class:`LoadedHit`: slots of
+this engine's load pool, or (read side ``de``) a DE's buffer lent to this
+engine under a lease until it is released.
+
+Reads here run on the read lane. A DE-side read waits for the DE on its own
+thread, not on the read lane: waiting for a DE must not hold up this engine's
+own store reads, or the two sides would take turns. A DE that cannot answer
+in time (or declines at once because its read queue would not drain in time)
+makes this engine read the hit itself.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from nixl_backends.buffers import HostBufferPool, PoolExhausted
+from nixl_backends.layout import BlockLayout
+from nixl_backends.store import KVStore, TransferAbandoned
+
+from dualpath_connector.affinity import pin_current_thread
+from dualpath_connector.io_lanes import IOLane
+from dualpath_connector.kv_regions import KVRegions
+from dualpath_connector.metadata import ChunkLoad, LoadSpec
+from dualpath_connector.peer import PeerLink
+from dualpath_connector.protocol import RELEASE, ReadAnswer, ReadRequest
+from dualpath_connector.read_queue import StoreReadQueue
+from dualpath_connector.side_channel import PeerBusy, request as side_channel_request
+from dualpath_connector.stats import StatsRecorder
+
+logger = logging.getLogger(__name__)
+
+# PE: DE-side reads waited for at once (one thread each).
+_DE_READ_THREADS = 8
+
+
+@dataclass
+class RemoteBuffer:
+    """Hit chunks a DE read into its host buffer, leased to this engine until released."""
+
+    address: str
+    peer: KVRegions
+    lease: str
+    chunk_addrs: list[int]
+
+
+@dataclass
+class LoadedHit:
+    """A hit whose leading readable chunks sit in a host buffer: this engine's pool slots, or a DE's."""
+
+    req_id: str
+    chunks: list[ChunkLoad]
+    slots: list[int] = field(default_factory=list)
+    remote: RemoteBuffer | None = None
+
+    def block_ids(self) -> np.ndarray:
+        return np.asarray([b for c in self.chunks for b in c.block_ids], dtype=np.int64)
+
+
+class HitReader:
+    def __init__(
+        self,
+        *,
+        store: KVStore,
+        pool: HostBufferPool,
+        layout: BlockLayout,
+        chunk_tokens: int,
+        block_size: int,
+        key: Callable[[str], str],
+        namespace_digest: str,
+        peers: PeerLink | None,
+        lane: IOLane,
+        stats: StatsRecorder,
+        de_read_timeout_s: float,
+        cores: set[int] | None,
+    ) -> None:
+        self.store = store
+        self.pool = pool
+        self.layout = layout
+        self.chunk_tokens = chunk_tokens
+        self.block_size = block_size
+        self.key = key
+        self.namespace_digest = namespace_digest
+        self.peers = peers
+        self.lane = lane
+        self.stats = stats
+        self.de_read_timeout_s = de_read_timeout_s
+        self.read_queue = StoreReadQueue()
+        self._de_reads = ThreadPoolExecutor(
+            max_workers=_DE_READ_THREADS,
+            thread_name_prefix="dualpath-de-read",
+            initializer=pin_current_thread,
+            initargs=(cores,),
+        )
+
+    # -- submitting loads -------------------------------------------------------
+
+    def submit_here(self, spec: LoadSpec, on_read: Callable[[LoadedHit], None]) -> None:
+        """Read ``spec``'s hit on the read lane; ``on_read`` gets it there (no chunks if the read failed)."""
+        # The read queue is what the router balances: tokens this engine has
+        # yet to read from the store, counted from the moment they queue.
+        tokens = sum(len(c.block_ids) for c in spec.chunks) * self.block_size
+        self._count_queue(tokens)
+
+        def job() -> None:
+            try:
+                hit = self._guarded(spec, lambda: self.read_here(spec))
+            finally:
+                self._count_queue(-tokens)
+            on_read(hit)
+
+        self.lane.submit(job)
+
+    def submit_through_de(self, spec: LoadSpec, on_read: Callable[[LoadedHit], None]) -> None:
+        """Ask ``spec``'s DE to read the hit; if it cannot, read it here."""
+
+        def job() -> None:
+            hit = self._guarded(spec, lambda: self.read_through_de(spec))
+            if hit is None:
+                self.submit_here(spec, on_read)
+            else:
+                on_read(hit)
+
+        self._de_reads.submit(job)
+
+    @staticmethod
+    def _guarded(spec: LoadSpec, read: Callable[[], LoadedHit | None]) -> LoadedHit | None:
+        try:
+            return read()
+        except Exception:
+            # Whatever went wrong, the request must still be reported, or it
+            # would wait in WAITING_FOR_REMOTE_KVS forever.
+            logger.exception("request %s: load failed", spec.req_id)
+            return LoadedHit(spec.req_id, [])
+
+    def _count_queue(self, tokens: int) -> None:
+        self.stats.gauge(read_queue_tokens=self.read_queue.add(tokens))
+
+    # -- reading ----------------------------------------------------------------
+
+    def read_here(self, spec: LoadSpec) -> LoadedHit:
+        """Read the hit from the store into this engine's pool; the leading readable chunks."""
+        slots = self.pool.acquire(len(spec.chunks))
+        try:
+            ok = self._store_read([c.chunk_hash for c in spec.chunks], slots)
+        except TransferAbandoned:
+            # NIXL may still write these slots: they never return to the pool.
+            logger.error("request %s: store read abandoned; %d load slots retired", spec.req_id, len(slots))
+            raise
+        except BaseException:
+            self.pool.release(slots)
+            raise
+        readable = self._leading_ok(ok)
+        self.pool.release(slots[readable:])
+        self.stats.add(bytes_read=readable * self.layout.full_block_bytes)
+        return LoadedHit(spec.req_id, spec.chunks[:readable], slots=slots[:readable])
+
+    @staticmethod
+    def _leading_ok(ok: list[bool]) -> int:
+        # The hit ends at the first bad chunk; later chunks are not used even
+        # if they arrived, so the loaded prefix stays contiguous.
+        return next((i for i, flag in enumerate(ok) if not flag), len(ok))
+
+    def _store_read(self, chunk_hashes: list[str], slots: list[int]) -> list[bool]:
+        """Read chunks into load-pool slots; the time it took feeds the read-rate estimate."""
+        started = time.perf_counter()
+        ok = self.store.read([self.key(h) for h in chunk_hashes], [self.pool.slot_addr(s) for s in slots])
+        self.read_queue.record_read(sum(ok) * self.chunk_tokens, time.perf_counter() - started)
+        return ok
+
+    def read_through_de(self, spec: LoadSpec) -> LoadedHit | None:
+        """Ask the DE to read the hit into its buffer; None if it cannot (then this engine reads)."""
+        address = spec.de_side_channel
+        timeout_s = self.de_read_timeout_s
+        request = ReadRequest(self.namespace_digest, [c.chunk_hash for c in spec.chunks], timeout_s)
+        try:
+            peer = self.peers.peer(address, timeout_s)
+            message = side_channel_request(address, request.to_message(), timeout_s)
+            answer = ReadAnswer.from_message(message, len(spec.chunks))
+        except PeerBusy as exc:
+            # Declined at once (the DE counts it): no time lost, and the peer is healthy.
+            logger.info("request %s: %s; reading the hit here", spec.req_id, exc)
+            return None
+        except Exception as exc:
+            logger.warning("request %s: DE %s did not read the hit (%s); reading it here", spec.req_id, address, exc)
+            self.peers.forget(address)
+            self.stats.add(de_read_fallbacks=1)
+            return None
+        if not answer.readable:
+            return LoadedHit(spec.req_id, [])
+        remote = RemoteBuffer(address, peer, answer.lease, answer.chunk_addrs)
+        return LoadedHit(spec.req_id, spec.chunks[: answer.readable], remote=remote)
+
+    def repair(self, hit: LoadedHit) -> None:
+        """A READ from the DE failed after the hit was reported: read the same chunks here.
+
+        Runs on the read lane ahead of queued reads and waits for it. On the
+        forward thread (layerwise) this stalls the step, but the KV must be
+        right before attention runs; a store that cannot serve it either
+        leaves no correct answer, so that is an error.
+        """
+        remote, hit.remote = hit.remote, None
+        logger.warning("request %s: READ from DE %s failed; reading the hit from the store here", hit.req_id,
+                       remote.address)  # fmt: skip
+        self.peers.forget(remote.address)
+        self.stats.add(de_read_fallbacks=1)
+        result: list[LoadedHit] = []
+        self.lane.run_now(lambda: result.append(self.read_here(LoadSpec(hit.req_id, hit.chunks))))
+        if not result or len(result[0].chunks) != len(hit.chunks):
+            if result:
+                self.release(result)
+            raise RuntimeError(f"request {hit.req_id}: hit KV lost with its DE and unreadable from the store")
+        hit.slots = result[0].slots
+
+    def release(self, hits: list[LoadedHit]) -> None:
+        """Hand each hit's buffer back: pool slots here, or the DE's lease."""
+        for hit in hits:
+            if hit.remote is not None:
+                self.peers.notify(hit.remote.peer.agent, RELEASE + hit.remote.lease.encode())
+                hit.remote = None
+            if hit.slots:
+                self.pool.release(hit.slots)
+                hit.slots = []
+
+    # -- serving a PE (DE side) ---------------------------------------------------
+
+    def serve_peer(self, request: ReadRequest, reply: Callable[[dict[str, Any]], None]) -> None:
+        """A PE asked this engine to read a hit into its buffer within the deadline (side-channel thread)."""
+        tokens = len(request.chunk_hashes) * self.chunk_tokens
+        reason = self.read_queue.decline_reason(tokens, request.deadline_s)
+        if reason is not None:
+            self._decline(reason, reply)
+            return
+        self._count_queue(tokens)
+        received = time.monotonic()
+
+        def job() -> None:
+            try:
+                # The estimate at arrival can be off (reads slowed down): a read
+                # that can no longer end in time is not started, so the PE
+                # reads it once, itself, rather than both sides reading it.
+                left_s = request.deadline_s - (time.monotonic() - received)
+                late = self.read_queue.decline_reason(tokens, left_s, 0)
+                if late is not None:
+                    self._decline(late, reply)
+                else:
+                    reply(self._read_for_peer(request.chunk_hashes))
+            finally:
+                self._count_queue(-tokens)
+
+        self.lane.submit(job)
+
+    def _decline(self, reason: str, reply: Callable[[dict[str, Any]], None]) -> None:
+        self.stats.add(de_reads_declined=1)
+        reply({"error": reason, "busy": True})
+
+    def _read_for_peer(self, chunk_hashes: list[str]) -> dict[str, Any]:
+        try:
+            slots = self.pool.acquire(len(chunk_hashes))
+        except PoolExhausted:
+            return {"error": f"host buffer has no room for {len(chunk_hashes)} chunks"}
+        try:
+            ok = self._store_read(chunk_hashes, slots)
+        except TransferAbandoned:
+            logger.error("store read for a peer abandoned; %d load slots retired", len(slots))
+            return {"error": "store read timed out"}
+        except Exception as exc:
+            self.pool.release(slots)
+            return {"error": f"store read failed: {exc}"}
+        readable = self._leading_ok(ok)
+        self.pool.release(slots[readable:])
+        nbytes = readable * self.layout.full_block_bytes
+        self.stats.add(bytes_read=nbytes, bytes_read_for_peer=nbytes)
+        lease = self.peers.lease(self.pool, slots[:readable]) if readable else None
+        return ReadAnswer(readable, lease, [self.pool.slot_addr(s) for s in slots[:readable]]).to_message()
+
+    def shutdown(self) -> None:
+        self._de_reads.shutdown(wait=True, cancel_futures=True)

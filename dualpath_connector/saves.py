@@ -1,0 +1,90 @@
+"""Saves: a step's completed chunks leave the KV cache in that step and reach the store on the save lane.
+
+Chunks are copied out in ``wait_for_save`` of the very step that computed
+them, before the scheduler can hand their blocks to anyone else (preemption,
+finish), so a reused block is never stored; the store write runs on the save
+lane, so the forward never waits on storage. Saving is best effort: a full
+save buffer or a failed write is a future miss, never a stall.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from nixl_backends.buffers import HostBufferPool, PoolExhausted
+from nixl_backends.layout import BlockLayout
+from nixl_backends.store import KVStore, TransferAbandoned
+
+from dualpath_connector.io_lanes import IOLane
+from dualpath_connector.kv_cache_view import KVCacheView
+from dualpath_connector.metadata import SaveSpec
+from dualpath_connector.stats import StatsRecorder
+
+logger = logging.getLogger(__name__)
+
+
+class ChunkSaver:
+    def __init__(
+        self,
+        *,
+        view: KVCacheView,
+        pool: HostBufferPool,
+        store: KVStore,
+        key: Callable[[str], str],
+        layout: BlockLayout,
+        blocks_per_chunk: int,
+        lane: IOLane,
+        stats: StatsRecorder,
+    ) -> None:
+        self.view = view
+        self.pool = pool
+        self.store = store
+        self.key = key
+        self.layout = layout
+        self.blocks_per_chunk = blocks_per_chunk
+        self.lane = lane
+        self.stats = stats
+        self._host = view.host_blocks(pool.array, pool.num_slots, blocks_per_chunk)
+
+    def save(self, specs: list[SaveSpec]) -> None:
+        """Copy each spec's chunks out now; write them to the store on the save lane."""
+        for spec in specs:
+            try:
+                slots = self.pool.acquire(len(spec.chunk_hashes))
+            except PoolExhausted:
+                logger.debug("request %s: save buffer full, skipping %d chunks", spec.req_id, len(spec.chunk_hashes))
+                self.stats.add(save_skipped_chunks=len(spec.chunk_hashes))
+                continue
+            bpc = self.blocks_per_chunk
+            plan = self.view.plan(
+                [s for s in slots for _ in range(bpc)],
+                [i for _ in slots for i in range(bpc)],
+                [b for blocks in spec.block_ids for b in blocks],
+            )
+            self.view.copy_out(self._host, plan)
+            self.lane.submit(lambda spec=spec, slots=slots: self._write(spec, slots))
+
+    def _write(self, spec: SaveSpec, slots: list[int]) -> None:
+        started = time.perf_counter()
+        keys = [self.key(h) for h in spec.chunk_hashes]
+        try:
+            ok = self.store.write(keys, [self.pool.slot_addr(s) for s in slots])
+        except TransferAbandoned:
+            # NIXL may still read these slots: they never return to the pool.
+            logger.error("request %s: store write abandoned; %d save slots retired", spec.req_id, len(slots))
+            ok = [False] * len(keys)
+        except Exception:
+            logger.exception("request %s: store write failed", spec.req_id)
+            ok = [False] * len(keys)
+            self.pool.release(slots)
+        else:
+            self.pool.release(slots)
+        written = sum(ok)
+        self.stats.add(
+            saved_chunks=written,
+            save_skipped_chunks=len(ok) - written,
+            bytes_written=written * self.layout.full_block_bytes,
+        )
+        self.stats.time("save_seconds", time.perf_counter() - started)

@@ -1,0 +1,102 @@
+"""An S3-compatible endpoint as this project reaches it: the ``s3`` section and the boto3 control path.
+
+The ``s3`` store, the ``s3agg`` client (its ``s3`` sub-section) and
+``s3agg-gateway`` (its ``store`` section) read the same section and reach the
+bucket through the same boto3 client: HEADs and bucket management. Payload
+bytes never go through boto3; they move through NIXL's OBJ plugin
+(:mod:`nixl_backends.obj_backend`). The secret key is never logged or shown in
+a repr.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import boto3
+from botocore.config import Config as BotoConfig
+from botocore.exceptions import ClientError
+
+from nixl_backends.configuration import ConfigError
+
+_NOT_FOUND = ("404", "NoSuchKey", "NotFound")
+
+
+@dataclass
+class S3StoreConfig:
+    """``{"backend": "s3", ...}``."""
+
+    bucket: str
+    endpoint: str | None = None
+    region: str = "us-east-1"
+    addressing_style: Literal["path", "virtual"] = "path"
+    access_key: str | None = None
+    secret_key: str | None = field(default=None, repr=False)
+    ca_bundle: str | None = None
+    create_bucket: bool = True
+    io_threads: int = 8
+    io_timeout_s: float = 30.0
+
+    def validate(self) -> None:
+        if not 3 <= len(self.bucket) <= 63:
+            raise ConfigError(f"store.bucket must be 3 to 63 characters, got {self.bucket!r}")
+        if (self.access_key is None) != (self.secret_key is None):
+            raise ConfigError("store.access_key and store.secret_key must be given together")
+        if self.endpoint is not None and not self.endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"store.endpoint must start with http:// or https://, got {self.endpoint!r}")
+        if self.ca_bundle is not None and not os.path.isfile(self.ca_bundle):
+            raise ConfigError(f"store.ca_bundle: no such file {self.ca_bundle!r}")
+        if self.io_threads <= 0 or self.io_timeout_s <= 0:
+            raise ConfigError("store.io_threads and store.io_timeout_s must be positive")
+
+
+def s3_session(config: S3StoreConfig) -> boto3.session.Session:
+    """The session of the configured keys, or of the standard AWS credential chain without them."""
+    return boto3.session.Session(
+        aws_access_key_id=config.access_key,
+        aws_secret_access_key=config.secret_key,
+        region_name=config.region,
+    )
+
+
+def s3_client(config: S3StoreConfig, session: boto3.session.Session, max_pool_connections: int) -> Any:
+    """A boto3 S3 client for the configured endpoint; ``max_pool_connections`` bounds concurrent calls."""
+    return session.client(
+        "s3",
+        endpoint_url=config.endpoint,
+        verify=config.ca_bundle if config.ca_bundle else None,
+        config=BotoConfig(
+            s3={"addressing_style": config.addressing_style},
+            max_pool_connections=max_pool_connections,
+            retries={"max_attempts": 2},
+            # Lookups run on vLLM's scheduler thread and the gateway's checks
+            # before every request: a hung endpoint must cost seconds, not minutes.
+            connect_timeout=2,
+            read_timeout=5,
+        ),
+    )
+
+
+def ensure_bucket(client: Any, bucket: str) -> None:
+    """Create ``bucket`` unless it exists (also when another client created it meanwhile)."""
+    try:
+        client.head_bucket(Bucket=bucket)
+    except ClientError:
+        try:
+            client.create_bucket(Bucket=bucket)
+        except ClientError as exc:
+            code = exc.response.get("Error", {}).get("Code")
+            if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise
+
+
+def object_size(client: Any, bucket: str, key: str) -> int | None:
+    """The object's size from a HEAD, or None if it does not exist; other failures raise."""
+    try:
+        head = client.head_object(Bucket=bucket, Key=key)
+    except ClientError as exc:
+        if exc.response.get("Error", {}).get("Code") in _NOT_FOUND:
+            return None
+        raise
+    return head["ContentLength"]

@@ -1,0 +1,125 @@
+"""The s3agg wire protocol, shared by the client (:mod:`nixl_backends.s3agg`) and ``s3agg-gateway``.
+
+One request: ``POST /<bucket>?aggregate``, SigV4-signed, the request id in
+``x-s3agg-request-id``, a JSON descriptor as body (:func:`descriptor_body`).
+The gateway answers with the chosen mode in ``x-s3agg-mode`` and delivers
+
+- to a NIXL target: WRITEs into the client's registered regions, each
+  followed by a notification (:func:`encode_notification`), then a JSON
+  summary as the response body;
+- to an HTTP target: frames in the response body, each a :data:`FRAME`
+  header (kind, index, payload length) and the payload.
+
+Nothing here talks to the network or NIXL; both sides import these names so
+no part of the protocol is written twice.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+import typing
+from collections.abc import Sequence
+from typing import Any, Literal
+
+# Sent in every descriptor; a gateway refuses a descriptor of another version
+# (or of none) before reading anything, naming both versions.
+PROTOCOL_VERSION = 1
+
+EXTENSION_QUERY = "aggregate"
+REQUEST_ID_HEADER = "x-s3agg-request-id"
+MODE_HEADER = "x-s3agg-mode"
+
+Mode = Literal["chunkwise", "layerwise"]
+MODE_CHUNKWISE, MODE_LAYERWISE = typing.get_args(Mode)
+
+# --- HTTP delivery ---------------------------------------------------------------------------------
+
+FRAME = struct.Struct("<IIQ")  # kind, index (layer), payload length
+FRAME_LAYER = 1  # layer ``index`` of every chunk: N*S bytes
+FRAME_CHUNKS = 2  # every Full Block in chunk order: N*L*S bytes
+FRAME_END = 3  # the JSON summary; the stream ends
+FRAME_ERROR = 4  # JSON {"code", "message"}; the stream ends
+
+# --- NIXL delivery: one notification per delivered unit ---------------------------------------------
+
+NOTIFICATION_PREFIX = "s3agg:"
+ALL_LAYERS = "all"  # the token of a chunkwise delivery: every layer at once
+
+
+def encode_notification(request_id: str, layer: int | None) -> bytes:
+    """``s3agg:<request id>:<layer>``; ``layer=None`` (chunkwise) is ``...:all``."""
+    return f"{NOTIFICATION_PREFIX}{request_id}:{ALL_LAYERS if layer is None else layer}".encode()
+
+
+def parse_notification(message: bytes) -> tuple[str, str] | None:
+    """``(request id, token)`` of a gateway notification (token: a layer number or ``all``), else None."""
+    text = message.decode(errors="replace")
+    if not text.startswith(NOTIFICATION_PREFIX):
+        return None
+    request_id, _, token = text[len(NOTIFICATION_PREFIX):].rpartition(":")
+    return request_id, token
+
+
+# --- the descriptor: the JSON body of the request ---------------------------------------------------
+
+VERSION = "version"
+CHUNK_KEYS = "chunk_keys"
+NUM_LAYERS = "num_layers"
+CHUNK_TOKENS = "chunk_tokens"
+LAYER_BYTES = "per_layer_chunk_bytes"
+DELIVERY = "delivery"
+COMPUTE_WINDOW = "compute_window_s"  # optional: the per-layer compute window, for the scheduler
+TARGET = "target"
+DESCRIPTOR_KEYS = frozenset({VERSION, CHUNK_KEYS, NUM_LAYERS, CHUNK_TOKENS, LAYER_BYTES, DELIVERY, COMPUTE_WINDOW,
+                             TARGET})
+# Layers are delivered in layer order; the only order there is.
+DELIVERY_LAYER_MAJOR = "layer_major"
+
+TARGET_TYPE = "type"
+TARGET_NIXL, TARGET_HTTP = "nixl", "http"
+AGENT_METADATA = "agent_metadata"  # base64 of the client agent's NIXL metadata
+TARGET_LAYOUT = "layout"
+REGIONS = "regions"  # [[addr, length], ...]
+NIXL_TARGET_KEYS = frozenset({TARGET_TYPE, AGENT_METADATA, TARGET_LAYOUT, REGIONS})
+# layer_major: one region per layer, chunk j of layer l at regions[l] + j*S.
+# chunk_major: one region per chunk (a Full Block), layer l at regions[j] + l*S.
+TargetLayout = Literal["layer_major", "chunk_major"]
+LAYOUT_LAYER_MAJOR, LAYOUT_CHUNK_MAJOR = typing.get_args(TargetLayout)
+
+
+def http_target() -> dict[str, Any]:
+    return {TARGET_TYPE: TARGET_HTTP}
+
+
+def nixl_target(agent_metadata: bytes, layout: TargetLayout, regions: Sequence[Sequence[int]]) -> dict[str, Any]:
+    return {
+        TARGET_TYPE: TARGET_NIXL,
+        TARGET_LAYOUT: layout,
+        REGIONS: [[int(addr), int(length)] for addr, length in regions],
+        AGENT_METADATA: base64.b64encode(agent_metadata).decode(),
+    }
+
+
+def descriptor_body(
+    chunk_keys: Sequence[str],
+    num_layers: int,
+    chunk_tokens: int,
+    layer_bytes: int,
+    target: dict[str, Any],
+    compute_window_s: float | None = None,
+) -> bytes:
+    """The request body; ``target`` from :func:`nixl_target` or :func:`http_target`."""
+    body: dict[str, Any] = {
+        VERSION: PROTOCOL_VERSION,
+        CHUNK_KEYS: list(chunk_keys),
+        NUM_LAYERS: num_layers,
+        CHUNK_TOKENS: chunk_tokens,
+        LAYER_BYTES: layer_bytes,
+        DELIVERY: DELIVERY_LAYER_MAJOR,
+        TARGET: target,
+    }
+    if compute_window_s is not None:
+        body[COMPUTE_WINDOW] = compute_window_s
+    return json.dumps(body).encode()

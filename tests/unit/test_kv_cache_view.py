@@ -1,0 +1,139 @@
+"""KVCacheView and KVRegions on CPU tensors, for every KV cache layout vLLM allocates.
+
+Bytes must survive cache -> host buffer -> another cache unchanged, land only
+in the planned blocks, and the NIXL rows must name exactly the bytes the
+tensor views hold (what a peer READs is what the cache holds).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dualpath_connector.kv_cache_view import KVCacheView, physical_block_view
+from dualpath_connector.kv_regions import KVRegions, full_block_rows
+from dualpath_connector.protocol import ProtocolError
+from nixl_backends.layout import BlockLayout
+
+NUM_BLOCKS, BLOCK, HEADS, DIM, LAYERS = 8, 4, 2, 8, 3
+
+
+def _flash_attention():  # [2, blocks, block, heads, dim]: K and V apart
+    return torch.empty(2, NUM_BLOCKS, BLOCK, HEADS, DIM, dtype=torch.bfloat16)
+
+
+def _flash_infer():  # [blocks, 2, block, heads, dim]: block-major
+    return torch.empty(NUM_BLOCKS, 2, BLOCK, HEADS, DIM, dtype=torch.bfloat16)
+
+
+def _hnd():  # FlashAttention shape, allocated heads-before-tokens (a stride permutation)
+    return torch.empty(2, NUM_BLOCKS, HEADS, BLOCK, DIM, dtype=torch.bfloat16).permute(0, 1, 3, 2, 4)
+
+
+def _mla():  # [blocks, block, latent dim]: one tensor per layer, no K/V split
+    return torch.empty(NUM_BLOCKS, BLOCK, 576, dtype=torch.bfloat16)
+
+
+def _cpu():  # vLLM's CPU backend: [2, blocks, heads, block, dim]
+    return torch.empty(2, NUM_BLOCKS, HEADS, BLOCK, DIM, dtype=torch.float32)
+
+
+LAYOUTS = {"flash_attention": (_flash_attention, 2), "flash_infer": (_flash_infer, 1), "hnd": (_hnd, 2),
+           "mla": (_mla, 1), "cpu": (_cpu, 2)}  # fmt: skip
+
+
+def _caches(make, seed: int) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    layers = [make() for _ in range(LAYERS)]
+    for kv in layers:
+        physical_block_view(kv, NUM_BLOCKS).copy_(
+            torch.randint(0, 256, physical_block_view(kv, NUM_BLOCKS).shape, generator=generator, dtype=torch.uint8)
+        )
+    return layers
+
+
+def _host(view: KVCacheView, slots: int, bpc: int) -> tuple[np.ndarray, torch.Tensor]:
+    buffer = np.zeros(slots * LAYERS * bpc * view.outer * view.block_bytes, dtype=np.uint8)
+    return buffer, view.host_blocks(buffer, slots, bpc)
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_blocks_round_trip_through_a_host_buffer_into_another_cache(layout):
+    make, outer = LAYOUTS[layout]
+    source, target = KVCacheView(_caches(make, 1), NUM_BLOCKS), KVCacheView(_caches(make, 2), NUM_BLOCKS)
+    assert source.outer == outer and source.num_layers == LAYERS
+    before = [view.clone() for view in target.layers]
+    bpc = 2
+    _, host = _host(source, 2, bpc)
+    # Two chunks (slots 1 and 0), blocks out of order, as vLLM hands them out.
+    out_blocks, in_blocks = [5, 2, 7, 0], [1, 6, 3, 4]
+    source.copy_out(host, source.plan([1, 1, 0, 0], [0, 1, 0, 1], out_blocks))
+    target.copy_in(host, target.plan([1, 1, 0, 0], [0, 1, 0, 1], in_blocks), range(LAYERS))
+    for layer in range(LAYERS):
+        for src, dst in zip(out_blocks, in_blocks):
+            assert torch.equal(target.layers[layer][:, dst], source.layers[layer][:, src])
+        untouched = [b for b in range(NUM_BLOCKS) if b not in in_blocks]
+        assert torch.equal(target.layers[layer][:, untouched], before[layer][:, untouched])
+    # Negative control: the comparison sees a block that went elsewhere.
+    assert not torch.equal(target.layers[0][:, 1], source.layers[0][:, 2])
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_layer_subset_copies_only_those_layers(layout):
+    make, _ = LAYOUTS[layout]
+    source, target = KVCacheView(_caches(make, 3), NUM_BLOCKS), KVCacheView(_caches(make, 4), NUM_BLOCKS)
+    before = [view.clone() for view in target.layers]
+    _, host = _host(source, 1, 1)
+    source.copy_out(host, source.plan([0], [0], [3]))
+    target.copy_in(host, target.plan([0], [0], [3]), [1])
+    assert torch.equal(target.layers[1][:, 3], source.layers[1][:, 3])
+    assert torch.equal(target.layers[0], before[0]) and torch.equal(target.layers[2], before[2])
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_nixl_rows_name_the_bytes_the_views_hold(layout):
+    make, _ = LAYOUTS[layout]
+    view = KVCacheView(_caches(make, 5), NUM_BLOCKS)
+    regions = view.regions()
+    blocks = np.asarray([6, 1])
+    rows = regions.rows([2, 0], blocks)
+    expected = [[view.layers[layer][o, b].data_ptr(), view.block_bytes, 0]
+                for layer in (2, 0) for b in blocks for o in range(view.outer)]  # fmt: skip
+    assert rows.tolist() == expected
+    assert regions.mem_type == "DRAM"
+    assert sum(length for _, length, _, _ in regions.registration()) == sum(v.numel() for v in view.layers)
+
+
+def test_full_block_rows_match_the_host_buffer_layout():
+    view = KVCacheView(_caches(_flash_attention, 6), NUM_BLOCKS)
+    bpc = 2
+    buffer, host = _host(view, 3, bpc)
+    layout = BlockLayout(LAYERS, view.layer_block_bytes(bpc))
+    slot_addrs = [buffer.ctypes.data + s * layout.full_block_bytes for s in range(3)]
+    # Chunk in slot 2 from sub-block 1 (its first block was a local prefix hit), then slot 0 whole.
+    rows = full_block_rows([slot_addrs[2], slot_addrs[0]], [1, 0], [1, 2], [1], layout, view.outer, view.block_bytes)
+    expected = [[host[s, 1, sub, o].data_ptr(), view.block_bytes, 0]
+                for s, sub in ((2, 1), (0, 0), (0, 1)) for o in range(view.outer)]  # fmt: skip
+    assert rows.tolist() == expected
+
+
+def test_regions_wire_form_round_trips_and_hostile_forms_are_refused():
+    regions = KVCacheView(_caches(_flash_infer, 7), NUM_BLOCKS).regions()
+    parsed = KVRegions.from_wire(regions.to_wire(), "peer-agent")
+    assert parsed.agent == "peer-agent" and parsed.rows([0], np.asarray([3])).tolist() == regions.rows([0], np.asarray([3])).tolist()
+    assert parsed.same_block_geometry(regions)
+    wire = regions.to_wire()
+    for bad in ({"layer_addrs": []}, {"layer_addrs": ["0x10"]}, {"outer": 0}, {"block_bytes": True},
+                {"mem_type": "DISK"}, {"device_id": -1}):  # fmt: skip
+        with pytest.raises(ProtocolError):
+            KVRegions.from_wire({**wire, **bad}, "peer")
+    with pytest.raises(ProtocolError):
+        KVRegions.from_wire("not an object", "peer")
+
+
+def test_layouts_that_are_not_a_dense_permutation_are_refused():
+    with pytest.raises(ValueError, match="not a permutation"):
+        KVCacheView([torch.empty(2, NUM_BLOCKS * 2, BLOCK)[:, ::2]], NUM_BLOCKS)
+    with pytest.raises(ValueError, match="num_blocks"):
+        KVCacheView([torch.empty(2, NUM_BLOCKS + 1, BLOCK)], NUM_BLOCKS)
