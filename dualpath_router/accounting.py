@@ -17,17 +17,17 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from nixl_backends.rates import RateEstimate
-from dualpath_router.config import EngineConfig, StoreNamespace
+
+from dualpath_connector.protocol import METRIC_PREFIX, NAMESPACE_INFO_METRIC, ProtocolError, StoreKeySpace, metric_samples
+
+from dualpath_router.config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
 Role = Literal["prefill", "decode"]
 
-NAMESPACE_INFO_METRIC = "dualpath_kv:store_namespace_info"
-READ_QUEUE_METRIC = "dualpath_kv:read_queue_tokens"
+READ_QUEUE_METRIC = f"{METRIC_PREFIX}read_queue_tokens"
 # vLLM's own measure of prefill compute: tokens computed (hits excluded) and
 # the time from scheduling to the first token (a hit's read ends before that).
 COMPUTED_TOKENS_METRIC = "vllm:request_prefill_kv_computed_tokens_sum"
@@ -88,7 +88,7 @@ class EngineReport:
     read_queue_tokens: int
     kv_usage: float | None
     kv_capacity_tokens: int | None
-    namespace: StoreNamespace | None
+    namespace: StoreKeySpace | None
     computed_tokens: float | None = None
     prefill_seconds: float | None = None
 
@@ -97,16 +97,15 @@ def parse_engine_metrics(text: str) -> EngineReport:
     """Sum each series over its label sets (engines export one per engine index/model)."""
     totals: dict[str, float] = defaultdict(float)
     capacity: int | None = None
-    namespace: StoreNamespace | None = None
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            totals[sample.name] += sample.value
-            if sample.name == "vllm:cache_config_info":
-                blocks, block_size = sample.labels.get("num_gpu_blocks"), sample.labels.get("block_size")
-                if blocks and block_size and blocks.isdigit() and block_size.isdigit():
-                    capacity = (capacity or 0) + int(blocks) * int(block_size)
-            elif sample.name == NAMESPACE_INFO_METRIC and namespace is None:
-                namespace = _namespace_from_labels(sample.labels)
+    namespace: StoreKeySpace | None = None
+    for name, labels, value in metric_samples(text):
+        totals[name] += value
+        if name == "vllm:cache_config_info":
+            blocks, block_size = labels.get("num_gpu_blocks"), labels.get("block_size")
+            if blocks and block_size and blocks.isdigit() and block_size.isdigit():
+                capacity = (capacity or 0) + int(blocks) * int(block_size)
+        elif name == NAMESPACE_INFO_METRIC and namespace is None:
+            namespace = _key_space_from_labels(labels)
     usage = totals.get("vllm:kv_cache_usage_perc")
     return EngineReport(
         requests=int(totals.get("vllm:num_requests_running", 0) + totals.get("vllm:num_requests_waiting", 0)),
@@ -119,20 +118,13 @@ def parse_engine_metrics(text: str) -> EngineReport:
     )
 
 
-def _namespace_from_labels(labels: dict[str, str]) -> StoreNamespace | None:
+def _key_space_from_labels(labels: dict[str, str]) -> StoreKeySpace | None:
     try:
-        namespace = StoreNamespace(
-            digest=labels["namespace"],
-            key_prefix=labels["key_prefix"],
-            chunk_tokens=int(labels["chunk_tokens"]),
-            num_layers=int(labels["num_layers"]),
-            layer_block_bytes=int(labels["layer_block_bytes"]),
-        )
-        namespace.validate()
-    except (KeyError, ValueError) as exc:  # ConfigError is a ValueError
+        return StoreKeySpace.from_labels(labels)
+    except ProtocolError as exc:
+        # One engine's bad labels must not stop the scrape: its load still counts.
         logger.warning("ignoring malformed %s labels %s: %s", NAMESPACE_INFO_METRIC, labels, exc)
         return None
-    return namespace
 
 
 class ThroughputEstimate(RateEstimate):

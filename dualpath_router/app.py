@@ -2,8 +2,8 @@
 
 Per request: tokenize (or take token ids), look up the hit length in the
 store, place it (PE, DE, read side), prefill on the PE with ``max_tokens=1``
-and the DualPath ``kv_transfer_params``, then hand the PE's
-``kv_transfer_params`` to the DE and pass the DE's answer through.
+and a :class:`PrefillRequest`, then hand the PE's :class:`PrefillHandoff` to
+the DE and pass the DE's answer through.
 """
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from prometheus_client.core import GaugeMetricFamily
 
 from nixl_backends.configuration import ConfigError
+
+from dualpath_connector.protocol import PrefillHandoff, PrefillRequest, ProtocolError
 
 from dualpath_router.accounting import Accounting
 from dualpath_router.config import RouterConfig, load_router_config
@@ -181,7 +183,7 @@ class Router:
     async def _route(self, routed: RoutedRequest) -> Response:
         hit_tokens = await self.dispatcher.lookup.hit_tokens(routed.token_ids)
         try:
-            placement, kv_transfer_params, failure = await self._prefill(routed, hit_tokens)
+            placement, handoff, failure = await self._prefill(routed, hit_tokens)
         except QueueTimeout:
             self.metrics.rejected.labels("queue_timeout").inc()
             scheduling = self.config.scheduling
@@ -193,12 +195,12 @@ class Router:
             )
         if placement is None:
             return failure
-        return await self._decode(routed, placement, kv_transfer_params)
+        return await self._decode(routed, placement, handoff)
 
     async def _prefill(self, routed: RoutedRequest, hit_tokens: int):
         """Prefill on a PE, moving to another PE while attempts fail.
 
-        Returns ``(placement, kv_transfer_params, None)`` with the DE still
+        Returns ``(placement, handoff, None)`` with the DE still
         booked, or ``(None, None, response)`` when the request is answered here
         (queue timeout, every PE failed, a PE's 4xx) with nothing booked.
         """
@@ -241,7 +243,7 @@ class Router:
             self.metrics.requests.labels(self.config.policy, placement.read_side).inc()
             self.metrics.prompt_tokens.inc(placement.prompt_tokens)
             self.metrics.hit_tokens.inc(hit_tokens)
-            return placement, _kv_transfer_params(response), None
+            return placement, _handoff(response, placement.prefill.name), None
 
     def _release_decode(self, placement: Placement | None) -> None:
         if placement is not None:
@@ -252,12 +254,7 @@ class Router:
         body.update(max_tokens=1, stream=False)
         for key in ("stream_options", "min_tokens"):  # meaningless for a one-token prefill
             body.pop(key, None)
-        body["kv_transfer_params"] = {
-            "do_remote_decode": True,
-            "read_side": placement.read_side,
-            "de_side_channel": placement.decode.config.side_channel,
-            "hit_tokens": placement.hit_tokens,
-        }
+        body["kv_transfer_params"] = PrefillRequest(placement.read_side, placement.decode.config.side_channel).to_dict()
         try:
             response = await self.client.post(f"{placement.prefill.config.url}/v1/completions", json=body)
         except httpx.HTTPError as exc:
@@ -273,14 +270,14 @@ class Router:
                 raise EngineFailed("answer is not a JSON object")
         return response
 
-    async def _decode(self, routed: RoutedRequest, placement: Placement, kv_transfer_params: dict | None) -> Response:
+    async def _decode(self, routed: RoutedRequest, placement: Placement, handoff: PrefillHandoff | None) -> Response:
         """Decode on a DE, moving to another DE while attempts fail before any byte reached the client.
 
         Releases the DE booking exactly once: here, or when a stream ends.
         """
         body = dict(routed.body)
-        if kv_transfer_params is not None:
-            body["kv_transfer_params"] = kv_transfer_params
+        if handoff is not None:
+            body["kv_transfer_params"] = handoff.to_dict()
         failures: dict[str, str] = {}
         booked = True
         try:
@@ -378,12 +375,18 @@ class UpstreamStream(StreamingResponse):
                 await self._on_close()
 
 
-def _kv_transfer_params(response: httpx.Response) -> dict | None:
+def _handoff(response: httpx.Response, engine: str) -> PrefillHandoff | None:
+    """The PE's hand-off; None when it has none or an unusable one: the DE gets the plain request and recomputes."""
     params = response.json().get("kv_transfer_params")
-    if params is None:
-        # An engine without the connector: the DE gets the plain request and recomputes.
-        logger.debug("prefill answer carries no kv_transfer_params; the DE recomputes the prompt")
-    return params if isinstance(params, dict) else None
+    try:
+        handoff = PrefillHandoff.from_dict(params if isinstance(params, dict) else None)
+    except ProtocolError as exc:  # another release or a broken engine: slower, never a wrong KV
+        logger.warning("prefill engine %s answered unusable kv_transfer_params, the DE recomputes the prompt: %s",
+                       engine, exc)
+        return None
+    if handoff is None:  # an engine without the connector
+        logger.debug("prefill engine %s answered no hand-off; the DE recomputes the prompt", engine)
+    return handoff
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,6 +17,8 @@ import yaml
 from nixl_backends.configuration import ConfigError, from_dict
 from nixl_backends.registry import parse_store_config
 
+from dualpath_connector.protocol import ProtocolError, StoreKeySpace
+
 PolicyName = Literal["basic", "round_robin", "dualpath"]
 ReadSideOverride = Literal["auto", "pe", "de"]
 
@@ -90,22 +92,6 @@ class TimeoutsConfig:
         _require_positive(self, *(f.name for f in dataclasses.fields(self)))
 
 
-@dataclass(frozen=True)
-class StoreNamespace:
-    """Which stored chunks the engines' KV matches: what the hit lookup hashes and keys with."""
-
-    digest: str
-    key_prefix: str
-    chunk_tokens: int
-    num_layers: int
-    layer_block_bytes: int
-
-    def validate(self) -> None:
-        if not self.digest or self.digest.strip("0123456789abcdef"):
-            raise ConfigError(f"digest must be a lowercase hex string, got {self.digest!r}")
-        _require_positive(self, "chunk_tokens", "num_layers", "layer_block_bytes")
-
-
 @dataclass
 class RouterConfig:
     prefill_engines: list[EngineConfig]
@@ -126,8 +112,8 @@ class RouterConfig:
     # The connector's store section (credentials from the AWS chain only);
     # without it every hit is 0.
     store: object | None = None
-    # "auto": read from the first engine that exports dualpath_kv:store_namespace_info.
-    namespace: StoreNamespace | Literal["auto"] = "auto"
+    # "auto": the key space the first engine (config order) exports on its /metrics.
+    namespace: StoreKeySpace | Literal["auto"] = "auto"
     # Chunks remembered as present (immutable, so a positive answer stays true).
     lookup_cache_chunks: int = 100_000
 
@@ -193,6 +179,16 @@ def _store(data: Any, where: str) -> object:
     return _named(where, lambda: parse_store_config(section, where))
 
 
+def _key_space(data: Any, where: str) -> StoreKeySpace:
+    def build() -> StoreKeySpace:
+        try:
+            return from_dict(StoreKeySpace, _section(data, where), where)
+        except ProtocolError as exc:  # StoreKeySpace.validate speaks the protocol's error
+            raise ConfigError(str(exc)) from None
+
+    return _named(where, build)
+
+
 def parse_router_config(data: Any) -> RouterConfig:
     """Build and validate the tree from a parsed YAML document."""
     raw = dict(_section(data, "the router config"))
@@ -205,7 +201,7 @@ def parse_router_config(data: Any) -> RouterConfig:
     if raw.get("store") is not None:
         raw["store"] = _store(raw["store"], "store.")
     if isinstance(raw.get("namespace"), dict):
-        raw["namespace"] = _build(StoreNamespace, raw["namespace"], "namespace.")
+        raw["namespace"] = _key_space(raw["namespace"], "namespace.")
     return from_dict(RouterConfig, raw, "")
 
 

@@ -11,7 +11,8 @@ import yaml
 
 from nixl_backends.configuration import ConfigError
 
-from dualpath_router.config import StoreNamespace, load_router_config
+from dualpath_connector.protocol import StoreKeySpace
+from dualpath_router.config import load_router_config
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -35,7 +36,7 @@ def test_explicit_namespace(tmp_path):
     namespace = {"digest": "ab12", "key_prefix": "kv", "chunk_tokens": 32, "num_layers": 4, "layer_block_bytes": 8}
     path = tmp_path / "router.yaml"
     path.write_text(yaml.safe_dump({**VALID, "namespace": namespace}))
-    assert load_router_config(path).namespace == StoreNamespace(**namespace)
+    assert load_router_config(path).namespace == StoreKeySpace(**namespace)
 
 
 @pytest.mark.parametrize(
@@ -55,6 +56,11 @@ def test_explicit_namespace(tmp_path):
         ({"store": {"backend": "tape"}}, "store.'backend'"),
         ({"namespace": {"digest": "xyz", "key_prefix": "p", "chunk_tokens": 32, "num_layers": 4,
                         "layer_block_bytes": 8}}, "namespace.digest"),
+        ({"namespace": {"digest": "ab12", "key_prefix": "p", "chunk_tokens": 0, "num_layers": 4,
+                        "layer_block_bytes": 8}}, "namespace.chunk_tokens must be positive"),
+        ({"namespace": {"digest": "ab12", "key_prefix": "p", "chunk_tokens": 32}}, "namespace.'num_layers'"),
+        ({"namespace": {"digest": "ab12", "key_prefix": "p", "chunk_tokens": "32", "num_layers": 4,
+                        "layer_block_bytes": 8}}, "namespace.'chunk_tokens'"),
         ({"served_model_names": []}, "served_model_names"),
         ({"port": "eighty"}, "'port'"),
         ({"extra": 1}, "unknown key 'extra'"),

@@ -2,7 +2,7 @@
 
 The stand-ins are small HTTP servers on real sockets that answer like vLLM's
 OpenAI server with our connector (JSON and SSE completions, Prometheus
-/metrics, ``kv_transfer_params`` on the prefill answer), record every body
+/metrics, a :class:`PrefillHandoff` on the prefill answer), record every body
 they receive and can be told to fail. They stand in for vLLM because a CPU
 vLLM start costs about 90 s per engine; the real engines behind this router
 are covered by the 1P1D end-to-end test (tests/test_engine_e2e.py).
@@ -25,6 +25,7 @@ import httpx
 import pytest
 import yaml
 
+from dualpath_connector.protocol import PROTOCOL_VERSION, VERSION_KEY, PrefillHandoff, PrefillRequest
 from dualpath_dev.processes import free_port, stop_process_group
 
 MODEL = "tiny-llama"
@@ -118,8 +119,9 @@ class StandInEngine:
         self.thread.start()
 
     def prefill_answer(self, body: dict) -> dict:
-        kv_transfer_params = {"do_remote_prefill": True, "remote_engine_id": self.name,
-                              "remote_block_ids": [1, 2, 3], "nonce": uuid.uuid4().hex}
+        # A fresh request id per answer: the DE must get this very answer's hand-off.
+        kv_transfer_params = PrefillHandoff(f"127.0.0.1:{self.server.server_address[1]}", uuid.uuid4().hex,
+                                            [1, 2, 3], stored_chunks=1).to_dict()
         self.sent_kv_transfer_params.append(kv_transfer_params)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": body.get("model", MODEL),
@@ -263,12 +265,14 @@ def test_prefill_then_decode_bodies_and_headers(engines, start_router):
     assert pe_body["max_tokens"] == 1 and pe_body["stream"] is False and "stream_options" not in pe_body
     assert pe_body["temperature"] == 0.0
     assert pe_body["kv_transfer_params"] == {
-        "do_remote_decode": True, "read_side": "de", "de_side_channel": "127.0.0.1:5700", "hit_tokens": 0,
+        "do_remote_decode": True, "read_side": "de", "de_side_channel": "127.0.0.1:5700",
+        VERSION_KEY: PROTOCOL_VERSION,
     }
+    assert PrefillRequest.from_dict(pe_body["kv_transfer_params"]) == PrefillRequest("de", "127.0.0.1:5700")
     [de_body] = de.received
     assert de_body["max_tokens"] == 5 and de_body["prompt"] == PROMPT
     assert de_body["stream_options"] == {"include_usage": True}
-    # The PE's kv_transfer_params, verbatim.
+    # The PE's hand-off, unchanged.
     assert de_body["kv_transfer_params"] == pe.sent_kv_transfer_params[0]
 
 
@@ -348,6 +352,33 @@ def test_prefill_without_kv_transfer_params_sends_the_plain_request(engines, sta
     response = complete(router, prompt=PROMPT, max_tokens=2)
     assert response.status_code == 200
     assert "kv_transfer_params" not in de.received[0]
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        ({VERSION_KEY: PROTOCOL_VERSION + 1}, f"version {PROTOCOL_VERSION + 1}"),
+        ({VERSION_KEY: None}, "version None"),
+        ({"remote_block_ids": [1, -2]}, "remote_block_ids"),
+        ({"stored_chunks": True}, "stored_chunks"),
+    ],
+)
+def test_unusable_handoff_sends_the_plain_request(engines, start_router, change, reason):
+    """Another release's or a broken PE's hand-off: the DE recomputes, the router says why."""
+    pe, de = engines("pe0", "prefill"), engines("de0", "decode")
+    answer = pe.prefill_answer
+
+    def tampered(body: dict) -> dict:
+        good = answer(body)
+        return {**good, "kv_transfer_params": {**good["kv_transfer_params"], **change}}
+
+    pe.prefill_answer = tampered
+    router = start_router(router_config([pe], [de]))
+    response = complete(router, prompt=PROMPT, max_tokens=2)
+    assert response.status_code == 200, response.text
+    assert "kv_transfer_params" not in de.received[0]
+    assert "prefill engine pe0 answered unusable kv_transfer_params" in router.log()
+    assert reason in router.log()
 
 
 @pytest.mark.parametrize(

@@ -15,12 +15,12 @@ import pytest
 from nixl_backends.layout import chunk_hashes, chunk_key
 from nixl_backends.registry import parse_store_config
 
+from dualpath_connector.protocol import PrefillRequest, StoreKeySpace
 from dualpath_dev.processes import free_port
-from dualpath_router.config import StoreNamespace
 from dualpath_router.lookup import HitLookup
 from tests.integration.test_router_http import MODEL, engines, router_config, start_router  # noqa: F401 (fixtures)
 
-NAMESPACE = StoreNamespace(digest="0123abcd" * 4, key_prefix="dualpath", chunk_tokens=32, num_layers=4,
+NAMESPACE = StoreKeySpace(digest="0123abcd" * 4, key_prefix="dualpath", chunk_tokens=32, num_layers=4,
                            layer_block_bytes=1024)
 FULL_BLOCK_BYTES = NAMESPACE.num_layers * NAMESPACE.layer_block_bytes
 TOKENS = list(range(1000, 1000 + 5 * 32))  # five chunks
@@ -120,5 +120,5 @@ def test_router_reports_hits_with_namespace_from_engine_metrics(s3_env, s3_bucke
         if response.headers["x-dualpath-hit-tokens"] == str(expected):
             break
     assert response.headers["x-dualpath-hit-tokens"] == str(expected)
-    assert pe.received[-1]["kv_transfer_params"]["hit_tokens"] == expected
+    assert PrefillRequest.from_dict(pe.received[-1]["kv_transfer_params"]) == PrefillRequest("pe")
     assert "AWS_SECRET_ACCESS_KEY" not in router.log() and s3_env.secret_key not in router.log()
