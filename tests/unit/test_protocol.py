@@ -1,0 +1,314 @@
+"""The engine/router/bench contract: messages round trip, hostile input is refused, one parser, one key space.
+
+Also the leading-run lookups every side shares (``nixl_backends.lookup``),
+against a fake store that records what it was asked.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from nixl_backends.layout import BlockLayout, chunk_hashes, chunk_key
+from nixl_backends.lookup import PresentChunks, wait_stored
+
+from dualpath_connector.protocol import (
+    NAMESPACE_INFO_METRIC,
+    PROTOCOL_VERSION,
+    VERSION_KEY,
+    PrefillHandoff,
+    PrefillRequest,
+    ProtocolError,
+    ReadAnswer,
+    ReadRequest,
+    StoreKeySpace,
+    counter_total_name,
+    metric_total,
+    metric_totals,
+)
+
+KEY_SPACE = StoreKeySpace(digest="0123abcd" * 4, key_prefix="dualpath", chunk_tokens=32, num_layers=4,
+                          layer_block_bytes=1024)  # fmt: skip
+HANDOFF = PrefillHandoff("10.0.0.1:5600", "cmpl-1", [3, 1, 2], stored_chunks=2)
+
+
+# -- kv_transfer_params ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("request_", [PrefillRequest(), PrefillRequest("pe"), PrefillRequest("de", "10.0.0.2:5700")])
+def test_prefill_request_round_trips(request_):
+    params = request_.to_dict()
+    assert params["do_remote_decode"] is True and params[VERSION_KEY] == PROTOCOL_VERSION
+    assert PrefillRequest.from_dict(params) == request_
+
+
+def test_prefill_request_keeps_the_de_side_channel_only_for_de_reads():
+    assert PrefillRequest.from_dict(PrefillRequest("pe", "10.0.0.2:5700").to_dict()) == PrefillRequest("pe")
+
+
+def test_prefill_handoff_round_trips():
+    params = HANDOFF.to_dict()
+    assert params["do_remote_prefill"] is True and params[VERSION_KEY] == PROTOCOL_VERSION
+    assert PrefillHandoff.from_dict(params) == HANDOFF
+    assert PrefillHandoff.from_dict({**params, "stored_chunks": 0}).stored_chunks == 0
+
+
+@pytest.mark.parametrize("params", [None, {}, {"do_remote_prefill": False}, {"do_remote_decode": False}])
+def test_params_without_the_flag_are_none(params):
+    assert PrefillRequest.from_dict(params) is None
+    assert PrefillHandoff.from_dict(params) is None
+
+
+@pytest.mark.parametrize("message", [PrefillRequest().to_dict(), HANDOFF.to_dict()])
+@pytest.mark.parametrize("version", [PROTOCOL_VERSION + 1, "1", None])
+def test_another_or_missing_version_is_refused_naming_both(message, version):
+    parse = PrefillRequest.from_dict if "do_remote_decode" in message else PrefillHandoff.from_dict
+    with pytest.raises(ProtocolError) as info:
+        parse({**message, VERSION_KEY: version})
+    assert f"version {version!r}" in str(info.value) and f"speaks {PROTOCOL_VERSION}" in str(info.value)
+    without = {k: v for k, v in message.items() if k != VERSION_KEY}
+    with pytest.raises(ProtocolError, match="version None"):
+        parse(without)
+
+
+@pytest.mark.parametrize(
+    "change, what",
+    [
+        ({"read_side": "x"}, "read_side"),
+        ({"read_side": "de", "de_side_channel": None}, "de_side_channel"),
+        ({"read_side": "de", "de_side_channel": ""}, "de_side_channel"),
+        ({"read_side": "de", "de_side_channel": 5700}, "de_side_channel"),
+    ],
+)
+def test_bad_prefill_requests_are_refused(change, what):
+    with pytest.raises(ProtocolError, match=what):
+        PrefillRequest.from_dict({**PrefillRequest().to_dict(), **change})
+
+
+def test_a_de_read_without_a_side_channel_key_is_refused():
+    params = {k: v for k, v in PrefillRequest("de", "10.0.0.2:5700").to_dict().items() if k != "de_side_channel"}
+    with pytest.raises(ProtocolError, match="de_side_channel"):
+        PrefillRequest.from_dict(params)
+
+
+@pytest.mark.parametrize(
+    "change, what",
+    [
+        ({"remote_block_ids": [1, -2]}, "remote_block_ids"),
+        ({"remote_block_ids": [1, 2.0]}, "remote_block_ids"),
+        ({"remote_block_ids": [1, True]}, "remote_block_ids"),
+        ({"remote_block_ids": "1,2"}, "remote_block_ids"),
+        ({"stored_chunks": True}, "stored_chunks"),
+        ({"stored_chunks": -1}, "stored_chunks"),
+        ({"stored_chunks": "2"}, "stored_chunks"),
+        ({"remote_side_channel": ""}, "remote_side_channel"),
+        ({"remote_request_id": None}, "remote_request_id"),
+    ],
+)
+def test_bad_handoffs_are_refused(change, what):
+    with pytest.raises(ProtocolError, match=what):
+        PrefillHandoff.from_dict({**HANDOFF.to_dict(), **change})
+
+
+# -- side-channel messages ---------------------------------------------------------
+
+
+def test_read_request_round_trips():
+    request = ReadRequest(KEY_SPACE.digest, ["ab" * 32, "cd" * 32], 2.5)
+    assert ReadRequest.from_message(request.to_message()) == request
+
+
+@pytest.mark.parametrize(
+    "change, what",
+    [({"chunk_hashes": "ab"}, "chunk_hashes"), ({"chunk_hashes": [1]}, "chunk_hashes"),
+     ({"deadline_s": 0}, "deadline_s"), ({"deadline_s": True}, "deadline_s"), ({"deadline_s": "1"}, "deadline_s")],
+)  # fmt: skip
+def test_bad_read_requests_are_refused(change, what):
+    message = ReadRequest(KEY_SPACE.digest, ["ab" * 32], 2.5).to_message()
+    with pytest.raises(ProtocolError, match=what):
+        ReadRequest.from_message({**message, **change})
+
+
+def test_read_answer_round_trips():
+    answer = ReadAnswer(2, "lease-7", [4096, 8192])
+    assert ReadAnswer.from_message(answer.to_message(), asked=3) == answer
+    declined = ReadAnswer(0, None, [])
+    assert ReadAnswer.from_message(declined.to_message(), asked=3) == declined
+
+
+@pytest.mark.parametrize(
+    "message, what",
+    [
+        ({"readable": 4, "lease": "l", "chunk_addrs": [1, 2, 3, 4]}, "readable"),  # more than asked
+        ({"readable": -1, "lease": None, "chunk_addrs": []}, "readable"),
+        ({"readable": True, "lease": "l", "chunk_addrs": [1]}, "readable"),
+        ({"readable": 2, "lease": "l", "chunk_addrs": [1]}, "one address per readable chunk"),
+        ({"readable": 1, "lease": "l", "chunk_addrs": [1, 2]}, "one address per readable chunk"),
+        ({"readable": 1, "lease": None, "chunk_addrs": [1]}, "lease"),
+        ({"readable": 1, "lease": "l", "chunk_addrs": [-1]}, "chunk_addrs"),
+    ],
+)
+def test_bad_read_answers_are_refused(message, what):
+    with pytest.raises(ProtocolError, match=what):
+        ReadAnswer.from_message(message, asked=3)
+
+
+# -- metrics -------------------------------------------------------------------------
+
+METRICS = f"""# HELP vllm:num_requests_running Running requests
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="m"}} 2.0
+vllm:num_requests_running{{engine="1",model_name="m"}} 3.0
+# TYPE dualpath_kv:bytes_read counter
+dualpath_kv:bytes_read_total{{engine="0"}} 1024.0
+dualpath_kv:bytes_read_total{{engine="1"}} 512.0
+# TYPE {NAMESPACE_INFO_METRIC} gauge
+{NAMESPACE_INFO_METRIC}{{{",".join(f'{k}="{v}"' for k, v in KEY_SPACE.to_labels().items())},engine="0"}} 1.0
+"""
+
+
+def test_metric_totals_sum_over_label_sets():
+    totals = metric_totals(METRICS)
+    assert totals["vllm:num_requests_running"] == 5.0
+    assert totals[counter_total_name("bytes_read")] == 1536.0
+    assert metric_total(METRICS, counter_total_name("bytes_read")) == 1536.0
+    assert metric_total(METRICS, counter_total_name("bytes_written")) == 0.0
+
+
+def test_counter_names_carry_the_prefix_and_total():
+    assert counter_total_name("bytes_read") == "dualpath_kv:bytes_read_total"
+
+
+# -- the store key space ----------------------------------------------------------------
+
+
+def test_key_space_labels_round_trip():
+    labels = KEY_SPACE.to_labels()
+    assert labels["namespace"] == KEY_SPACE.digest and labels["chunk_tokens"] == "32"
+    assert StoreKeySpace.from_labels(labels) == KEY_SPACE
+    # Engines add their own labels (engine, model_name): ignored.
+    assert StoreKeySpace.from_labels({**labels, "engine": "0", "model_name": "m"}) == KEY_SPACE
+
+
+@pytest.mark.parametrize(
+    "change, what",
+    [
+        ({"namespace": "XYZ"}, "digest"),  # a tampered label: the negative control of the round trip
+        ({"namespace": ""}, "digest"),
+        ({"chunk_tokens": "0"}, "chunk_tokens"),
+        ({"num_layers": "-4"}, "num_layers"),
+        ({"layer_block_bytes": "many"}, "malformed"),
+        ({"key_prefix": None}, "malformed"),  # dropped below
+    ],
+)
+def test_bad_labels_are_refused(change, what):
+    labels = {**KEY_SPACE.to_labels(), **change}
+    labels = {k: v for k, v in labels.items() if v is not None}
+    with pytest.raises(ProtocolError, match=what):
+        StoreKeySpace.from_labels(labels)
+
+
+def test_key_space_from_metrics():
+    assert StoreKeySpace.from_metrics(METRICS) == KEY_SPACE
+    without = "\n".join(line for line in METRICS.splitlines() if NAMESPACE_INFO_METRIC not in line) + "\n"
+    with pytest.raises(ProtocolError, match="DualPathConnector"):
+        StoreKeySpace.from_metrics(without)
+
+
+def test_layout_and_keys():
+    assert KEY_SPACE.layout == BlockLayout(4, 1024)
+    tokens = list(range(1000, 1000 + 3 * 32 + 5))
+    expected = [chunk_key("dualpath", KEY_SPACE.digest, h) for h in chunk_hashes(KEY_SPACE.digest, tokens, 32)]
+    assert len(expected) == 3  # full chunks only
+    assert KEY_SPACE.chunk_keys(tokens) == expected
+    assert KEY_SPACE.key(chunk_hashes(KEY_SPACE.digest, tokens, 32)[0]) == expected[0]
+
+
+@pytest.mark.parametrize("tokens, claimable", [(1, 0), (32, 0), (33, 1), (64, 1), (65, 2), (96, 2), (97, 3)])
+def test_claimable_keys_never_cover_the_last_token(tokens, claimable):
+    token_ids = list(range(500, 500 + tokens))
+    keys = KEY_SPACE.claimable_keys(token_ids)
+    assert len(keys) == claimable
+    assert keys == KEY_SPACE.chunk_keys(token_ids)[:claimable]
+
+
+# -- leading-run lookups ------------------------------------------------------------------
+
+
+class FakeStore:
+    """``lookup`` answers from a set of present keys and records every call."""
+
+    def __init__(self, present: set[str]) -> None:
+        self.present = present
+        self.calls: list[list[str]] = []
+
+    def lookup(self, keys) -> int:
+        self.calls.append(list(keys))
+        run = 0
+        while run < len(keys) and keys[run] in self.present:
+            run += 1
+        return run
+
+
+KEYS = [f"k{i}" for i in range(6)]
+
+
+def test_present_chunks_is_a_leading_run_asked_only_past_what_it_remembers():
+    store = FakeStore(set(KEYS[:3]) | {KEYS[4]})  # a gap at 3: the run ends there
+    present = PresentChunks(capacity=100)
+    assert present.leading_present(store, KEYS) == 3
+    assert store.calls == [KEYS]
+    assert present.known_run(KEYS) == 3
+    store.present.add(KEYS[3])
+    assert present.leading_present(store, KEYS) == 5
+    assert store.calls[-1] == KEYS[3:]  # the remembered run is not asked again
+    # All remembered: no store round trip.
+    assert present.leading_present(store, KEYS[:5]) == 5
+    assert len(store.calls) == 2
+
+
+def test_present_chunks_never_remembers_a_miss():
+    store = FakeStore(set())
+    present = PresentChunks(capacity=100)
+    assert present.leading_present(store, KEYS) == 0
+    store.present.update(KEYS)
+    assert present.leading_present(store, KEYS) == len(KEYS)
+
+
+def test_present_chunks_evicts_the_least_recently_used_past_capacity():
+    present = PresentChunks(capacity=3)
+    present.remember(KEYS[:3])
+    assert present.known_run(KEYS[:1]) == 1  # k0 used: k1 is now the oldest
+    present.remember(KEYS[3:4])
+    assert present.known_run([KEYS[0]]) == 1 and present.known_run([KEYS[3]]) == 1
+    assert present.known_run([KEYS[1]]) == 0
+
+
+def test_present_chunks_forget():
+    present = PresentChunks(capacity=10)
+    present.remember(KEYS[:4])
+    present.forget([KEYS[1]])
+    assert present.known_run(KEYS) == 1
+    with pytest.raises(ValueError):
+        PresentChunks(capacity=0)
+
+
+def test_wait_stored_returns_once_every_key_is_present():
+    store = FakeStore(set(KEYS[:-1]))
+    original = store.lookup
+
+    def saves_land(keys) -> int:  # the last chunk lands after the first look
+        found = original(keys)
+        store.present.add(KEYS[-1])
+        return found
+
+    store.lookup = saves_land
+    wait_stored(store, KEYS, timeout_s=5.0, poll_s=0.001)
+    assert store.calls[0][0] == KEYS[-1]  # the last key (the last saved) is asked first
+    assert len(store.calls) == 2
+    wait_stored(store, [], timeout_s=0.01)  # nothing to wait for
+
+
+def test_wait_stored_names_the_missing_key():
+    store = FakeStore(set(KEYS) - {KEYS[2]})
+    with pytest.raises(TimeoutError, match=f"chunk {KEYS[2]} not stored within 0.01s"):
+        wait_stored(store, KEYS, timeout_s=0.01, poll_s=0.001)
