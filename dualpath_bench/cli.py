@@ -13,13 +13,17 @@ import json
 import logging
 import signal
 import sys
+import urllib.request
 from dataclasses import fields
 from pathlib import Path
 
-from dualpath_bench.cluster import ClusterError
-from dualpath_bench.compare import BenchError
-from dualpath_bench.replay import ReplayError
-from dualpath_bench.trace import TraceConfig, TraceError, generate, read_jsonl, summarize, write_jsonl
+from nixl_backends.registry import make_store, parse_store_config
+
+from dualpath_connector.protocol import StoreKeySpace
+
+from dualpath_bench.errors import BenchUsageError
+from dualpath_bench.replay import ReplayConfig, StoreWatcher, replay
+from dualpath_bench.trace import TraceConfig, generate, read_jsonl, summarize, write_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -59,29 +63,29 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store_watcher(args: argparse.Namespace) -> StoreWatcher:
+    """A watcher on the store the engines save to, in the key space an engine exports on its /metrics."""
+    metrics = urllib.request.urlopen(f"{args.namespace_from.rstrip('/')}/metrics", timeout=30).read().decode()
+    key_space = StoreKeySpace.from_metrics(metrics)
+    # Credentials from the usual AWS sources (AWS_ACCESS_KEY_ID...), as the router takes them.
+    config = parse_store_config({"backend": "s3", "endpoint": args.store_endpoint, "bucket": args.store_bucket,
+                                 "create_bucket": False})  # fmt: skip
+    return StoreWatcher(make_store(config, key_space.layout), key_space)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    from dualpath_bench.replay import ReplayConfig, StoreWatcher, replay
-
     agents = _agents(args)
-    watcher = None
-    if args.store_endpoint:
-        import boto3
-        from botocore.config import Config
-
-        from dualpath_dev.engines import namespace_info
-
-        info = namespace_info(args.namespace_from)
-        # Credentials from the usual AWS sources (AWS_ACCESS_KEY_ID...), as the router takes them.
-        client = boto3.client("s3", endpoint_url=args.store_endpoint, region_name="us-east-1",
-                              config=Config(s3={"addressing_style": "path"}))  # fmt: skip
-        watcher = StoreWatcher(client, args.store_bucket, info["namespace"], info["key_prefix"],
-                               int(info["chunk_tokens"]))  # fmt: skip
     config = ReplayConfig(
         args.router, args.model, mode=args.mode, rate=args.rate, seed=args.seed, token_salt=args.salt,
         max_context=args.max_context, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_ms / 1000,
         slo_percentile=args.slo_percentile, progress=args.progress,
     )  # fmt: skip
-    result = replay(agents, config, watcher).to_json()
+    watcher = _store_watcher(args) if args.store_endpoint else None
+    try:
+        result = replay(agents, config, watcher).to_json()
+    finally:
+        if watcher is not None:
+            watcher.close()
     result["trace"] = summarize(agents)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
@@ -92,8 +96,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 def cmd_cluster(args: argparse.Namespace) -> int:
     from dualpath_bench import report
-    from dualpath_bench.cluster import ClusterConfig, netns_supported
     try:
+        from dualpath_bench.cluster import ClusterConfig, netns_supported
         from dualpath_bench.compare import BenchConfig, run_comparison
         from dualpath_dev.tiny_model import make_tiny_llama
     except ModuleNotFoundError as exc:
@@ -181,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         return args.func(args)
-    except (TraceError, ReplayError, BenchError, ClusterError) as exc:
+    except BenchUsageError as exc:
         print(f"dualpath-bench: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -43,13 +43,15 @@ from pathlib import Path
 from dualpath_dev.engines import RouterProcess, VLLMServer
 from dualpath_dev.seaweedfs import SeaweedFS
 
+from dualpath_bench.errors import BenchUsageError
+
 logger = logging.getLogger(__name__)
 
 PREFIX_RE = re.compile(r"^dpb[0-9a-z]{1,5}$")
 BUCKET = "dualpath-bench"
 
 
-class ClusterError(RuntimeError):
+class ClusterError(BenchUsageError, RuntimeError):
     """The emulated cluster cannot be built here; the message says why."""
 
 

@@ -21,6 +21,7 @@ the report's columns.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -28,9 +29,10 @@ import urllib.request
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from dualpath_dev.engines import namespace_info
+from dualpath_connector.protocol import METRIC_PREFIX, counter_total_name, metric_totals
 
-from dualpath_bench.cluster import BUCKET, ClusterConfig, EmulatedCluster, EngineSpec, NicSampler, NicSample
+from dualpath_bench.cluster import ClusterConfig, EmulatedCluster, EngineSpec, NicSampler, NicSample
+from dualpath_bench.errors import BenchUsageError
 from dualpath_bench.replay import ReplayConfig, StoreWatcher, replay
 from dualpath_bench.trace import Agent, summarize
 
@@ -51,22 +53,21 @@ IO_SPEC = EngineSpec(extra=ENGINE_SETTINGS)
 ORACLE_SPEC = EngineSpec(extra={**ENGINE_SETTINGS, "benchmark_oracle": True}, env={"DUALPATH_BENCHMARK": "1"},
                          name="oracle")  # fmt: skip
 
+LOAD_SECONDS_SUM = f"{METRIC_PREFIX}load_seconds_sum"
 # Engine series whose change over a run the report uses (sums over label sets).
 ENGINE_SERIES = (
     "vllm:request_queue_time_seconds_sum", "vllm:request_queue_time_seconds_count",
     "vllm:request_prefill_time_seconds_sum", "vllm:request_prefill_time_seconds_count",
     "vllm:request_prefill_kv_computed_tokens_sum",
-    "dualpath_kv:load_seconds_sum", "dualpath_kv:load_seconds_count",
-    "dualpath_kv:pull_seconds_sum", "dualpath_kv:pull_seconds_count",
-    "dualpath_kv:bytes_read_total", "dualpath_kv:bytes_read_for_peer_total",
-    "dualpath_kv:bytes_pulled_from_peer_total", "dualpath_kv:bytes_written_total",
-    "dualpath_kv:save_skipped_chunks_total",
-    "dualpath_kv:loaded_tokens_total", "dualpath_kv:load_failed_tokens_total",
-    "dualpath_kv:de_read_fallbacks_total", "dualpath_kv:de_reads_declined_total",
+    *(f"{METRIC_PREFIX}{timing}_{part}" for timing in ("load_seconds", "pull_seconds") for part in ("sum", "count")),
+    *map(counter_total_name, (
+        "bytes_read", "bytes_read_for_peer", "bytes_pulled_from_peer", "bytes_written", "save_skipped_chunks",
+        "loaded_tokens", "load_failed_tokens", "de_read_fallbacks", "de_reads_declined",
+    )),
 )  # fmt: skip
 
 
-class BenchError(ValueError):
+class BenchError(BenchUsageError, ValueError):
     """A comparison setting that cannot work; the message names it."""
 
 
@@ -109,13 +110,8 @@ class BenchConfig:
 
 
 def _engine_snapshot(url: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
-    totals = dict.fromkeys(ENGINE_SERIES, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals
+    totals = metric_totals(urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode())
+    return {name: totals.get(name, 0.0) for name in ENGINE_SERIES}
 
 
 def _settled_snapshot(urls: dict[str, str], timeout_s: float = 15.0) -> dict[str, dict[str, float]]:
@@ -174,7 +170,7 @@ def ttft_breakdown(summary: dict, deltas: dict[str, dict[str, float]], prefill_n
     requests = pe["vllm:request_queue_time_seconds_count"]
     if not requests or not summary.get("ttft_s"):
         return {}
-    read = pe["dualpath_kv:load_seconds_sum"] / requests
+    read = pe[LOAD_SECONDS_SUM] / requests
     queue = max(0.0, pe["vllm:request_queue_time_seconds_sum"] / requests - read)
     prefill = pe["vllm:request_prefill_time_seconds_sum"] / max(1.0, pe["vllm:request_prefill_time_seconds_count"])
     ttft = summary["ttft_s"]["mean"]
@@ -254,13 +250,11 @@ def _run_mode(cluster: EmulatedCluster, mode: str, agents: list[Agent], config: 
 
 
 def _watcher(cluster: EmulatedCluster) -> tuple[StoreWatcher, float]:
-    """A store watcher on the control link, and KV bytes per token, from an engine's namespace info."""
-    info = namespace_info(next(iter(cluster.engines.values())).base_url)
-    chunk_tokens = int(info["chunk_tokens"])
-    bytes_per_token = int(info["layer_block_bytes"]) * int(info["num_layers"]) / chunk_tokens
+    """A store watcher on the control link, and KV bytes per token, from an engine's key space."""
+    key_space = next(iter(cluster.engines.values())).key_space()
     assert cluster.s3 is not None
-    watcher = StoreWatcher(cluster.s3.client(), BUCKET, info["namespace"], info["key_prefix"], chunk_tokens)
-    return watcher, bytes_per_token
+    store = cluster.s3.lookup_store(cluster.store_section(cluster.s3.endpoint), key_space.layout)
+    return StoreWatcher(store, key_space), key_space.layout.full_block_bytes / key_space.chunk_tokens
 
 
 def run_topology(topology: str, agents: list[Agent], config: BenchConfig, workdir: Path, model: Path) -> dict:
@@ -273,14 +267,17 @@ def run_topology(topology: str, agents: list[Agent], config: BenchConfig, workdi
         if plain:
             cluster.start_engines(IO_SPEC)
             watcher, bytes_per_token = _watcher(cluster)
-            for mode in plain:
-                runs[mode] = _guarded(mode, lambda m=mode: _run_mode(
-                    cluster, m, agents, config, MODES.index(m) + 1, watcher, bytes_per_token))  # fmt: skip
+            with contextlib.closing(watcher):
+                for mode in plain:
+                    runs[mode] = _guarded(mode, lambda m=mode: _run_mode(
+                        cluster, m, agents, config, MODES.index(m) + 1, watcher, bytes_per_token))  # fmt: skip
         if "oracle" in config.modes:
             def oracle() -> dict:
                 cluster.start_engines(ORACLE_SPEC)
                 watcher, bytes_per_token = _watcher(cluster)
-                return _run_mode(cluster, "oracle", agents, config, MODES.index("oracle") + 1, watcher, bytes_per_token)
+                with contextlib.closing(watcher):
+                    return _run_mode(cluster, "oracle", agents, config, MODES.index("oracle") + 1, watcher,
+                                     bytes_per_token)  # fmt: skip
 
             runs["oracle"] = _guarded("oracle", oracle)
     return {

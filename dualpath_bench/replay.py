@@ -9,8 +9,8 @@ to the first and the second token and the time per output token.
 Before the next turn an agent waits until the decode engine has stored the
 chunks of its last prompt and output (saves are asynchronous, the next turn's
 hit depends on them), as ``disagg_demo`` does: a tool call would take at
-least that long. The wait is a few S3 HEADs of the chunks that are new since
-the agent's last turn, through a :class:`StoreWatcher`; its time is reported
+least that long. The wait asks a lookup-only store for the chunks not seen
+stored before, through a :class:`StoreWatcher`; its time is reported
 (``store_wait_s``) and counts in the JCT. Without a watcher the next turn may
 find a shorter hit than the trace intends.
 
@@ -31,6 +31,12 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from nixl_backends.lookup import PresentChunks, wait_stored
+from nixl_backends.store import KVStore
+
+from dualpath_connector.protocol import StoreKeySpace
+
+from dualpath_bench.errors import BenchUsageError
 from dualpath_bench.trace import Agent
 
 logger = logging.getLogger(__name__)
@@ -38,7 +44,7 @@ logger = logging.getLogger(__name__)
 MODES = ("offline", "online")
 
 
-class ReplayError(ValueError):
+class ReplayError(BenchUsageError, ValueError):
     """A replay setting that cannot work; the message names the setting."""
 
 
@@ -113,50 +119,23 @@ class ReplayResult:
 
 
 class StoreWatcher:
-    """Waits until an agent's chunks are in the store, HEADing only chunks not seen before."""
+    """Waits until an agent's chunks are stored, asking the store only for chunks not seen stored before."""
 
-    def __init__(self, s3_client, bucket: str, namespace: str, key_prefix: str, chunk_tokens: int) -> None:
-        self._client = s3_client
-        self.bucket = bucket
-        self.namespace = namespace
-        self.key_prefix = key_prefix
-        self.chunk_tokens = chunk_tokens
+    def __init__(self, store: KVStore, key_space: StoreKeySpace, remembered_chunks: int = 100_000) -> None:
+        self._store = store
+        self.key_space = key_space
+        # Each agent's context only grows: its earlier chunks were seen at its last turn.
+        self._seen = PresentChunks(remembered_chunks)
 
-    def wait(self, chain: ChunkChain, tokens: list[int], timeout_s: float) -> None:
+    def wait(self, tokens: list[int], timeout_s: float) -> None:
         """Blocking; run it off the event loop."""
-        from nixl_backends.layout import chunk_hashes, chunk_key
+        keys = self.key_space.chunk_keys(tokens)
+        new = keys[self._seen.known_run(keys) :]
+        wait_stored(self._store, new, timeout_s)
+        self._seen.remember(new)
 
-        full = len(tokens) // self.chunk_tokens
-        if full <= chain.confirmed:
-            return
-        new = chunk_hashes(
-            self.namespace, tokens[: full * self.chunk_tokens], self.chunk_tokens,
-            start_chunk=chain.confirmed, previous_hash=chain.last_hash,
-        )  # fmt: skip
-        deadline = time.monotonic() + timeout_s
-        # The last chunk lands last (saves go in step order): check it first, then the rest once.
-        for chunk_hash in [new[-1], *new[:-1]]:
-            key = chunk_key(self.key_prefix, self.namespace, chunk_hash)
-            while not self._present(key):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"chunk {key} not stored within {timeout_s}s")
-                time.sleep(0.05)  # polling S3: there is no notification to wait on
-        chain.confirmed, chain.last_hash = full, new[-1]
-
-    def _present(self, key: str) -> bool:
-        try:
-            self._client.head_object(Bucket=self.bucket, Key=key)
-            return True
-        except self._client.exceptions.ClientError:
-            return False
-
-
-@dataclass
-class ChunkChain:
-    """How far an agent's context is known to be stored (chunks and the last chunk's hash)."""
-
-    confirmed: int = 0
-    last_hash: str | None = None
+    def close(self) -> None:
+        self._store.close()
 
 
 def arrivals(n: int, config: ReplayConfig) -> list[float]:
@@ -215,7 +194,6 @@ async def _agent(client, agent: Agent, offset: float, config: ReplayConfig, watc
         await asyncio.sleep(delay)  # the arrival schedule itself, not a wait for another task
     salt = config.token_salt % config.vocab
     context: list[int] = []
-    chain = ChunkChain()
     for index, turn in enumerate(agent.turns):
         prompt = context + [(t + salt) % config.vocab for t in turn.append]
         record = TurnRecord(agent.agent_id, index, len(prompt), start_s=time.perf_counter() - started)
@@ -230,7 +208,7 @@ async def _agent(client, agent: Agent, offset: float, config: ReplayConfig, watc
         if watcher is not None and index + 1 < len(agent.turns):
             clock = time.perf_counter()
             # The last output token's KV is never computed, so it is never stored.
-            await asyncio.to_thread(watcher.wait, chain, context[:-1], config.store_wait_timeout_s)
+            await asyncio.to_thread(watcher.wait, context[:-1], config.store_wait_timeout_s)
             record.store_wait_s = time.perf_counter() - clock
         bar.update(1)
 

@@ -6,6 +6,8 @@ import json
 import logging
 from pathlib import Path
 
+from dualpath_connector.protocol import counter_total_name
+
 logger = logging.getLogger(__name__)
 
 
@@ -15,9 +17,9 @@ def _fmt(value: float | None, spec: str = ".2f", suffix: str = "") -> str:
 
 # Counters that explain a slow run: hits read twice, misses made by dropped saves.
 RUN_EVENTS = {
-    "saves skipped (chunks)": "dualpath_kv:save_skipped_chunks_total",
-    "DE reads declined": "dualpath_kv:de_reads_declined_total",
-    "DE read fallbacks": "dualpath_kv:de_read_fallbacks_total",
+    "saves skipped (chunks)": counter_total_name("save_skipped_chunks"),
+    "DE reads declined": counter_total_name("de_reads_declined"),
+    "DE read fallbacks": counter_total_name("de_read_fallbacks"),
 }
 
 

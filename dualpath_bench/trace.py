@@ -27,6 +27,8 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
+from dualpath_bench.errors import BenchUsageError
+
 logger = logging.getLogger(__name__)
 
 VOCAB = 1024  # the tiny test Llama's vocabulary (dualpath_dev.tiny_model.TINY_LLAMA)
@@ -36,7 +38,7 @@ PAPER_GEN_TOKENS = 200  # assumed, see the module docstring
 PAPER_TURNS = 157
 
 
-class TraceError(ValueError):
+class TraceError(BenchUsageError, ValueError):
     """A trace file or generator setting that cannot be used; the message names the bad field."""
 
 

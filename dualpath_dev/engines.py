@@ -9,6 +9,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from nixl_backends.lookup import wait_stored
+
+from dualpath_connector.protocol import StoreKeySpace, metric_total
+
 from dualpath_dev.processes import ServiceProcess, free_port
 from dualpath_dev.seaweedfs import SeaweedFS
 
@@ -118,49 +122,26 @@ class VLLMServer(ServiceProcess):
 
     def wait_stored(self, tokens: list[int], timeout_s: float = 120.0) -> None:
         """Wait until every full chunk of ``tokens`` is in the store (saves are asynchronous)."""
-        from nixl_backends.layout import chunk_hashes, chunk_key
+        key_space = self.key_space()
+        store = self._s3.lookup_store(self.kv_config["kv_connector_extra_config"]["store"], key_space.layout)
+        try:
+            wait_stored(store, key_space.chunk_keys(tokens), timeout_s)
+        finally:
+            store.close()
 
-        info = namespace_info(self.base_url)
-        namespace, chunk_tokens = info["namespace"], int(info["chunk_tokens"])
-        keys = [chunk_key(info["key_prefix"], namespace, h) for h in chunk_hashes(namespace, tokens, chunk_tokens)]
-        bucket = self.kv_config["kv_connector_extra_config"]["store"]["bucket"]
-        client = self._s3.client()
-        deadline = time.monotonic() + timeout_s
-        # Saves go in step order, so the last chunk lands last: check it first, then the rest once.
-        for key in keys[-1:] + keys[:-1]:
-            while not _object_exists(client, bucket, key):
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"chunk {key} not stored within {timeout_s}s")
-                time.sleep(0.05)  # polling S3: there is no notification to wait on
+    def key_space(self) -> StoreKeySpace:
+        """What names this engine's stored chunks, from its /metrics."""
+        return StoreKeySpace.from_metrics(self.metrics_text())
 
     def metric_total(self, name: str) -> float:
         """Sum of a Prometheus series over its labels on the server's /metrics."""
-        import re
+        return metric_total(self.metrics_text(), name)
+
+    def metrics_text(self) -> str:
+        """The server's /metrics (Prometheus text)."""
         import urllib.request
 
-        text = urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30).read().decode()
-        pattern = re.compile(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.e+-]+)$", re.M)
-        return sum(float(v) for v in pattern.findall(text))
-
-
-def namespace_info(base_url: str) -> dict[str, str]:
-    """Labels of an engine's ``dualpath_kv:store_namespace_info`` (namespace, key_prefix, chunk geometry)."""
-    import re
-    import urllib.request
-
-    text = urllib.request.urlopen(f"{base_url}/metrics", timeout=30).read().decode()
-    for line in text.splitlines():
-        if line.startswith("dualpath_kv:store_namespace_info{"):
-            return dict(re.findall(r'(\w+)="([^"]*)"', line))
-    raise RuntimeError(f"{base_url}/metrics has no dualpath_kv:store_namespace_info (is the connector loaded?)")
-
-
-def _object_exists(client, bucket: str, key: str) -> bool:
-    try:
-        client.head_object(Bucket=bucket, Key=key)
-        return True
-    except client.exceptions.ClientError:
-        return False
+        return urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30).read().decode()
 
 
 class RouterProcess(ServiceProcess):

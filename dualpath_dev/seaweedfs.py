@@ -13,6 +13,10 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from nixl_backends.layout import BlockLayout
+from nixl_backends.registry import make_store, parse_store_config
+from nixl_backends.store import KVStore
+
 from dualpath_dev.processes import _port_is_free, free_port, stop_process_group
 
 logger = logging.getLogger(__name__)
@@ -81,6 +85,16 @@ class SeaweedFS:
             "access_key": self.access_key,
             "secret_key": self.secret_key,
         }
+
+    def lookup_store(self, section: dict[str, object], layout: BlockLayout) -> KVStore:
+        """A lookup-only store on ``section``'s bucket as this process reaches it: this server's endpoint and keys.
+
+        Engines may reach the server at another address (from a network
+        namespace) and take their keys from the AWS variables; the harness
+        waiting on their saves uses its own.
+        """
+        config = {**section, "endpoint": self.endpoint, "access_key": self.access_key, "secret_key": self.secret_key}
+        return make_store(parse_store_config(config), layout)
 
     def client(self, max_attempts: int = 3):
         """A boto3 S3 client for this server (path-style, its credentials)."""

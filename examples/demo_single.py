@@ -15,26 +15,14 @@ import argparse
 import random
 import signal
 import sys
-import time
 from pathlib import Path
 
+from dualpath_connector.protocol import counter_total_name
 from dualpath_dev.engines import VLLMServer, cached_tokens
 from dualpath_dev.seaweedfs import SeaweedFS
 from dualpath_dev.tiny_model import make_tiny_llama
 
-
-CHUNK_TOKENS = 32  # configs/single.json keeps the default: one vLLM block
-
-
-def _wait_for_chunks(client, bucket: str, prefix: str, count: int, timeout_s: float = 60.0) -> None:
-    """Poll the bucket until it holds ``count`` chunks under ``prefix`` (or give up)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        stored = sum(page.get("KeyCount", 0) for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix))
-        if stored >= count:
-            return
-        time.sleep(0.05)
-    print(f"  (only part of the previous turn's chunks landed within {timeout_s:.0f}s)")
+STORE_WAIT_S = 60.0
 
 
 def run(workdir: Path, turns: int, first_prompt_tokens: int, tokens_per_turn: int, output_tokens: int) -> dict:
@@ -44,9 +32,6 @@ def run(workdir: Path, turns: int, first_prompt_tokens: int, tokens_per_turn: in
         print(f"S3 (SeaweedFS) on {s3.endpoint}")
         server = VLLMServer(model, s3, (workdir / "demo-vllm.log").resolve())
         print(f"vLLM with DualPathConnector starting on {server.base_url} (log: {server.log_path}) ...")
-        store = server.kv_config["kv_connector_extra_config"]
-        bucket, prefix = store["store"]["bucket"], store["key_prefix"] + "/"
-        client = s3.client()
         with server:
             rng = random.Random(0)
             context = [rng.randrange(1024) for _ in range(first_prompt_tokens)]
@@ -59,11 +44,14 @@ def run(workdir: Path, turns: int, first_prompt_tokens: int, tokens_per_turn: in
                 print(f"{turn:>4} {len(context):>14} {cached_tokens(usage):>11} {ttft * 1000:>9.0f}")
                 # Every chunk whose KV was computed (prompt and output but the
                 # last token) is saved; each turn's chunks extend the last's.
-                _wait_for_chunks(client, bucket, prefix, (len(context) + len(output) - 1) // CHUNK_TOKENS)
+                try:
+                    server.wait_stored(context + output[:-1], STORE_WAIT_S)
+                except TimeoutError:  # the next turn then shows a shorter hit; the demo goes on
+                    print(f"  (only part of the previous turn's chunks landed within {STORE_WAIT_S:.0f}s)")
                 # The agent appends the model's answer and a new observation.
                 context = context + output + [rng.randrange(1024) for _ in range(tokens_per_turn)]
-            read = server.metric_total("dualpath_kv:bytes_read_total")
-            written = server.metric_total("dualpath_kv:bytes_written_total")
+            read = server.metric_total(counter_total_name("bytes_read"))
+            written = server.metric_total(counter_total_name("bytes_written"))
             print(f"\nstore traffic reported so far: {read / 2**20:.1f} MiB read, {written / 2**20:.1f} MiB written")
     return {"turns": rows, "bytes_read": read, "bytes_written": written, "log": server.log_path}
 

@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from dualpath_connector.protocol import counter_total_name
 from dualpath_dev.engines import RouterProcess, VLLMServer
 from dualpath_dev.seaweedfs import SeaweedFS
 from dualpath_dev.tiny_model import make_tiny_llama
@@ -84,10 +85,10 @@ def run(args: argparse.Namespace) -> dict:
             # Connector stats reach /metrics with engine steps; the DE's last
             # decode steps carry its reads.
             time.sleep(2.0)
-            pe_read = pe.metric_total("dualpath_kv:bytes_read_total")
-            de_read = de.metric_total("dualpath_kv:bytes_read_for_peer_total")
-            pulled = pe.metric_total("dualpath_kv:bytes_pulled_from_peer_total")
-            written = de.metric_total("dualpath_kv:bytes_written_total")
+            pe_read = pe.metric_total(counter_total_name("bytes_read"))
+            de_read = de.metric_total(counter_total_name("bytes_read_for_peer"))
+            pulled = pe.metric_total(counter_total_name("bytes_pulled_from_peer"))
+            written = de.metric_total(counter_total_name("bytes_written"))
     sides = sorted({r["read_side"] for r in rows if r["hit_tokens"]})
     print(f"\nread sides used for hits: {', '.join(sides) or 'none'}")
     print(f"bytes read from the store: PE side {pe_read / 2**20:.1f} MiB, DE side {de_read / 2**20:.1f} MiB "

@@ -28,6 +28,7 @@ import urllib.request
 
 import pytest
 
+from dualpath_connector.protocol import PrefillRequest, counter_total_name
 from dualpath_dev.engines import RouterProcess, VLLMServer
 from tests.vllm_engine import Engine
 
@@ -122,8 +123,8 @@ def router_model(router: RouterProcess) -> str:
 def test_session_through_router_matches_single_engine(read_side, tiny_model, seaweedfs, cluster, baseline, tmp_path):
     pe, de = cluster
     before = {
-        "pe_read": pe.metric_total("dualpath_kv:bytes_read_total"),
-        "de_read_for_pe": de.metric_total("dualpath_kv:bytes_read_for_peer_total"),
+        "pe_read": pe.metric_total(counter_total_name("bytes_read")),
+        "de_read_for_pe": de.metric_total(counter_total_name("bytes_read_for_peer")),
     }
     router = RouterProcess([pe], [de], seaweedfs, tmp_path, read_side="auto" if read_side == "dualpath" else read_side)
     router.start()
@@ -144,13 +145,13 @@ def test_session_through_router_matches_single_engine(read_side, tiny_model, sea
     if read_side != "dualpath":
         assert set(sides) == {read_side}
     assert set(sides) <= {"pe", "de"}
-    pe_read = _settled(lambda: pe.metric_total("dualpath_kv:bytes_read_total")) - before["pe_read"]
-    de_read = _settled(lambda: de.metric_total("dualpath_kv:bytes_read_for_peer_total")) - before["de_read_for_pe"]
+    pe_read = _settled(lambda: pe.metric_total(counter_total_name("bytes_read"))) - before["pe_read"]
+    de_read = _settled(lambda: de.metric_total(counter_total_name("bytes_read_for_peer"))) - before["de_read_for_pe"]
     if read_side == "pe":
         assert pe_read > 0 and de_read == 0
     elif read_side == "de":
         assert de_read > 0 and pe_read == 0
-        assert pe.metric_total("dualpath_kv:bytes_pulled_from_peer_total") >= de_read
+        assert pe.metric_total(counter_total_name("bytes_pulled_from_peer")) >= de_read
     else:
         assert pe_read + de_read > 0
 
@@ -175,7 +176,7 @@ def test_de_killed_during_de_side_read_falls_back(cluster, baseline):
     """
     pe, de = cluster
     expected = baseline["fallback"]
-    fallbacks_before = pe.metric_total("dualpath_kv:de_read_fallbacks_total")
+    fallbacks_before = pe.metric_total(counter_total_name("de_read_fallbacks"))
     os.killpg(de.proc.pid, signal.SIGSTOP)
     answer: dict = {}
 
@@ -183,7 +184,7 @@ def test_de_killed_during_de_side_read_falls_back(cluster, baseline):
         body = {
             "model": str(pe.model), "prompt": expected["prompt"], "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
             "ignore_eos": True, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
-            "kv_transfer_params": {"read_side": "de", "de_side_channel": de.side_channel},
+            "kv_transfer_params": PrefillRequest("de", de.side_channel).to_dict(),
         }  # fmt: skip
         request = urllib.request.Request(f"{pe.base_url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
         with urllib.request.urlopen(request, timeout=300) as response:
@@ -203,4 +204,4 @@ def test_de_killed_during_de_side_read_falls_back(cluster, baseline):
     choice = answer["choices"][0]
     assert same({"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}, expected)
     assert "did not read the hit" in pe.log_path.read_text()
-    assert _settled(lambda: pe.metric_total("dualpath_kv:de_read_fallbacks_total")) == fallbacks_before + 1
+    assert _settled(lambda: pe.metric_total(counter_total_name("de_read_fallbacks"))) == fallbacks_before + 1
