@@ -131,11 +131,13 @@ class DualPathScheduler:
                 self._state(request).remote_prefill = handoff
                 count = max(0, len(request.prompt_token_ids or ()) - num_computed_tokens)
                 return count, count > 0
-        if not self._cacheable(request):
-            return 0, False
         state = self._state(request)
         if self.kv_role == "kv_producer":
+            # Before the cacheability check: a LoRA or salted prompt is still
+            # handed to its DE, it only never touches the store.
             state.remote_decode = self._parsed(request, PrefillRequest)
+        if not self._cacheable(request):
+            return 0, False
         if state.loads_issued >= MAX_LOAD_ATTEMPTS:
             return 0, False
         # Never claim the last token: vLLM must compute it to sample the next one.
@@ -151,8 +153,13 @@ class DualPathScheduler:
         except Exception as exc:  # a store outage is a miss, never a dead scheduler
             self._log_lookup_error(exc)
             present = 0
-        state.stored_chunks = max(state.stored_chunks, present)
-        state.saved_chunks = max(state.saved_chunks, present)
+        if state.loads_issued:
+            # A re-ask after a failed load: the store's fresh answer replaces
+            # what was known stored, so chunks it lost are saved again.
+            state.stored_chunks = state.saved_chunks = present
+        else:
+            state.stored_chunks = max(state.stored_chunks, present)
+            state.saved_chunks = max(state.saved_chunks, present)
         # One request's hit must fit the load buffer.
         first_chunk = num_computed_tokens // self.geometry.chunk_tokens
         hit_chunks = min(present, first_chunk + self.config.load_buffer_chunks)

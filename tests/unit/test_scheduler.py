@@ -585,11 +585,6 @@ def test_an_unallocated_hit_is_no_load_attempt(tmp_path):
     assert len(store.calls) == 1  # the cache answered the repeats
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: after a failed load, a fresh lookup finding fewer chunks keeps the old "
-    "stored_chunks/saved_chunks (max()), so the recomputed chunks are never saved",
-)
 def test_chunks_missing_on_a_retry_are_saved_again(tmp_path):
     scheduler, store = make_scheduler(tmp_path)
     prompt = prompt_of(100)
@@ -640,12 +635,6 @@ def test_uncacheable_requests_neither_hit_nor_save(tmp_path, override):
     assert meta.saves == []
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: a PE parses do_remote_decode only after the cacheability check, so an "
-    "uncacheable request's prefill is never handed off (the DE, which does pull such "
-    "requests, recomputes the whole prompt)",
-)
 def test_pe_hands_off_an_uncacheable_prefill_without_touching_the_store(tmp_path):
     scheduler, store = make_scheduler(tmp_path, "kv_producer")
     request = make_request("p1", prompt_of(100), PrefillRequest().to_dict(), cache_salt="tenant-a")
