@@ -97,13 +97,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 def cmd_cluster(args: argparse.Namespace) -> int:
     from dualpath_bench import report
     try:
-        from dualpath_bench.cluster import ClusterConfig, netns_supported
-        from dualpath_bench.compare import BenchConfig, run_comparison
+        from dualpath_dev.cluster import ClusterConfig, netns_supported
+        from dualpath_dev.compare import BenchConfig, run_comparison
         from dualpath_dev.tiny_model import make_tiny_llama
     except ModuleNotFoundError as exc:
         if exc.name is None or not exc.name.startswith("dualpath_dev"):
             raise
-        # The emulated cluster starts SeaweedFS and vLLM with the checkout's dev scaffolding (not installed).
+        # The emulated cluster (dualpath_dev.cluster) starts SeaweedFS and vLLM from a checkout: not installed.
         print("dualpath-bench cluster runs from a source checkout (make bench-dualpath): "
               "it needs the dualpath_dev package, which the wheel does not ship", file=sys.stderr)
         return 2

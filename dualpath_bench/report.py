@@ -1,4 +1,4 @@
-"""Markdown table, JSON and PNG plots of a comparison payload (:func:`dualpath_bench.compare.run_comparison`)."""
+"""Markdown table, JSON and PNG plots of a comparison payload (:func:`dualpath_dev.compare.run_comparison`)."""
 
 from __future__ import annotations
 

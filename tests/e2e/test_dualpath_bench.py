@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from dualpath_bench import report
-from dualpath_bench.cluster import (
+from dualpath_dev.cluster import (
     ClusterConfig,
     ClusterError,
     ClusterNetwork,
@@ -31,7 +31,7 @@ from dualpath_bench.cluster import (
     netns_supported,
     remove,
 )
-from dualpath_bench.compare import compare_runs, nic_balance, ttft_breakdown
+from dualpath_dev.compare import compare_runs, nic_balance, ttft_breakdown
 from dualpath_bench.replay import ReplayConfig, ReplayError, replay
 from dualpath_bench.trace import TraceConfig, TraceError, generate, read_jsonl, summarize, write_jsonl
 
@@ -197,7 +197,7 @@ def test_ttft_breakdown_and_comparison():
     deltas = {"pe0": {"vllm:request_queue_time_seconds_sum": 10.0, "vllm:request_queue_time_seconds_count": 10,
                       "dualpath_kv:load_seconds_sum": 6.0, "vllm:request_prefill_time_seconds_sum": 2.0,
                       "vllm:request_prefill_time_seconds_count": 10}}  # fmt: skip
-    from dualpath_bench.compare import ENGINE_SERIES
+    from dualpath_dev.compare import ENGINE_SERIES
 
     deltas = {"pe0": {k: deltas["pe0"].get(k, 0.0) for k in ENGINE_SERIES}}
     split = ttft_breakdown({"ttft_s": {"mean": 1.5}}, deltas, ["pe0"])
@@ -301,7 +301,7 @@ def test_service_failure_in_cluster_start_leaves_nothing(monkeypatch, tmp_path, 
 def test_signal_midway_tears_down(sig, prefix):
     code = (
         "import signal, sys\n"
-        "from dualpath_bench.cluster import ClusterConfig, ClusterNetwork\n"
+        "from dualpath_dev.cluster import ClusterConfig, ClusterNetwork\n"
         "signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))\n"
         # A background shell starts its children with SIGINT ignored; this test needs the default.
         "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
@@ -379,7 +379,7 @@ def test_storage_link_is_rate_limited_and_counted(prefix):
 @needs_netns
 @pytest.mark.engine
 def test_smoke_1p1d_two_agents(tmp_path, tiny_model, prefix):
-    from dualpath_bench.compare import BenchConfig, run_comparison
+    from dualpath_dev.compare import BenchConfig, run_comparison
 
     agents = generate(TraceConfig(agents=2, seed=0, turns=3, first_append_tokens=1024, sigma=0.0))
     config = BenchConfig(modes=("basic", "dualpath"), cluster=ClusterConfig(storage_mbit=200, subnet=_subnet(),

@@ -46,16 +46,6 @@ CONSOLE_SCRIPTS = {
 }
 PLUGIN_ENTRY = ("dualpath_kv", "dualpath_connector.plugin:register")
 
-# dualpath_bench/cluster.py imports dualpath_dev at module level (RouterProcess, VLLMServer, SeaweedFS):
-# `import dualpath_bench.cluster` fails wherever the wheel is installed.
-DEV_IMPORT_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="dualpath_bench/cluster.py imports dualpath_dev at module level (move the imports into "
-    "EmulatedCluster.__enter__/start_engines/start_router, names for annotations under TYPE_CHECKING; "
-    "then remove this marker)",
-)
-
-
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory, request) -> Path:
     tmp = tmp_path_factory.mktemp("wheel")
@@ -185,7 +175,6 @@ def test_entry_points(wheel, names, dist_info):
 MODULE_LEVEL_DEV_IMPORT = re.compile(r"^(from|import)\s+dualpath_dev\b", re.M)
 
 
-@DEV_IMPORT_BUG
 def test_no_shipped_module_imports_dualpath_dev_at_module_level(wheel, names):
     """A lazy import inside a function (indented) is allowed: only that command needs the checkout."""
     offenders = []

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from dualpath_connector.protocol import METRIC_PREFIX, counter_total_name, metric_totals
 
-from dualpath_bench.cluster import ClusterConfig, EmulatedCluster, EngineSpec, NicSampler, NicSample
+from dualpath_dev.cluster import ClusterConfig, EmulatedCluster, EngineSpec, NicSampler, NicSample
 from dualpath_bench.errors import BenchUsageError
 from dualpath_bench.replay import ReplayConfig, StoreWatcher, replay
 from dualpath_bench.trace import Agent, summarize
