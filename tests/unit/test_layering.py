@@ -1,0 +1,92 @@
+"""The layering rule of docs/ARCHITECTURE.md, checked on the source: no import cycle, dependencies point down.
+
+Module-level imports only (an import inside a function is how a command pulls
+in what only it needs); read with ``ast``, nothing is imported.
+"""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from tests.conftest import REPO_ROOT
+
+PACKAGES = ("nixl_backends", "dualpath_connector", "dualpath_router", "s3agg_gateway_ext", "dualpath_bench", "dualpath_dev")
+SHIPPED = PACKAGES[:-1]
+# The only part of the connector the services may import: the contract (no vLLM import).
+CONTRACT = "dualpath_connector.protocol"
+
+
+def _module_graph() -> dict[str, set[str]]:
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((REPO_ROOT / package).glob("*.py")):
+            modules[package if path.stem == "__init__" else f"{package}.{path.stem}"] = path
+    graph = {}
+    for name, path in modules.items():
+        deps = set()
+        for node in ast.parse(path.read_text()).body:
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{alias.name}" for alias in node.names]
+            deps.update(t for t in targets if t in modules and t != name)
+        graph[name] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    state: dict[str, int] = {}
+    found: list[list[str]] = []
+
+    def visit(module: str, stack: list[str]) -> None:
+        state[module] = 1
+        stack.append(module)
+        for dep in sorted(graph[module]):
+            if state.get(dep) == 1:
+                found.append(stack[stack.index(dep) :] + [dep])
+            elif dep not in state:
+                visit(dep, stack)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [])
+    return found
+
+
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    return _module_graph()
+
+
+def test_the_graph_sees_every_package(graph):
+    assert {name.split(".")[0] for name in graph} == set(PACKAGES)
+    assert CONTRACT in graph["dualpath_router.app"]  # negative control: edges are found
+
+
+def test_no_import_cycle(graph):
+    assert _cycles(graph) == []
+    # Negative control: the check finds a cycle when there is one.
+    assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
+
+
+def test_dependencies_point_down(graph):
+    violations = []
+    for module, deps in graph.items():
+        top = module.split(".")[0]
+        for dep in deps:
+            dep_top = dep.split(".")[0]
+            if top == "nixl_backends" and dep_top != "nixl_backends":
+                violations.append((module, dep))  # the storage layer imports nothing else of ours
+            if top in ("dualpath_router", "s3agg_gateway_ext", "dualpath_bench") and dep_top == "dualpath_connector" \
+                    and dep != CONTRACT:  # fmt: skip
+                violations.append((module, dep))  # services see the connector's contract only
+            if top in SHIPPED and dep_top == "dualpath_dev":
+                violations.append((module, dep))  # dev scaffolding is not installed
+            if top != "dualpath_router" and dep_top == "dualpath_router":
+                violations.append((module, dep))
+    assert violations == []
