@@ -17,6 +17,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
+
 from nixl_backends.buffers import HostBufferPool
 from nixl_backends.layout import BlockLayout
 from nixl_backends.transport import PeerRead, post_read
@@ -82,21 +84,20 @@ class Injector:
     def post_remote_reads(self, hit: LoadedHit) -> list[PeerRead] | None:
         """One READ per layer from the DE's buffer straight into the KV cache; None if NIXL refuses."""
         remote = hit.remote
-        local = self.view.regions()
+        local = self.view.regions
         chunks = hit.chunks
+        layers = range(self.layout.num_layers)
+        # Rows of every layer at once (ordered layer-major), split into one READ per layer.
+        local_rows = np.split(local.rows(layers, hit.block_ids()), self.layout.num_layers)
+        remote_rows = np.split(
+            full_block_rows(remote.chunk_addrs, [c.first_sub_block for c in chunks], [len(c.block_ids) for c in chunks],
+                            layers, self.layout, self.view.outer, self.view.block_bytes),
+            self.layout.num_layers,
+        )  # fmt: skip
         try:
             return [
-                post_read(
-                    self.agent,
-                    remote.peer.agent,
-                    local.rows([layer], hit.block_ids()),
-                    local.mem_type,
-                    full_block_rows(remote.chunk_addrs, [c.first_sub_block for c in chunks],
-                                    [len(c.block_ids) for c in chunks], [layer], self.layout,
-                                    self.view.outer, self.view.block_bytes),  # fmt: skip
-                    "DRAM",
-                )
-                for layer in range(self.layout.num_layers)
+                post_read(self.agent, remote.peer.agent, local_rows[layer], local.mem_type, remote_rows[layer], "DRAM")
+                for layer in layers
             ]
         except Exception as exc:
             logger.warning("request %s: cannot READ from DE %s: %s", hit.req_id, remote.address, exc)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -35,6 +36,10 @@ def physical_block_view(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
     dim = block_dims[0]
     outer = math.prod(physical.shape[:dim])
     return physical.reshape(outer, num_blocks, -1).view(torch.uint8)
+
+
+def _long(values: Sequence[int]) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(values, dtype=np.int64))
 
 
 @dataclass(frozen=True)
@@ -70,7 +75,9 @@ class KVCacheView:
         """Bytes of one layer of one chunk (a Layer Block)."""
         return self.outer * self.block_bytes * blocks_per_chunk
 
+    @cached_property
     def regions(self) -> KVRegions:
+        """Where the cache lives for NIXL; the tensors never move, so this is computed once."""
         from nixl_backends.transport import mem_type
 
         first = self.layers[0]
@@ -88,8 +95,8 @@ class KVCacheView:
         return torch.from_numpy(buffer).view(num_slots, self.num_layers, blocks_per_chunk, self.outer, self.block_bytes)
 
     def plan(self, slots: Sequence[int], sub_blocks: Sequence[int], block_ids: Sequence[int]) -> CopyPlan:
-        as_long = lambda values: torch.as_tensor(np.asarray(values, dtype=np.int64))  # noqa: E731
-        return CopyPlan(as_long(slots), as_long(sub_blocks), as_long(block_ids).to(self.device))
+        """Block ``block_ids[i]`` of the cache <-> sub-block ``sub_blocks[i]`` of host slot ``slots[i]``."""
+        return CopyPlan(_long(slots), _long(sub_blocks), _long(block_ids).to(self.device))
 
     def copy_in(self, host: torch.Tensor, plan: CopyPlan, layers: Sequence[int]) -> None:
         """Copy ``layers`` of the planned blocks from the host buffer into the cache."""

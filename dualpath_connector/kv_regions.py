@@ -16,20 +16,11 @@ from typing import Any
 import numpy as np
 
 from nixl_backends.layout import BlockLayout
+from nixl_backends.nixl_io import descriptors
 
 from dualpath_connector.protocol import ProtocolError
 
 _MEM_TYPES = ("DRAM", "VRAM")
-
-
-def descriptor_rows(addrs: np.ndarray, length: int, device_id: int) -> np.ndarray:
-    """Nx3 NIXL descriptor rows ``(addr, length, device)`` for every address in ``addrs``."""
-    flat = addrs.reshape(-1)
-    rows = np.empty((flat.size, 3), dtype=np.uint64)
-    rows[:, 0] = flat
-    rows[:, 1] = length
-    rows[:, 2] = device_id
-    return rows
 
 
 @dataclass(frozen=True)
@@ -49,7 +40,7 @@ class KVRegions:
         outer = np.arange(self.outer, dtype=np.uint64) * np.uint64(self.outer_stride)
         blocks = np.asarray(block_ids, dtype=np.uint64) * np.uint64(self.block_bytes)
         addrs = bases[:, None, None] + blocks[None, :, None] + outer
-        return descriptor_rows(addrs, self.block_bytes, self.device_id)
+        return descriptors(addrs, self.block_bytes, self.device_id)
 
     def registration(self) -> list[tuple[int, int, int, str]]:
         """One region per layer, as ``nixl_agent.register_memory`` takes them."""
@@ -123,4 +114,4 @@ def full_block_rows(
     first = starts + subs * np.uint64(outer * block_bytes)
     layer_offsets = np.asarray(layers, dtype=np.uint64) * np.uint64(layout.layer_block_bytes)
     outer_offsets = np.arange(outer, dtype=np.uint64) * np.uint64(block_bytes)
-    return descriptor_rows(layer_offsets[:, None, None] + first[None, :, None] + outer_offsets, block_bytes, 0)
+    return descriptors(layer_offsets[:, None, None] + first[None, :, None] + outer_offsets, block_bytes)

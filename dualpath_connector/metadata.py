@@ -32,6 +32,9 @@ class LoadSpec:
     read_side: str = "pe"
     de_side_channel: str | None = None
 
+    def num_blocks(self) -> int:
+        return sum(len(c.block_ids) for c in self.chunks)
+
 
 @dataclass
 class SaveSpec:

@@ -24,7 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from nixl_backends.layout import BlockLayout, chunk_hashes, chunk_key
+from nixl_backends.layout import BlockLayout, KVNamespace, chunk_hashes, chunk_key
 
 # Bumped on any incompatible change of a message, a key or a label below.
 PROTOCOL_VERSION = 1
@@ -280,6 +280,12 @@ class StoreKeySpace:
         for name in ("chunk_tokens", "num_layers", "layer_block_bytes"):
             if getattr(self, name) <= 0:
                 raise ProtocolError(f"{name} must be positive, got {getattr(self, name)}")
+
+    @classmethod
+    def of(cls, namespace: KVNamespace, key_prefix: str) -> StoreKeySpace:
+        """The key space of an engine's namespace, as its scheduler, worker and metrics name keys."""
+        return cls(namespace.digest(), key_prefix, namespace.chunk_tokens, namespace.num_layers,
+                   namespace.layer_block_bytes)  # fmt: skip
 
     @property
     def layout(self) -> BlockLayout:

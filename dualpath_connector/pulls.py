@@ -58,7 +58,7 @@ class PromptPuller:
                 # Nothing to copy: only the PE's blocks to release.
                 self.peers.notify(peer.agent, notification)
                 return True
-            local = self.view.regions()
+            local = self.view.regions
             if len(spec.remote_block_ids) == len(spec.block_ids) and self._same_block_geometry(local, peer):
                 layers = list(range(self.layout.num_layers))
                 read = post_read(

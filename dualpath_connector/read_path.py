@@ -109,7 +109,7 @@ class HitReader:
         """Read ``spec``'s hit on the read lane; ``on_read`` gets it there (no chunks if the read failed)."""
         # The read queue is what the router balances: tokens this engine has
         # yet to read from the store, counted from the moment they queue.
-        tokens = sum(len(c.block_ids) for c in spec.chunks) * self.block_size
+        tokens = spec.num_blocks() * self.block_size
         self._count_queue(tokens)
 
         def job() -> None:

@@ -13,6 +13,8 @@ import logging
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.layout import BlockLayout
 from nixl_backends.store import KVStore, TransferAbandoned
@@ -58,11 +60,7 @@ class ChunkSaver:
                 self.stats.add(save_skipped_chunks=len(spec.chunk_hashes))
                 continue
             bpc = self.blocks_per_chunk
-            plan = self.view.plan(
-                [s for s in slots for _ in range(bpc)],
-                [i for _ in slots for i in range(bpc)],
-                [b for blocks in spec.block_ids for b in blocks],
-            )
+            plan = self.view.plan(np.repeat(slots, bpc), np.tile(np.arange(bpc), len(slots)), np.ravel(spec.block_ids))
             self.view.copy_out(self._host, plan)
             self.lane.submit(lambda spec=spec, slots=slots: self._write(spec, slots))
 

@@ -7,14 +7,14 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nixl_backends.layout import KVNamespace, chunk_hashes, chunk_key
+from nixl_backends.layout import KVNamespace, chunk_hashes
 from nixl_backends.lookup import PresentChunks
 from nixl_backends.registry import make_store
 from nixl_backends.store import KVStore
 
 from dualpath_connector.config import ChunkGeometry, DualPathConfig, namespace_for
 from dualpath_connector.metadata import ChunkLoad, DualPathMetadata, LoadSpec, PullSpec, SaveSpec, SendSpec
-from dualpath_connector.protocol import PrefillHandoff, PrefillRequest, ProtocolError
+from dualpath_connector.protocol import PrefillHandoff, PrefillRequest, ProtocolError, StoreKeySpace
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -56,7 +56,7 @@ class DualPathScheduler:
         self.config = config
         self.kv_role = kv_role
         self.geometry = geometry
-        self.namespace_digest = namespace.digest()
+        self.key_space = StoreKeySpace.of(namespace, config.key_prefix)
         self.store = store
         self._present = PresentChunks(config.lookup_cache_chunks)
         self._states: dict[str, _RequestState] = {}
@@ -69,7 +69,7 @@ class DualPathScheduler:
         self._last_lookup_error_log = 0.0
         logger.info(
             "DualPath scheduler: namespace %s, chunk %d tokens, store %s",
-            self.namespace_digest,
+            self.key_space.digest,
             self.geometry.chunk_tokens,
             type(self.store).__name__,
         )
@@ -80,7 +80,8 @@ class DualPathScheduler:
         # The scheduler looks up rank 0's keys: every rank stores its own shard
         # of the same chunks at the same time.
         namespace = namespace_for(vllm_config, config, geometry.chunk_tokens, tp_rank=0, pp_rank=0)
-        store = make_store(config.store_config, namespace.block_layout())  # lookup only: no NIXL agent here
+        # Lookup only: no NIXL agent here.
+        store = make_store(config.store_config, StoreKeySpace.of(namespace, config.key_prefix).layout)
         return cls(config, kv_role, geometry, namespace, store)
 
     # -- hashing and lookup ---------------------------------------------------
@@ -97,7 +98,7 @@ class DualPathScheduler:
         if wanted > have:
             state.hashes.extend(
                 chunk_hashes(
-                    self.namespace_digest,
+                    self.key_space.digest,
                     state.request.all_token_ids[: wanted * self.geometry.chunk_tokens],
                     self.geometry.chunk_tokens,
                     start_chunk=have,
@@ -105,9 +106,6 @@ class DualPathScheduler:
                 )
             )
         return state.hashes[:wanted]
-
-    def key(self, chunk_hash: str) -> str:
-        return chunk_key(self.config.key_prefix, self.namespace_digest, chunk_hash)
 
     # -- vLLM scheduler hooks -------------------------------------------------
 
@@ -143,7 +141,7 @@ class DualPathScheduler:
         # Never claim the last token: vLLM must compute it to sample the next one.
         claimable = (request.num_tokens - 1) // self.geometry.chunk_tokens
         hashes = self._hashes(state, claimable * self.geometry.chunk_tokens)
-        keys = [self.key(h) for h in hashes]
+        keys = [self.key_space.key(h) for h in hashes]
         if state.loads_issued:
             # vLLM asks again after a load failed: what the cache remembers as
             # present may be what failed, so ask the store itself.

@@ -121,14 +121,7 @@ class DualPathPromMetrics(KVConnectorPromMetrics):
         config = parse_config(kv_transfer.kv_connector_extra_config, kv_transfer.kv_role)
         chunk_tokens = ChunkGeometry.of(config, vllm_config).chunk_tokens
         namespace = namespace_for(vllm_config, config, chunk_tokens, tp_rank=0, pp_rank=0)
-        key_space = StoreKeySpace(
-            digest=namespace.digest(),
-            key_prefix=config.key_prefix,
-            chunk_tokens=chunk_tokens,
-            num_layers=namespace.num_layers,
-            layer_block_bytes=namespace.layer_block_bytes,
-        )
-        info = {**key_space.to_labels(), "kv_role": kv_transfer.kv_role}
+        info = {**StoreKeySpace.of(namespace, config.key_prefix).to_labels(), "kv_role": kv_transfer.kv_role}
         gauge = self._gauge_cls(
             name=NAMESPACE_INFO_METRIC,
             documentation="The store namespace and chunk geometry of this engine's keys (value 1)",

@@ -64,11 +64,8 @@ class DualPathWorker:
         namespace = namespace_for(
             vllm_config, config, self.geometry.chunk_tokens, get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
         )
-        self.layout = namespace.block_layout()
-        self.key_space = StoreKeySpace(
-            namespace.digest(), config.key_prefix, self.geometry.chunk_tokens, namespace.num_layers,
-            namespace.layer_block_bytes,
-        )  # fmt: skip
+        self.key_space = StoreKeySpace.of(namespace, config.key_prefix)
+        self.layout = self.key_space.layout
         # The I/O lanes, the side channel and (layerwise) the forward all use
         # the agent. No progress thread: NIXL's spins on a core for good, and
         # polling a transfer or the notifications (the side channel's tick)
@@ -128,7 +125,7 @@ class DualPathWorker:
                 f"expects {self.layout.layer_block_bytes}: unsupported KV cache layout"
             )
         if self.kv_role != "kv_both":
-            regions = view.regions()
+            regions = view.regions
             self._kv_registration = self.agent.register_memory(regions.registration(), regions.mem_type, backends=[UCX])
             self.peers = PeerLink(
                 self.agent,
@@ -186,12 +183,9 @@ class DualPathWorker:
         for pull in meta.pulls:
             self._lanes["pull"].submit(lambda pull=pull: self._pull(pull))
 
-    def _spec_tokens(self, spec: LoadSpec) -> int:
-        return sum(len(c.block_ids) for c in spec.chunks) * self.geometry.block_size
-
     def _load_nothing(self, spec: LoadSpec) -> None:
         """benchmark_oracle: the hit counts as loaded; no byte is read or moved."""
-        self.stats.add(loaded_tokens=self._spec_tokens(spec))
+        self.stats.add(loaded_tokens=spec.num_blocks() * self.geometry.block_size)
         with self._lock:
             self._in_flight.discard(spec.req_id)
             self._done_loads.add(spec.req_id)

@@ -14,7 +14,6 @@ import threading
 import time
 from collections.abc import Sequence
 
-from nixl_backends.layout import BlockLayout
 from nixl_backends.lookup import PresentChunks
 from nixl_backends.registry import make_store
 from nixl_backends.store import KVStore
@@ -35,7 +34,6 @@ class HitLookup:
         self._present = PresentChunks(cache_chunks)
         self._store_lock = threading.Lock()  # opening the store (may block on the network)
         self._store: KVStore | None = None
-        self._store_layout: BlockLayout | None = None
         self._last_outage_log = float("-inf")
         self._skip_store_until = float("-inf")
         self.namespace: StoreKeySpace | None = None
@@ -67,11 +65,10 @@ class HitLookup:
     def _open_store(self, namespace: StoreKeySpace) -> KVStore:
         layout = namespace.layout
         with self._store_lock:
-            if self._store is None or self._store_layout != layout:
+            if self._store is None or self._store.layout != layout:
                 # No NIXL agent: lookup only. Opened lazily so that a store
                 # down at start-up is an outage, not a failed start.
                 self._store = make_store(self._store_config, layout)
-                self._store_layout = layout
             return self._store
 
     def _log_outage(self, exc: Exception) -> None:

@@ -49,9 +49,6 @@ class KVNamespace:
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:32]
 
-    def block_layout(self) -> BlockLayout:
-        return BlockLayout(self.num_layers, self.layer_block_bytes)
-
 
 @dataclass(frozen=True)
 class BlockLayout:

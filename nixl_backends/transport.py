@@ -13,10 +13,7 @@ import logging
 
 import numpy as np
 
-# post_read merges contiguous rows; coalesce stays importable from here.
 from nixl_backends.nixl_io import coalesce, wait_until
-
-__all__ = ["UCX", "PeerRead", "add_ucx_backend", "coalesce", "mem_type", "post_read"]
 
 logger = logging.getLogger(__name__)
 

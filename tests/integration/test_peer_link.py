@@ -169,7 +169,7 @@ def test_unknown_op_and_silent_peer_are_errors(pair):
 
 
 def test_coalesce_merges_only_runs_contiguous_on_both_sides():
-    from nixl_backends.transport import coalesce
+    from nixl_backends.nixl_io import coalesce
 
     local = np.asarray([(0, 10, 0), (10, 10, 0), (20, 10, 0), (40, 10, 0), (50, 10, 0)], dtype=np.uint64)
     remote = np.asarray([(100, 10, 0), (110, 10, 0), (500, 10, 0), (510, 10, 0), (520, 10, 1)], dtype=np.uint64)

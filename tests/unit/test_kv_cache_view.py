@@ -95,7 +95,7 @@ def test_a_layer_subset_copies_only_those_layers(layout):
 def test_nixl_rows_name_the_bytes_the_views_hold(layout):
     make, _ = LAYOUTS[layout]
     view = KVCacheView(_caches(make, 5), NUM_BLOCKS)
-    regions = view.regions()
+    regions = view.regions
     blocks = np.asarray([6, 1])
     rows = regions.rows([2, 0], blocks)
     expected = [[view.layers[layer][o, b].data_ptr(), view.block_bytes, 0]
@@ -119,7 +119,7 @@ def test_full_block_rows_match_the_host_buffer_layout():
 
 
 def test_regions_wire_form_round_trips_and_hostile_forms_are_refused():
-    regions = KVCacheView(_caches(_flash_infer, 7), NUM_BLOCKS).regions()
+    regions = KVCacheView(_caches(_flash_infer, 7), NUM_BLOCKS).regions
     parsed = KVRegions.from_wire(regions.to_wire(), "peer-agent")
     assert parsed.agent == "peer-agent" and parsed.rows([0], np.asarray([3])).tolist() == regions.rows([0], np.asarray([3])).tolist()
     assert parsed.same_block_geometry(regions)

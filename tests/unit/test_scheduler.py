@@ -82,7 +82,7 @@ def hashes_of(tokens: list[int]) -> list[str]:
 
 
 def keys_of(scheduler: DualPathScheduler, tokens: list[int]) -> list[str]:
-    return [scheduler.key(h) for h in hashes_of(tokens)]
+    return [scheduler.key_space.key(h) for h in hashes_of(tokens)]
 
 
 def store_chunks(scheduler, store, tokens, num_chunks) -> None:
