@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
-from nixl_backends.layout import BlockLayout
 from nixl_backends.store import KVStore, TransferAbandoned
 
 from dualpath_connector.affinity import pin_current_thread
@@ -33,7 +32,7 @@ from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.kv_regions import KVRegions
 from dualpath_connector.metadata import ChunkLoad, LoadSpec
 from dualpath_connector.peer import PeerLink
-from dualpath_connector.protocol import RELEASE, ReadAnswer, ReadRequest
+from dualpath_connector.protocol import RELEASE, ReadAnswer, ReadRequest, StoreKeySpace
 from dualpath_connector.read_queue import StoreReadQueue
 from dualpath_connector.side_channel import PeerBusy, request as side_channel_request
 from dualpath_connector.stats import StatsRecorder
@@ -73,11 +72,8 @@ class HitReader:
         *,
         store: KVStore,
         pool: HostBufferPool,
-        layout: BlockLayout,
-        chunk_tokens: int,
         block_size: int,
-        key: Callable[[str], str],
-        namespace_digest: str,
+        key_space: StoreKeySpace,
         peers: PeerLink | None,
         lane: IOLane,
         stats: StatsRecorder,
@@ -86,11 +82,8 @@ class HitReader:
     ) -> None:
         self.store = store
         self.pool = pool
-        self.layout = layout
-        self.chunk_tokens = chunk_tokens
         self.block_size = block_size
-        self.key = key
-        self.namespace_digest = namespace_digest
+        self.key_space = key_space
         self.peers = peers
         self.lane = lane
         self.stats = stats
@@ -162,7 +155,7 @@ class HitReader:
             raise
         readable = self._leading_ok(ok)
         self.pool.release(slots[readable:])
-        self.stats.add(bytes_read=readable * self.layout.full_block_bytes)
+        self.stats.add(bytes_read=readable * self.key_space.layout.full_block_bytes)
         return LoadedHit(spec.req_id, spec.chunks[:readable], slots=slots[:readable])
 
     @staticmethod
@@ -174,15 +167,15 @@ class HitReader:
     def _store_read(self, chunk_hashes: list[str], slots: list[int]) -> list[bool]:
         """Read chunks into load-pool slots; the time it took feeds the read-rate estimate."""
         started = time.perf_counter()
-        ok = self.store.read([self.key(h) for h in chunk_hashes], [self.pool.slot_addr(s) for s in slots])
-        self.read_queue.record_read(sum(ok) * self.chunk_tokens, time.perf_counter() - started)
+        ok = self.store.read([self.key_space.key(h) for h in chunk_hashes], [self.pool.slot_addr(s) for s in slots])
+        self.read_queue.record_read(sum(ok) * self.key_space.chunk_tokens, time.perf_counter() - started)
         return ok
 
     def read_through_de(self, spec: LoadSpec) -> LoadedHit | None:
         """Ask the DE to read the hit into its buffer; None if it cannot (then this engine reads)."""
         address = spec.de_side_channel
         timeout_s = self.de_read_timeout_s
-        request = ReadRequest(self.namespace_digest, [c.chunk_hash for c in spec.chunks], timeout_s)
+        request = ReadRequest(self.key_space.digest, [c.chunk_hash for c in spec.chunks], timeout_s)
         try:
             peer = self.peers.peer(address, timeout_s)
             message = side_channel_request(address, request.to_message(), timeout_s)
@@ -236,7 +229,7 @@ class HitReader:
 
     def serve_peer(self, request: ReadRequest, reply: Callable[[dict[str, Any]], None]) -> None:
         """A PE asked this engine to read a hit into its buffer within the deadline (side-channel thread)."""
-        tokens = len(request.chunk_hashes) * self.chunk_tokens
+        tokens = len(request.chunk_hashes) * self.key_space.chunk_tokens
         reason = self.read_queue.decline_reason(tokens, request.deadline_s)
         if reason is not None:
             self._decline(reason, reply)
@@ -279,7 +272,7 @@ class HitReader:
             return {"error": f"store read failed: {exc}"}
         readable = self._leading_ok(ok)
         self.pool.release(slots[readable:])
-        nbytes = readable * self.layout.full_block_bytes
+        nbytes = readable * self.key_space.layout.full_block_bytes
         self.stats.add(bytes_read=nbytes, bytes_read_for_peer=nbytes)
         lease = self.peers.lease(self.pool, slots[:readable]) if readable else None
         return ReadAnswer(readable, lease, [self.pool.slot_addr(s) for s in slots[:readable]]).to_message()

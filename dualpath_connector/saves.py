@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
 
 import numpy as np
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
-from nixl_backends.layout import BlockLayout
 from nixl_backends.store import KVStore, TransferAbandoned
 
 from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import SaveSpec
+from dualpath_connector.protocol import StoreKeySpace
 from dualpath_connector.stats import StatsRecorder
 
 logger = logging.getLogger(__name__)
@@ -34,8 +33,7 @@ class ChunkSaver:
         view: KVCacheView,
         pool: HostBufferPool,
         store: KVStore,
-        key: Callable[[str], str],
-        layout: BlockLayout,
+        key_space: StoreKeySpace,
         blocks_per_chunk: int,
         lane: IOLane,
         stats: StatsRecorder,
@@ -43,8 +41,7 @@ class ChunkSaver:
         self.view = view
         self.pool = pool
         self.store = store
-        self.key = key
-        self.layout = layout
+        self.key_space = key_space
         self.blocks_per_chunk = blocks_per_chunk
         self.lane = lane
         self.stats = stats
@@ -66,7 +63,7 @@ class ChunkSaver:
 
     def _write(self, spec: SaveSpec, slots: list[int]) -> None:
         started = time.perf_counter()
-        keys = [self.key(h) for h in spec.chunk_hashes]
+        keys = [self.key_space.key(h) for h in spec.chunk_hashes]
         try:
             ok = self.store.write(keys, [self.pool.slot_addr(s) for s in slots])
         except TransferAbandoned:
@@ -83,6 +80,6 @@ class ChunkSaver:
         self.stats.add(
             saved_chunks=written,
             save_skipped_chunks=len(ok) - written,
-            bytes_written=written * self.layout.full_block_bytes,
+            bytes_written=written * self.key_space.layout.full_block_bytes,
         )
         self.stats.time("save_seconds", time.perf_counter() - started)

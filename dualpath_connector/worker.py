@@ -138,8 +138,7 @@ class DualPathWorker:
                 self._transfer_cores,
             )
         self.reader = HitReader(
-            store=self.store, pool=self.load_pool, layout=self.layout, chunk_tokens=self.geometry.chunk_tokens,
-            block_size=self.geometry.block_size, key=self.key_space.key, namespace_digest=self.key_space.digest,
+            store=self.store, pool=self.load_pool, block_size=self.geometry.block_size, key_space=self.key_space,
             peers=self.peers, lane=self._lanes["read"], stats=self.stats,
             de_read_timeout_s=self.config.de_read_timeout_s, cores=self._transfer_cores,
         )  # fmt: skip
@@ -149,7 +148,7 @@ class DualPathWorker:
             transfer_timeout_s=self.config.pd_transfer_timeout_s,
         )  # fmt: skip
         self.saver = ChunkSaver(
-            view=view, pool=self.save_pool, store=self.store, key=self.key_space.key, layout=self.layout,
+            view=view, pool=self.save_pool, store=self.store, key_space=self.key_space,
             blocks_per_chunk=self.geometry.blocks_per_chunk, lane=self._lanes["save"], stats=self.stats,
         )  # fmt: skip
         if self.peers is not None:
