@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nixl_backends.configuration import ConfigError, from_dict
+from nixl_backends.integrity import integrity_key_from_env, integrity_tag
 from nixl_backends.layout import KVNamespace
 from nixl_backends.registry import parse_store_config
 
@@ -58,8 +59,15 @@ class DualPathConfig:
     # without a byte read or moved, so outputs are wrong. Refused unless the
     # environment says DUALPATH_BENCHMARK=1.
     benchmark_oracle: bool = False
+    # How stored chunks are verified before their bytes reach the KV cache:
+    # "checksum" (XXH3 per Layer Block: corruption, truncation) or "keyed"
+    # (a BLAKE3 MAC under $DUALPATH_INTEGRITY_KEY, shared by the deployment's
+    # engines: a writer without the key cannot poison the cache).
+    integrity: str = "checksum"
     # Parsed from `store` by validate(); not a user key.
     store_config: Any = field(default=None, init=False, repr=False)
+    # Derived from `integrity` and the environment by validate(); never logged.
+    integrity_key: bytes | None = field(default=None, init=False, repr=False)
 
     def validate(self) -> None:
         if isinstance(self.store, dict) and self.store.get("secret_key") is not None:
@@ -69,6 +77,7 @@ class DualPathConfig:
                 "credentials in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or another AWS credential source"
             )
         self.store_config = parse_store_config(self.store, f"{_WHERE}store.")
+        self.integrity_key = integrity_key_from_env(self.integrity, _WHERE)
         if self.chunk_tokens is not None and self.chunk_tokens <= 0:
             raise ConfigError(f"{_WHERE}chunk_tokens must be positive, got {self.chunk_tokens}")
         for name in ("load_buffer_chunks", "save_buffer_chunks", "lookup_cache_chunks"):
@@ -170,4 +179,5 @@ def namespace_for(
         pp_size=parallel.pipeline_parallel_size,
         pp_rank=pp_rank,
         platform=f"{current_platform.device_type}/{vllm_config.attention_config.backend or 'auto'}",
+        integrity=integrity_tag(config.integrity_key),
     )

@@ -91,8 +91,14 @@ class KVCacheView:
         )
 
     def host_blocks(self, buffer: np.ndarray, num_slots: int, blocks_per_chunk: int) -> torch.Tensor:
-        """A host buffer of Full Blocks as ``[slot, layer, sub_block, outer, block_bytes]`` (a view, no copy)."""
-        return torch.from_numpy(buffer).view(num_slots, self.num_layers, blocks_per_chunk, self.outer, self.block_bytes)
+        """A host buffer of slots as ``[slot, layer, sub_block, outer, block_bytes]`` (a view, no copy).
+
+        Each slot starts with a Full Block; bytes after it (the stored object's
+        integrity trailer) are outside the view.
+        """
+        full_block_bytes = self.num_layers * self.layer_block_bytes(blocks_per_chunk)
+        slots = torch.from_numpy(buffer).view(num_slots, -1)[:, :full_block_bytes]
+        return slots.unflatten(1, (self.num_layers, blocks_per_chunk, self.outer, self.block_bytes))
 
     def plan(self, slots: Sequence[int], sub_blocks: Sequence[int], block_ids: Sequence[int]) -> CopyPlan:
         """Block ``block_ids[i]`` of the cache <-> sub-block ``sub_blocks[i]`` of host slot ``slots[i]``."""

@@ -220,6 +220,7 @@ COUNTERS = {
     "de_read_fallbacks": "DE-side reads that failed or timed out, read from the store by the PE instead",
     "de_reads_declined": "PE read requests this DE declined (its read queue would miss the PE's deadline); "
     "the PE read those hits itself",
+    "corrupt_chunks": "Chunks read from the store whose bytes failed their integrity digest (treated as misses)",
 }
 TIMINGS = {
     "load_seconds": "Time from a load's start to its hit being readable (bulk: in the KV cache)",

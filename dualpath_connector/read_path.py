@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
+from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.store import KVStore, TransferAbandoned
 
 from dualpath_connector.affinity import pin_current_thread
@@ -74,6 +75,7 @@ class HitReader:
         pool: HostBufferPool,
         block_size: int,
         key_space: StoreKeySpace,
+        integrity: ChunkIntegrity,
         peers: PeerLink | None,
         lane: IOLane,
         stats: StatsRecorder,
@@ -84,6 +86,7 @@ class HitReader:
         self.pool = pool
         self.block_size = block_size
         self.key_space = key_space
+        self.integrity = integrity
         self.peers = peers
         self.lane = lane
         self.stats = stats
@@ -165,11 +168,32 @@ class HitReader:
         return next((i for i, flag in enumerate(ok) if not flag), len(ok))
 
     def _store_read(self, chunk_hashes: list[str], slots: list[int]) -> list[bool]:
-        """Read chunks into load-pool slots; the time it took feeds the read-rate estimate."""
+        """Read chunks into load-pool slots and verify them; the read time feeds the read-rate estimate.
+
+        A chunk whose bytes fail their digest is unreadable like a missing
+        one (the hit ends before it), so no byte of it reaches a KV cache.
+        """
         started = time.perf_counter()
         ok = self.store.read([self.key_space.key(h) for h in chunk_hashes], [self.pool.slot_addr(s) for s in slots])
         self.read_queue.record_read(sum(ok) * self.key_space.chunk_tokens, time.perf_counter() - started)
+        # Only the leading run is used, so verification stops at its end.
+        for i in range(self._leading_ok(ok)):
+            if not self.integrity.verify(chunk_hashes[i], self.pool.slot_view(slots[i])):
+                self._drop_corrupt(self.key_space.key(chunk_hashes[i]))
+                ok[i] = False
+                break
         return ok
+
+    def _drop_corrupt(self, key: str) -> None:
+        # Deleted, so the next lookup misses it and the next save stores it
+        # again; left in place it would stay "present" and fail every load.
+        logger.warning("store chunk %s failed its integrity check (%s): treated as a miss and deleted", key,
+                       self.integrity.algorithm)  # fmt: skip
+        self.stats.add(corrupt_chunks=1)
+        try:
+            self.store.delete([key])
+        except Exception as exc:
+            logger.warning("could not delete corrupt chunk %s: %s", key, exc)
 
     def read_through_de(self, spec: LoadSpec) -> LoadedHit | None:
         """Ask the DE to read the hit into its buffer; None if it cannot (then this engine reads)."""

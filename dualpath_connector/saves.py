@@ -4,7 +4,8 @@ Chunks are copied out in ``wait_for_save`` of the very step that computed
 them, before the scheduler can hand their blocks to anyone else (preemption,
 finish), so a reused block is never stored; the store write runs on the save
 lane, so the forward never waits on storage. Saving is best effort: a full
-save buffer or a failed write is a future miss, never a stall.
+save buffer or a failed write is a future miss, never a stall. Each object
+is sealed with its integrity trailer on the save lane, just before the write.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 import numpy as np
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
+from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.store import KVStore, TransferAbandoned
 
 from dualpath_connector.io_lanes import IOLane
@@ -34,6 +36,7 @@ class ChunkSaver:
         pool: HostBufferPool,
         store: KVStore,
         key_space: StoreKeySpace,
+        integrity: ChunkIntegrity,
         blocks_per_chunk: int,
         lane: IOLane,
         stats: StatsRecorder,
@@ -42,6 +45,7 @@ class ChunkSaver:
         self.pool = pool
         self.store = store
         self.key_space = key_space
+        self.integrity = integrity
         self.blocks_per_chunk = blocks_per_chunk
         self.lane = lane
         self.stats = stats
@@ -64,6 +68,8 @@ class ChunkSaver:
     def _write(self, spec: SaveSpec, slots: list[int]) -> None:
         started = time.perf_counter()
         keys = [self.key_space.key(h) for h in spec.chunk_hashes]
+        for chunk_hash, slot in zip(spec.chunk_hashes, slots):
+            self.integrity.seal(chunk_hash, self.pool.slot_view(slot))
         try:
             ok = self.store.write(keys, [self.pool.slot_addr(s) for s in slots])
         except TransferAbandoned:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nixl_backends.buffers import HostBufferPool
+from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.registry import make_store
 from nixl_backends.transport import UCX, add_ucx_backend
 
@@ -83,8 +84,10 @@ class DualPathWorker:
                 add_ucx_backend(self.agent)
             # The backend must exist before the pools register memory with the agent.
             self.store = make_store(config.store_config, self.layout, self.agent)
-            self.load_pool = HostBufferPool(self.agent, self.layout.full_block_bytes, config.load_buffer_chunks)
-            self.save_pool = HostBufferPool(self.agent, self.layout.full_block_bytes, config.save_buffer_chunks)
+            # A slot holds a whole stored object: the Full Block and its integrity trailer.
+            self.load_pool = HostBufferPool(self.agent, self.layout.object_bytes, config.load_buffer_chunks)
+            self.save_pool = HostBufferPool(self.agent, self.layout.object_bytes, config.save_buffer_chunks)
+        self.integrity = ChunkIntegrity(self.layout, config.integrity_key)
         self.stats = StatsRecorder()
         self._lanes = {name: IOLane(f"dualpath-{name}", self._transfer_cores) for name in ("read", "save", "pull")}
         # Built with the KV cache (register_kv_caches).
@@ -139,7 +142,7 @@ class DualPathWorker:
             )
         self.reader = HitReader(
             store=self.store, pool=self.load_pool, block_size=self.geometry.block_size, key_space=self.key_space,
-            peers=self.peers, lane=self._lanes["read"], stats=self.stats,
+            integrity=self.integrity, peers=self.peers, lane=self._lanes["read"], stats=self.stats,
             de_read_timeout_s=self.config.de_read_timeout_s, cores=self._transfer_cores,
         )  # fmt: skip
         self.injector = Injector(
@@ -148,7 +151,7 @@ class DualPathWorker:
             transfer_timeout_s=self.config.pd_transfer_timeout_s,
         )  # fmt: skip
         self.saver = ChunkSaver(
-            view=view, pool=self.save_pool, store=self.store, key_space=self.key_space,
+            view=view, pool=self.save_pool, store=self.store, key_space=self.key_space, integrity=self.integrity,
             blocks_per_chunk=self.geometry.blocks_per_chunk, lane=self._lanes["save"], stats=self.stats,
         )  # fmt: skip
         if self.peers is not None:

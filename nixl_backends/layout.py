@@ -20,6 +20,9 @@ import numpy as np
 # of the vocabulary size and of the host's byte order.
 _TOKEN_DTYPE = np.dtype("<i8")
 HASH_HEX_CHARS = 64
+# One integrity digest per Layer Block, in a trailer after the Full Block
+# (:mod:`nixl_backends.integrity`); part of the stored format, so fixed.
+DIGEST_BYTES = 16
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,8 @@ class KVNamespace:
     pp_rank: int = 0
     # Device platform and attention backend: they decide the byte order of a block.
     platform: str = ""
+    # How the trailers are computed (nixl_backends.integrity.integrity_tag).
+    integrity: str = "xxh3-128"
 
     def digest(self) -> str:
         canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
@@ -52,11 +57,13 @@ class KVNamespace:
 
 @dataclass(frozen=True)
 class BlockLayout:
-    """Full Block / Layer Block arithmetic.
+    """Full Block / Layer Block arithmetic of a stored chunk object.
 
     A Full Block is the chunk's Layer Blocks concatenated in layer order: the
     bytes of layer ``l`` are ``[l*S, (l+1)*S)`` with ``S = layer_block_bytes``.
-    Readers find a layer by this arithmetic alone, without a manifest.
+    The object stored per chunk is the Full Block followed by its trailer, one
+    ``DIGEST_BYTES`` digest per layer. Readers find a layer and its digest by
+    this arithmetic alone, without a manifest.
     """
 
     num_layers: int
@@ -73,11 +80,27 @@ class BlockLayout:
     def full_block_bytes(self) -> int:
         return self.num_layers * self.layer_block_bytes
 
+    @property
+    def trailer_bytes(self) -> int:
+        return self.num_layers * DIGEST_BYTES
+
+    @property
+    def object_bytes(self) -> int:
+        """Bytes of one stored chunk object: the Full Block and its trailer."""
+        return self.full_block_bytes + self.trailer_bytes
+
     def layer_range(self, layer: int) -> tuple[int, int]:
         if not 0 <= layer < self.num_layers:
             raise IndexError(f"layer {layer} outside [0, {self.num_layers})")
         start = layer * self.layer_block_bytes
         return start, start + self.layer_block_bytes
+
+    def digest_range(self, layer: int) -> tuple[int, int]:
+        """Where layer ``layer``'s digest sits in the object."""
+        if not 0 <= layer < self.num_layers:
+            raise IndexError(f"layer {layer} outside [0, {self.num_layers})")
+        start = self.full_block_bytes + layer * DIGEST_BYTES
+        return start, start + DIGEST_BYTES
 
 
 def chunk_hashes(

@@ -2,7 +2,10 @@
 
 The root may be local disk or a mounted shared file system (3FS, NFS,
 Lustre). Files are written under a temporary name and renamed into place, so
-a reader never sees a half-written chunk under its final name.
+a reader never sees a half-written chunk under its final name. Each file is
+one chunk object (:attr:`BlockLayout.object_bytes`: the Full Block and its
+integrity trailer); a successful read refreshes its mtime, the "last used"
+time that ``dualpath-kv gc`` evicts by.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ class PosixStore(KVStore):
         return os.path.join(self.root, key)
 
     def lookup(self, keys: Sequence[str]) -> int:
-        expected = self.layout.full_block_bytes
+        expected = self.layout.object_bytes
         for count, key in enumerate(keys):
             try:
                 if os.stat(self.path(key)).st_size != expected:
@@ -68,7 +71,7 @@ class PosixStore(KVStore):
         return len(keys)
 
     def _transfer_files(self, op: str, fds: list[int | None], addrs: Sequence[int]) -> list[bool]:
-        size = self.layout.full_block_bytes
+        size = self.layout.object_bytes
         live = [i for i, fd in enumerate(fds) if fd is not None]
         ok = [False] * len(fds)
         if not live:
@@ -97,8 +100,9 @@ class PosixStore(KVStore):
             except OSError:
                 fds.append(None)
         try:
-            # NIXL reports a file shorter than the Full Block as a failed read.
+            # NIXL reports a file shorter than the object as a failed read.
             ok = self._transfer_files("READ", fds, dst_addrs)
+            self._mark_used(fds, ok)
         except TransferAbandoned:
             # NIXL may still use these descriptors: they stay open.
             raise
@@ -109,10 +113,26 @@ class PosixStore(KVStore):
         return ok
 
     @staticmethod
+    def _mark_used(fds: list[int | None], ok: list[bool]) -> None:
+        # A read refreshes the file's mtime: the chunk is immutable, so mtime
+        # means "last used", which `dualpath-kv gc` evicts by (atime is often
+        # not kept: noatime, relatime).
+        for fd, read in zip(fds, ok):
+            if read:
+                with contextlib.suppress(OSError):
+                    os.utime(fd)
+
+    @staticmethod
     def _close(fds: list[int | None]) -> None:
         for fd in fds:
             if fd is not None:
                 os.close(fd)
+
+    def delete(self, keys: Sequence[str]) -> None:
+        # An unlink leaves a reader that has the file open its bytes; later opens miss.
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path(key))
 
     def write(self, keys: Sequence[str], src_addrs: Sequence[int]) -> list[bool]:
         if self._agent is None:

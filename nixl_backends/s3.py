@@ -49,7 +49,7 @@ class S3Store(KVStore):
         )
 
     def _is_complete(self, key: str) -> bool:
-        return object_size(self._client, self.config.bucket, key) == self.layout.full_block_bytes
+        return object_size(self._client, self.config.bucket, key) == self.layout.object_bytes
 
     def lookup(self, keys: Sequence[str]) -> int:
         for start in range(0, len(keys), _LOOKUP_WINDOW):
@@ -64,7 +64,7 @@ class S3Store(KVStore):
             raise RuntimeError("S3Store was opened without a NIXL agent: lookup only")
         if not keys:
             return []
-        size = self.layout.full_block_bytes
+        size = self.layout.object_bytes
         dev_ids = obj_device_ids(self._agent, len(keys))
         registration = self._agent.register_memory(
             [(0, size, dev_id, key) for dev_id, key in zip(dev_ids, keys)], OBJ
@@ -96,6 +96,12 @@ class S3Store(KVStore):
             if not result:
                 logger.warning("s3 store: write of %s failed", key)
         return results
+
+    def delete(self, keys: Sequence[str]) -> None:
+        # DeleteObjects takes at most 1000 keys per call.
+        for start in range(0, len(keys), 1000):
+            batch = [{"Key": key} for key in keys[start : start + 1000]]
+            self._client.delete_objects(Bucket=self.config.bucket, Delete={"Objects": batch, "Quiet": True})
 
     def close(self) -> None:
         self._lookup_pool.shutdown(wait=False)

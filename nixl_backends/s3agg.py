@@ -194,6 +194,9 @@ class S3AggStore(KVStore):
     def write(self, keys: Sequence[str], src_addrs: Sequence[int]) -> list[bool]:
         return self._inner.write(keys, src_addrs)
 
+    def delete(self, keys: Sequence[str]) -> None:
+        self._inner.delete(keys)
+
     def read(self, keys: Sequence[str], dst_addrs: Sequence[int]) -> list[bool]:
         """Full Blocks through the gateway in one request (chunk-major NIXL target), else plain S3."""
         if not keys:

@@ -1,9 +1,11 @@
 """The KVStore interface (backends: :mod:`nixl_backends.registry`).
 
-A store holds Full Blocks, one immutable object/file per chunk, named by
+A store holds chunk objects (a Full Block and its integrity trailer,
+:attr:`BlockLayout.object_bytes`), one immutable object/file per chunk, named by
 :func:`nixl_backends.layout.chunk_key`. The interface is deliberately narrow:
-leading-run lookup, read Full Blocks into registered host memory, write Full
-Blocks from it, close. The NIXL plumbing the backends share is in
+leading-run lookup, read objects into registered host memory, write them from
+it, delete, close. Stores move bytes; they do not interpret them (the reader
+verifies the trailer: :mod:`nixl_backends.integrity`). The NIXL plumbing the backends share is in
 :mod:`nixl_backends.nixl_io`.
 """
 
@@ -34,7 +36,7 @@ class KVStore(ABC):
 
     @abstractmethod
     def read(self, keys: Sequence[str], dst_addrs: Sequence[int]) -> list[bool]:
-        """Read each key's Full Block into registered DRAM at the matching address.
+        """Read each key's object into registered DRAM at the matching address.
 
         Returns one flag per key; a missing, short or unreadable chunk is
         ``False`` and its destination bytes must not be trusted. Raises
@@ -43,10 +45,18 @@ class KVStore(ABC):
 
     @abstractmethod
     def write(self, keys: Sequence[str], src_addrs: Sequence[int]) -> list[bool]:
-        """Store each Full Block found in registered DRAM at the matching address.
+        """Store each object found in registered DRAM at the matching address.
 
         Chunks are content-addressed and immutable: writing a key that already
         exists stores the same bytes again or is skipped, and counts as written.
+        """
+
+    @abstractmethod
+    def delete(self, keys: Sequence[str]) -> None:
+        """Remove these chunks (absent ones are fine); a reader then finds a miss, never part of an object.
+
+        Control path (no NIXL agent needed): a reader drops a chunk that
+        failed its integrity check, so the next save can store it again.
         """
 
     def close(self) -> None:

@@ -16,7 +16,8 @@ from nixl_backends.s3 import S3Store
 from nixl_backends.registry import make_store, parse_store_config
 
 LAYOUT = BlockLayout(num_layers=4, layer_block_bytes=16384)
-FULL = LAYOUT.full_block_bytes
+# Stores move whole objects: the Full Block and its integrity trailer.
+FULL = LAYOUT.object_bytes
 CHUNK_TOKENS = 16
 POOL_SLOTS = 48
 NAMESPACE = KVNamespace(
@@ -281,6 +282,27 @@ def test_truncated_chunk_stops_lookup_and_fails_read(store, pool, truncate, keep
     assert store.read(keys, addrs(pool, dst)) == [True, True, False, True]
     intact = [0, 1, 3]
     assert_slots_equal(pool, [src[i] for i in intact], [dst[i] for i in intact])
+
+
+def test_deleted_chunks_are_misses_and_deleting_again_is_fine(store_config, store, pool):
+    rng = np.random.default_rng(55)
+    keys = make_keys(rng, 4)
+    fill_random(pool, [0, 1, 2, 3], rng)
+    write_all(store, pool, keys, [0, 1, 2, 3])
+    assert store.lookup(keys) == 4
+
+    # Delete is control path: a lookup-only store (the gc, a reader that found a corrupt chunk) can do it.
+    lookup_only = make_store(store_config, LAYOUT, None)
+    try:
+        lookup_only.delete([keys[1], keys[1], make_keys(rng, 1)[0]])
+    finally:
+        lookup_only.close()
+    assert store.lookup(keys) == 1
+    poison(pool, [4, 5])
+    assert store.read(keys[:2], addrs(pool, [4, 5])) == [True, False]
+    # Writing it again makes it whole (a corrupt chunk dropped by a reader is re-saved this way).
+    write_all(store, pool, [keys[1]], [1])
+    assert store.lookup(keys) == 4
 
 
 def test_lookup_only_store(store_config, store, pool):

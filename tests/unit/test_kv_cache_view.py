@@ -53,9 +53,20 @@ def _caches(make, seed: int) -> list[torch.Tensor]:
     return layers
 
 
+_TRAILER_SENTINEL = 0xA5
+
+
 def _host(view: KVCacheView, slots: int, bpc: int) -> tuple[np.ndarray, torch.Tensor]:
-    buffer = np.zeros(slots * LAYERS * bpc * view.outer * view.block_bytes, dtype=np.uint8)
+    """Slots as the pools hold them: each a stored object, the Full Block then its integrity trailer."""
+    layout = BlockLayout(LAYERS, view.layer_block_bytes(bpc))
+    buffer = np.zeros(slots * layout.object_bytes, dtype=np.uint8)
+    buffer.reshape(slots, -1)[:, layout.full_block_bytes :] = _TRAILER_SENTINEL
     return buffer, view.host_blocks(buffer, slots, bpc)
+
+
+def _trailers_untouched(buffer: np.ndarray, slots: int, bpc: int, view: KVCacheView) -> bool:
+    layout = BlockLayout(LAYERS, view.layer_block_bytes(bpc))
+    return bool((buffer.reshape(slots, -1)[:, layout.full_block_bytes :] == _TRAILER_SENTINEL).all())
 
 
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
@@ -65,10 +76,12 @@ def test_blocks_round_trip_through_a_host_buffer_into_another_cache(layout):
     assert source.outer == outer and source.num_layers == LAYERS
     before = [view.clone() for view in target.layers]
     bpc = 2
-    _, host = _host(source, 2, bpc)
+    buffer, host = _host(source, 2, bpc)
     # Two chunks (slots 1 and 0), blocks out of order, as vLLM hands them out.
     out_blocks, in_blocks = [5, 2, 7, 0], [1, 6, 3, 4]
     source.copy_out(host, source.plan([1, 1, 0, 0], [0, 1, 0, 1], out_blocks))
+    # The copy fills the Full Blocks and leaves each slot's integrity trailer alone.
+    assert _trailers_untouched(buffer, 2, bpc, source)
     target.copy_in(host, target.plan([1, 1, 0, 0], [0, 1, 0, 1], in_blocks), range(LAYERS))
     for layer in range(LAYERS):
         for src, dst in zip(out_blocks, in_blocks):
@@ -110,7 +123,7 @@ def test_full_block_rows_match_the_host_buffer_layout():
     bpc = 2
     buffer, host = _host(view, 3, bpc)
     layout = BlockLayout(LAYERS, view.layer_block_bytes(bpc))
-    slot_addrs = [buffer.ctypes.data + s * layout.full_block_bytes for s in range(3)]
+    slot_addrs = [buffer.ctypes.data + s * layout.object_bytes for s in range(3)]
     # Chunk in slot 2 from sub-block 1 (its first block was a local prefix hit), then slot 0 whole.
     rows = full_block_rows([slot_addrs[2], slot_addrs[0]], [1, 0], [1, 2], [1], layout, view.outer, view.block_bytes)
     expected = [[host[s, 1, sub, o].data_ptr(), view.block_bytes, 0]

@@ -183,6 +183,7 @@ _CHANGES = {
     "pp_size": 2,
     "pp_rank": 1,
     "platform": "cuda/FLASH_ATTN",
+    "integrity": "blake3-keyed/0123456789abcdef",
 }
 
 

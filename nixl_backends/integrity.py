@@ -1,0 +1,134 @@
+"""Chunk integrity: a digest per Layer Block, stored in a trailer after the Full Block.
+
+A stored chunk object is ``[layer 0 | layer 1 | ... | layer L-1 | d_0 | ... | d_{L-1}]``:
+the Full Block keeps layer ``l`` at ``[l*S, (l+1)*S)`` as before, so range
+readers (layerwise loads, the s3agg gateway) still find a layer by arithmetic,
+and the trailer holds one ``DIGEST_BYTES`` digest per layer at
+``full_block_bytes + l*DIGEST_BYTES`` (:class:`~nixl_backends.layout.BlockLayout`).
+A reader that holds one layer and its digest can check that layer alone.
+
+Why a trailer and not object metadata: POSIX files have none that every file
+system keeps, NIXL's OBJ plugin neither writes nor returns S3 user metadata,
+and a trailer is written and read by the same transfer as the data, so the
+bytes and their digests can never come from two different writes.
+
+Each digest covers the chunk hash, the layer index and the layer's bytes, so
+a valid layer copied to another chunk or another layer position fails too.
+Two modes, both 16-byte digests:
+
+- ``checksum``: XXH3-128 (native, tens of GB/s). Catches corruption and
+  truncation; anyone can recompute it, so it does not stop a writer who means harm.
+- ``keyed``: keyed BLAKE3 (a MAC; native, SIMD) under a key derived from a
+  secret shared by every engine of the deployment (``DUALPATH_INTEGRITY_KEY``).
+  A writer without the key cannot make a chunk that verifies.
+
+The algorithm, and in keyed mode a fingerprint of the key, are part of the
+namespace (:class:`~nixl_backends.layout.KVNamespace`, :func:`integrity_tag`):
+chunks of one mode or key are never read as another's, so two deployments
+with different keys never count each other's chunks as corrupt, and rotating
+the key starts a new (cold) namespace.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+from typing import Literal
+
+import blake3
+import numpy as np
+import xxhash
+
+from nixl_backends.configuration import ConfigError
+from nixl_backends.layout import DIGEST_BYTES, HASH_HEX_CHARS, BlockLayout
+
+INTEGRITY_KEY_ENV = "DUALPATH_INTEGRITY_KEY"
+INTEGRITY_MODES = ("checksum", "keyed")
+IntegrityMode = Literal["checksum", "keyed"]
+ALGORITHMS = {"checksum": "xxh3-128", "keyed": "blake3-keyed"}
+_MIN_SECRET_BYTES = 16
+_KEY_CONTEXT = "dualpath-kv 2026 chunk integrity v1"
+_FINGERPRINT_CONTEXT = "dualpath-kv 2026 integrity key fingerprint v1"
+
+
+def integrity_tag(key: bytes | None) -> str:
+    """What the namespace records: the algorithm, and which key (a one-way fingerprint, not the key)."""
+    if key is None:
+        return ALGORITHMS["checksum"]
+    fingerprint = blake3.blake3(key, derive_key_context=_FINGERPRINT_CONTEXT).hexdigest()[:16]
+    return f"{ALGORITHMS['keyed']}/{fingerprint}"
+
+
+def integrity_key_from_env(mode: IntegrityMode, where: str = "") -> bytes | None:
+    """The MAC key for ``mode`` (None for ``checksum``); a ConfigError naming the variable if unusable.
+
+    The secret itself never appears in a message.
+    """
+    if mode not in INTEGRITY_MODES:
+        raise ConfigError(f"bad value for {where}'integrity': {mode!r}; supported: {INTEGRITY_MODES}")
+    if mode == "checksum":
+        return None
+    secret = os.environ.get(INTEGRITY_KEY_ENV, "")
+    if len(secret.encode()) < _MIN_SECRET_BYTES:
+        raise ConfigError(
+            f"{where}integrity 'keyed' needs a secret of at least {_MIN_SECRET_BYTES} bytes in "
+            f"${INTEGRITY_KEY_ENV} (the same on every engine of the deployment)"
+        )
+    # A fixed-size key from any secret; the context keeps it apart from other uses of the secret.
+    return blake3.blake3(secret.encode(), derive_key_context=_KEY_CONTEXT).digest()
+
+
+def chunk_hash_of(key: str) -> str:
+    """The chunk hash a store key ends with (``<prefix>/<namespace>/<hh>/<hash>``)."""
+    chunk_hash = key.rsplit("/", 1)[-1]
+    if len(chunk_hash) != HASH_HEX_CHARS:
+        raise ValueError(f"not a chunk key: {key!r}")
+    return chunk_hash
+
+
+class ChunkIntegrity:
+    """Seals Full Blocks with their trailer and verifies them, a whole chunk or one layer at a time.
+
+    Buffers are anything exposing the buffer protocol (numpy views of the
+    registered host pools); digests are computed by native code on them in
+    place, without a copy.
+    """
+
+    def __init__(self, layout: BlockLayout, key: bytes | None = None) -> None:
+        self.layout = layout
+        self._key = key
+        self.algorithm = ALGORITHMS["keyed" if key is not None else "checksum"]
+        self.tag = integrity_tag(key)
+
+    def layer_digest(self, chunk_hash: str, layer: int, data) -> bytes:
+        """The digest of ``data``, the bytes of layer ``layer`` of chunk ``chunk_hash``."""
+        tag = bytes.fromhex(chunk_hash) + layer.to_bytes(4, "little")
+        if self._key is None:
+            hasher = xxhash.xxh3_128(tag)
+            hasher.update(data)
+            return hasher.digest()
+        hasher = blake3.blake3(tag, key=self._key)
+        hasher.update(data)
+        return hasher.digest(DIGEST_BYTES)
+
+    def seal(self, chunk_hash: str, obj: np.ndarray) -> None:
+        """Write the trailer of the Full Block in ``obj`` (``object_bytes`` uint8, writable)."""
+        s, full = self.layout.layer_block_bytes, self.layout.full_block_bytes
+        view = memoryview(obj)
+        for layer in range(self.layout.num_layers):
+            start = full + layer * DIGEST_BYTES
+            view[start : start + DIGEST_BYTES] = self.layer_digest(chunk_hash, layer, view[layer * s : (layer + 1) * s])
+
+    def verify_layer(self, chunk_hash: str, layer: int, data, digest) -> bool:
+        """Whether ``data`` (one Layer Block) matches its stored ``digest``; constant-time compare."""
+        return hmac.compare_digest(self.layer_digest(chunk_hash, layer, data), bytes(digest))
+
+    def verify(self, chunk_hash: str, obj: np.ndarray) -> bool:
+        """Whether every layer of the object in ``obj`` matches its trailer."""
+        s, full = self.layout.layer_block_bytes, self.layout.full_block_bytes
+        view = memoryview(obj)
+        return all(
+            self.verify_layer(chunk_hash, layer, view[layer * s : (layer + 1) * s],
+                              view[full + layer * DIGEST_BYTES : full + (layer + 1) * DIGEST_BYTES])
+            for layer in range(self.layout.num_layers)
+        )  # fmt: skip
