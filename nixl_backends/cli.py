@@ -131,7 +131,7 @@ def _bytes(n: int) -> str:
 
 
 def _line(label: str, tally: Tally) -> str:
-    return f"{label:<9}{tally.objects} objects, {_bytes(tally.bytes)}"
+    return f"{label:<14}{tally.objects} objects, {_bytes(tally.bytes)}"
 
 
 def _print_selected(obj: StoredObject) -> None:
@@ -140,7 +140,7 @@ def _print_selected(obj: StoredObject) -> None:
 
 
 def _print_report(report: GcReport, where: str) -> None:
-    print(f"store:   {where}")
+    print(f"{'store:':<14}{where}")
     print(_line("before:", report.before))
     for namespace, tally in sorted(report.before_by_namespace.items()):
         print(_line("", tally) + f"  namespace {namespace}")
@@ -150,7 +150,7 @@ def _print_report(report: GcReport, where: str) -> None:
         verb = "would remove" if report.dry_run else "removed"
         print(f"{verb} {report.partial_deleted.objects} interrupted writes (*.tmp), {_bytes(report.partial_deleted.bytes)}")
     if report.failed:
-        print(f"failed:  {report.failed} objects could not be deleted (see the warnings)")
+        print(f"{'failed:':<14}{report.failed} objects could not be deleted (see the warnings)")
 
 
 def cmd_gc(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
