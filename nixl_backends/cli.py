@@ -28,29 +28,29 @@ from nixl_backends.registry import parse_store_config
 
 logger = logging.getLogger(__name__)
 
-_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)")
+_NUMBER_UNIT = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)")
 _SIZE_UNITS = {"": 1, "b": 1}
 for _power, _letter in enumerate("kmgtp", start=1):
     _SIZE_UNITS.update({_letter: 1000**_power, f"{_letter}b": 1000**_power, f"{_letter}ib": 1024**_power})
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([a-z]*)")
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 _CREDENTIAL_KEYS = ("access_key", "secret_key")
 
 
+def _scaled(text: str, units: dict[str, int], what: str, hint: str) -> float:
+    match = _NUMBER_UNIT.fullmatch(text.strip().lower())
+    if match is None or match[2] not in units:
+        raise argparse.ArgumentTypeError(f"bad {what} {text!r}: {hint}")
+    return float(match[1]) * units[match[2]]
+
+
 def parse_size(text: str) -> int:
     """``10GiB``, ``500G`` (decimal), ``1.5TiB``, ``4096``: bytes."""
-    match = _SIZE.fullmatch(text.strip().lower())
-    if match is None or match[2] not in _SIZE_UNITS:
-        raise argparse.ArgumentTypeError(f"bad size {text!r}: a number with an optional unit, e.g. 500GiB, 2TB, 1048576")
-    return int(float(match[1]) * _SIZE_UNITS[match[2]])
+    return int(_scaled(text, _SIZE_UNITS, "size", "a number with an optional unit, e.g. 500GiB, 2TB, 1048576"))
 
 
 def parse_duration(text: str) -> float:
     """``7d``, ``12h``, ``30m``, ``45s``, ``2w``, ``90`` (seconds): seconds."""
-    match = _DURATION.fullmatch(text.strip().lower())
-    if match is None or match[2] not in _DURATION_UNITS:
-        raise argparse.ArgumentTypeError(f"bad duration {text!r}: a number with a unit s, m, h, d or w, e.g. 7d")
-    return float(match[1]) * _DURATION_UNITS[match[2]]
+    return _scaled(text, _DURATION_UNITS, "duration", "a number with a unit s, m, h, d or w, e.g. 7d")
 
 
 def _namespace(text: str) -> str:
@@ -148,7 +148,8 @@ def _print_report(report: GcReport, where: str) -> None:
     print(_line("after:", report.after))
     if report.partial_deleted.objects:
         verb = "would remove" if report.dry_run else "removed"
-        print(f"{verb} {report.partial_deleted.objects} interrupted writes (*.tmp), {_bytes(report.partial_deleted.bytes)}")
+        removed = report.partial_deleted
+        print(f"{verb} {removed.objects} interrupted writes (*.tmp), {_bytes(removed.bytes)}")
     if report.failed:
         print(f"{'failed:':<14}{report.failed} objects could not be deleted (see the warnings)")
 
