@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import hmac
 import os
+from collections.abc import Sequence
 from typing import Literal
 
 import blake3
@@ -132,3 +133,22 @@ class ChunkIntegrity:
                               view[full + layer * DIGEST_BYTES : full + (layer + 1) * DIGEST_BYTES])
             for layer in range(self.layout.num_layers)
         )  # fmt: skip
+
+    def verify_layer_major(self, chunk_hashes: Sequence[str], layer: int, region) -> int:
+        """How many leading chunks of a layer-major region of layer ``layer`` verify.
+
+        ``region`` holds one layer of ``n = len(chunk_hashes)`` chunks with their digests, as
+        the s3agg gateway delivers it: chunk ``j``'s Layer Block at ``j*S``, its digest at
+        ``n*S + j*DIGEST_BYTES`` (``n*(S + DIGEST_BYTES)`` bytes in all). A reader uses the
+        chunks before the first one that fails.
+        """
+        s, n = self.layout.layer_block_bytes, len(chunk_hashes)
+        view = memoryview(region).cast("B")
+        if view.nbytes != n * (s + DIGEST_BYTES):
+            raise ValueError(f"a layer-major region of {n} chunks is {n * (s + DIGEST_BYTES)} bytes, got {view.nbytes}")
+        digests = n * s
+        for j, chunk_hash in enumerate(chunk_hashes):
+            digest = view[digests + j * DIGEST_BYTES : digests + (j + 1) * DIGEST_BYTES]
+            if not self.verify_layer(chunk_hash, layer, view[j * s : (j + 1) * s], digest):
+                return j
+        return n

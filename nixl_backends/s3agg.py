@@ -7,7 +7,9 @@ all of them, assembles it in prefix order and WRITEs it into the caller's
 buffer through NIXL (UCX), with a ``ready`` notification per layer; each layer
 is handed to the caller's callback as its notification arrives. With
 ``delivery: http`` the layers arrive as frames of the HTTP response instead,
-received straight into the caller's buffer.
+received straight into the caller's buffer. Every delivered layer carries the
+chunks' integrity digests of that layer (the gateway never checks them): the
+caller verifies, e.g. with :meth:`ChunkIntegrity.verify_layer_major`.
 
 When the gateway cannot be reached (connection refused or broken, a 5xx, a
 timeout) the layers not yet handed over are read from the bucket with plain
@@ -40,7 +42,7 @@ from botocore.credentials import Credentials
 from prometheus_client import Counter
 
 from nixl_backends.configuration import ConfigError, from_dict
-from nixl_backends.layout import BlockLayout
+from nixl_backends.layout import DIGEST_BYTES, BlockLayout
 from nixl_backends.nixl_io import Polling, TransferAbandoned, descriptors, run_nixl_transfers
 from nixl_backends.obj_backend import OBJ, obj_device_ids
 from nixl_backends.s3 import S3Store, S3StoreConfig
@@ -60,6 +62,7 @@ from nixl_backends.s3agg_protocol import (
     TargetLayout,
     descriptor_body,
     http_target,
+    layer_region_bytes,
     nixl_target,
     parse_notification,
 )
@@ -172,6 +175,8 @@ class S3AggStore(KVStore):
             agent.create_backend("UCX")
         self._inner = S3Store(config.s3_config, layout, agent)
         self._inbox = _Inbox(agent) if agent is not None else None
+        # Buffers of transfers that outlived their deadline: NIXL may still write them, so never freed.
+        self._abandoned: list[np.ndarray] = []
         self._path = f"/{config.s3_config.bucket}?{EXTENSION_QUERY}"
         if config.access_key is not None:
             self._credentials = Credentials(config.access_key, config.secret_key)
@@ -198,11 +203,12 @@ class S3AggStore(KVStore):
         self._inner.delete(keys)
 
     def read(self, keys: Sequence[str], dst_addrs: Sequence[int]) -> list[bool]:
-        """Full Blocks through the gateway in one request (chunk-major NIXL target), else plain S3."""
+        """Whole objects (Full Block and trailer) through the gateway in one request (chunk-major NIXL
+        target), else plain S3; the caller verifies them."""
         if not keys:
             return []
         request_id = uuid.uuid4().hex
-        regions = [[int(a), self.layout.full_block_bytes] for a in dst_addrs]
+        regions = [[int(a), self.layout.object_bytes] for a in dst_addrs]
         try:
             self._nixl_request(request_id, keys, LAYOUT_CHUNK_MAJOR, regions, lambda token: None)
         except (GatewayUnavailable, GatewayRefused) as exc:
@@ -225,12 +231,18 @@ class S3AggStore(KVStore):
         compute_window_s: float | None = None,
         request_id: str | None = None,
     ) -> LayerwiseRead:
-        """Read layer ``l`` of every chunk into ``layer_addrs[l]`` (chunk ``j`` at ``+ j*S``).
+        """Read layer ``l`` of every chunk, with its digests, into ``layer_addrs[l]``.
 
         ``layer_addrs`` are ``num_layers`` NIXL-registered DRAM regions of
-        ``len(keys) * S`` bytes. ``on_layer(l)`` is called on this thread once per
-        layer, in layer order, as soon as layer ``l``'s bytes are in place. If
-        the gateway fails, the remaining layers come from plain S3 and the
+        ``n*S + n*D`` bytes (``n = len(keys)``, ``D = DIGEST_BYTES``,
+        :func:`~nixl_backends.s3agg_protocol.layer_region_bytes`): chunk ``j``'s
+        Layer Block at ``j*S``, its stored digest of layer ``l`` at ``n*S + j*D``.
+        ``on_layer(l)`` is called on this thread once per layer, in layer order,
+        as soon as layer ``l``'s bytes and digests are in place. Nothing here
+        verifies them (the gateway does not either): before using layer ``l`` the
+        caller checks it with ``ChunkIntegrity.verify_layer_major(chunk_hashes, l,
+        region)``, which says how many leading chunks are intact. If the gateway
+        fails, the remaining layers come from plain S3 in the same layout and the
         callback contract still holds. Raises :class:`GatewayRefused` for a
         request the gateway rejects, or an error if the fallback fails too.
         """
@@ -256,7 +268,7 @@ class S3AggStore(KVStore):
             if self.config.delivery == "http":
                 result.mode, result.summary = self._http_request(request_id, keys, layer_addrs, hand_over, window)
             else:
-                size = len(keys) * self.layout.layer_block_bytes
+                size = layer_region_bytes(len(keys), self.layout.layer_block_bytes)
                 result.mode, result.summary = self._nixl_request(
                     request_id, keys, LAYOUT_LAYER_MAJOR, [[int(a), size] for a in layer_addrs], hand_over, window)
         except GatewayUnavailable as exc:
@@ -349,23 +361,23 @@ class S3AggStore(KVStore):
         on_token: Callable[[str], None],
         window: float | None,
     ) -> tuple[str, dict[str, Any]]:
-        """Layers arrive as response frames, each received straight into its layer region."""
-        n, num_layers, s = len(keys), self.layout.num_layers, self.layout.layer_block_bytes
+        """Layers (with their digests) arrive as response frames, each received straight into its layer region."""
+        n, layout = len(keys), self.layout
+        region = layer_region_bytes(n, layout.layer_block_bytes)
         conn, response = self._post(request_id, self._descriptor(keys, http_target(), window))
         mode = response.getheader(MODE_HEADER, "")
         try:
             while True:
                 kind, index, length = FRAME.unpack(_read_exact(response, FRAME.size))
-                if kind == FRAME_LAYER and index < num_layers and length == n * s:
+                if kind == FRAME_LAYER and index < layout.num_layers and length == region:
                     _readinto_exact(response, _host_view(layer_addrs[index], length))
                     on_token(str(index))
-                elif kind == FRAME_CHUNKS and length == n * num_layers * s:
-                    # Whole Full Blocks in chunk order: received once, then each layer placed by numpy.
-                    blocks = np.empty(length, dtype=np.uint8)
-                    _readinto_exact(response, blocks)
-                    per_chunk = blocks.reshape(n, num_layers, s)
+                elif kind == FRAME_CHUNKS and length == n * layout.object_bytes:
+                    # The stored objects in chunk order: received once, then each layer placed by numpy.
+                    objects = np.empty(length, dtype=np.uint8).reshape(n, layout.object_bytes)
+                    _readinto_exact(response, objects)
                     for layer, addr in enumerate(layer_addrs):
-                        _host_view(addr, n * s).reshape(n, s)[:] = per_chunk[:, layer, :]
+                        _place_layer(layout, layer, objects, _host_view(addr, region))
                     on_token(ALL_LAYERS)
                 elif kind == FRAME_END:
                     return mode, json.loads(_read_exact(response, length))
@@ -396,30 +408,42 @@ class S3AggStore(KVStore):
     ) -> None:
         """Without the gateway: layers ``start..L-1`` by plain ranged GETs, one per chunk and layer.
 
-        Same target and callback contract as :meth:`read_layerwise`; each layer's
-        N GETs run in parallel and land straight at their assembled offsets.
+        Same target, layout and callback contract as :meth:`read_layerwise`; each
+        layer's N GETs run in parallel and land straight at their assembled
+        offsets. The trailers come with the first layer's GETs (one more per
+        chunk, into a small registered buffer) and each layer's digests are
+        copied after its Layer Blocks before the layer is handed over.
         """
-        n, s = len(keys), self.layout.layer_block_bytes
+        layout, n = self.layout, len(keys)
+        s, num_layers = layout.layer_block_bytes, layout.num_layers
         dev_ids = obj_device_ids(self._agent, n)
-        registration = self._agent.register_memory(
-            [(0, self.layout.full_block_bytes, d, key) for d, key in zip(dev_ids, keys)], OBJ)
-        offsets = np.arange(n, dtype=np.int64) * s
+        trailers = np.empty((n, num_layers, DIGEST_BYTES), dtype=np.uint8)
+        registrations = [
+            self._agent.register_memory([(0, layout.object_bytes, d, key) for d, key in zip(dev_ids, keys)], OBJ),
+            self._agent.register_memory([(trailers.ctypes.data, trailers.nbytes, 0, "")], "DRAM"),
+        ]
+        chunks = np.arange(n, dtype=np.int64)
         dev_id_column = np.arange(dev_ids.start, dev_ids.stop)
+        trailer_reads = (descriptors(trailers.ctypes.data + chunks * layout.trailer_bytes, layout.trailer_bytes),
+                         descriptors(layout.full_block_bytes, layout.trailer_bytes, dev_id_column))
         abandoned = False
         try:
-            for layer in range(start, self.layout.num_layers):
-                local = descriptors(int(layer_addrs[layer]) + offsets, s)
-                remote = descriptors(layer * s, s, dev_id_column)
-                if not run_nixl_transfers(self._agent, "READ", [(local, remote)], OBJ,
-                                          self.config.s3_config.io_timeout_s)[0]:
+            for layer in range(start, num_layers):
+                region = int(layer_addrs[layer])
+                reads = [(descriptors(region + chunks * s, s), descriptors(layer * s, s, dev_id_column))]
+                if not all(run_nixl_transfers(self._agent, "READ", reads + ([trailer_reads] if layer == start else []),
+                                              OBJ, self.config.s3_config.io_timeout_s)):
                     raise RuntimeError(f"s3agg: ranged reads of layer {layer} failed")
+                _host_view(region + n * s, n * DIGEST_BYTES).reshape(n, DIGEST_BYTES)[:] = trailers[:, layer, :]
                 on_layer(layer)
         except TransferAbandoned:
-            abandoned = True  # NIXL may still use the registration
+            abandoned = True  # NIXL may still use the registrations and write the trailer buffer
+            self._abandoned.append(trailers)
             raise
         finally:
             if not abandoned:
-                self._agent.deregister_memory(registration)
+                for registration in registrations:
+                    self._agent.deregister_memory(registration)
 
 
 def post_signed(
@@ -455,6 +479,15 @@ def parse_error(text: bytes) -> tuple[str, str]:
         return root.findtext("Code", "Unknown"), root.findtext("Message", "")
     except ET.ParseError:
         return "Unknown", text[:200].decode(errors="replace")
+
+
+def _place_layer(layout: BlockLayout, layer: int, objects: np.ndarray, region: np.ndarray) -> None:
+    """Layer ``layer`` of stored objects ``(n, object_bytes)`` into its layer-major region (blocks, then digests)."""
+    n, s = objects.shape[0], layout.layer_block_bytes
+    start, end = layout.layer_range(layer)
+    region[: n * s].reshape(n, s)[:] = objects[:, start:end]
+    start, end = layout.digest_range(layer)
+    region[n * s :].reshape(n, DIGEST_BYTES)[:] = objects[:, start:end]
 
 
 def _read_exact(response: http.client.HTTPResponse, size: int) -> bytes:

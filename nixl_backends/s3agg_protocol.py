@@ -10,6 +10,18 @@ The gateway answers with the chosen mode in ``x-s3agg-mode`` and delivers
 - to an HTTP target: frames in the response body, each a :data:`FRAME`
   header (kind, index, payload length) and the payload.
 
+Every delivery carries the chunks' integrity digests with their bytes
+(:mod:`nixl_backends.integrity`), so the reader can verify what arrived; the
+gateway moves them, it never checks them. With ``N`` chunks, ``L`` layers,
+``S`` bytes per Layer Block and ``D`` (:data:`~nixl_backends.layout.DIGEST_BYTES`)
+bytes per digest:
+
+- chunk-major: one region per chunk, exactly the stored object
+  (``L*S`` layer bytes, then the ``L*D`` trailer);
+- layer-major: one region per layer of :func:`layer_region_bytes` ``= N*S + N*D``
+  bytes: chunk ``j``'s Layer Block at ``j*S``, its digest of that layer at
+  ``N*S + j*D``. A layer's notification or frame means both are in place.
+
 Nothing here talks to the network or NIXL; both sides import these names so
 no part of the protocol is written twice.
 """
@@ -23,9 +35,12 @@ import typing
 from collections.abc import Sequence
 from typing import Any, Literal
 
+from nixl_backends.layout import DIGEST_BYTES
+
 # Sent in every descriptor; a gateway refuses a descriptor of another version
 # (or of none) before reading anything, naming both versions.
-PROTOCOL_VERSION = 1
+# 2: objects carry the integrity trailer; deliveries carry the digests (digest_bytes).
+PROTOCOL_VERSION = 2
 
 EXTENSION_QUERY = "aggregate"
 REQUEST_ID_HEADER = "x-s3agg-request-id"
@@ -37,8 +52,8 @@ MODE_CHUNKWISE, MODE_LAYERWISE = typing.get_args(Mode)
 # --- HTTP delivery ---------------------------------------------------------------------------------
 
 FRAME = struct.Struct("<IIQ")  # kind, index (layer), payload length
-FRAME_LAYER = 1  # layer ``index`` of every chunk: N*S bytes
-FRAME_CHUNKS = 2  # every Full Block in chunk order: N*L*S bytes
+FRAME_LAYER = 1  # layer ``index`` of every chunk and its digests: N*S + N*D bytes (layer-major)
+FRAME_CHUNKS = 2  # every stored object in chunk order: N*L*(S + D) bytes
 FRAME_END = 3  # the JSON summary; the stream ends
 FRAME_ERROR = 4  # JSON {"code", "message"}; the stream ends
 
@@ -69,11 +84,12 @@ CHUNK_KEYS = "chunk_keys"
 NUM_LAYERS = "num_layers"
 CHUNK_TOKENS = "chunk_tokens"
 LAYER_BYTES = "per_layer_chunk_bytes"
+DIGEST_BYTES_KEY = "digest_bytes"  # bytes per layer digest in the trailer; must be DIGEST_BYTES
 DELIVERY = "delivery"
 COMPUTE_WINDOW = "compute_window_s"  # optional: the per-layer compute window, for the scheduler
 TARGET = "target"
-DESCRIPTOR_KEYS = frozenset({VERSION, CHUNK_KEYS, NUM_LAYERS, CHUNK_TOKENS, LAYER_BYTES, DELIVERY, COMPUTE_WINDOW,
-                             TARGET})
+DESCRIPTOR_KEYS = frozenset({VERSION, CHUNK_KEYS, NUM_LAYERS, CHUNK_TOKENS, LAYER_BYTES, DIGEST_BYTES_KEY, DELIVERY,
+                             COMPUTE_WINDOW, TARGET})
 # Layers are delivered in layer order; the only order there is.
 DELIVERY_LAYER_MAJOR = "layer_major"
 
@@ -83,10 +99,17 @@ AGENT_METADATA = "agent_metadata"  # base64 of the client agent's NIXL metadata
 TARGET_LAYOUT = "layout"
 REGIONS = "regions"  # [[addr, length], ...]
 NIXL_TARGET_KEYS = frozenset({TARGET_TYPE, AGENT_METADATA, TARGET_LAYOUT, REGIONS})
-# layer_major: one region per layer, chunk j of layer l at regions[l] + j*S.
-# chunk_major: one region per chunk (a Full Block), layer l at regions[j] + l*S.
+# layer_major: one region per layer (layer_region_bytes), chunk j of layer l at regions[l] + j*S,
+#   its digest at regions[l] + N*S + j*D.
+# chunk_major: one region per chunk (the stored object), layer l at regions[j] + l*S, its digest
+#   at regions[j] + L*S + l*D.
 TargetLayout = Literal["layer_major", "chunk_major"]
 LAYOUT_LAYER_MAJOR, LAYOUT_CHUNK_MAJOR = typing.get_args(TargetLayout)
+
+
+def layer_region_bytes(num_chunks: int, layer_bytes: int) -> int:
+    """Bytes of one layer-major region: every chunk's Layer Block, then their digests."""
+    return num_chunks * (layer_bytes + DIGEST_BYTES)
 
 
 def http_target() -> dict[str, Any]:
@@ -117,6 +140,7 @@ def descriptor_body(
         NUM_LAYERS: num_layers,
         CHUNK_TOKENS: chunk_tokens,
         LAYER_BYTES: layer_bytes,
+        DIGEST_BYTES_KEY: DIGEST_BYTES,
         DELIVERY: DELIVERY_LAYER_MAJOR,
         TARGET: target,
     }

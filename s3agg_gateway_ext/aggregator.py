@@ -4,21 +4,33 @@ Per bucket the gateway holds one NIXL agent with two backends: OBJ (ranged
 GETs from the store into a registered staging buffer) and UCX (WRITEs into the
 client's registered buffer, each carrying a per-layer "ready" notification).
 
+Every stored object is the chunk's Full Block followed by its integrity
+trailer (one digest per layer, :mod:`nixl_backends.integrity`); every delivery
+carries the digests of the layers it delivers, so the reader can verify each
+layer as it arrives. The gateway moves digests, it never checks them.
+
 Layerwise mode reads windows of ``k`` consecutive layers of every chunk (``k = 1``
 unless ``min_read_bytes`` asks for larger GETs); with ``k = 1`` each read lands
 at its assembled offset (chunk ``j`` of the layer at ``j*S``), so a layer is
-contiguous without any copy. Two staging windows alternate: window ``w+1`` is
-read while window ``w``'s layers are delivered. Chunkwise mode reads whole
-objects (one GET per chunk) and delivers them at once, in chunk order.
+contiguous without any copy. The trailers are read once, one ranged GET per
+chunk alongside window 0's reads: layer 0 needs its digests, and the trailer
+sits after the last layer, so it is contiguous with a layer window only when
+one window covers every layer. Each window's digests are then placed right
+after its layers in staging (a copy of ``D`` bytes per chunk and layer), so a
+layer and its digests leave as one contiguous delivery. Two staging windows
+alternate: window ``w+1`` is read while window ``w``'s layers are delivered.
+Chunkwise mode reads whole objects, trailer included (one GET per chunk), and
+delivers them at once, in chunk order.
 
-Nothing here copies payload bytes in Python: reads land through NIXL, layers
-leave through NIXL (descriptor lists built with numpy, adjacent slices merged)
-or as memoryviews the HTTP server writes out.
+Nothing here copies Layer Block bytes in Python: reads land through NIXL,
+layers leave through NIXL (descriptor lists built with numpy, adjacent slices
+merged) or as memoryviews the HTTP server writes out.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import math
 import os
@@ -56,15 +68,21 @@ class DeliveryError(RuntimeError):
 
 @dataclass
 class Unit:
-    """One delivery: a layer of every chunk, or (chunkwise) every Full Block."""
+    """One delivery: a layer of every chunk with its digests, or (chunkwise) every stored object."""
 
     kind: Literal["layer", "chunks"]
     index: int
-    # The payload in staging: (N, S) for a layer (strided when k > 1), (N, L*S) for chunks.
-    view: np.ndarray
-    # Staging address of every (chunk[, layer]) slice, and the layers they belong to.
+    # The payload in staging, in delivery order (an HTTP frame is their concatenation): a layer's
+    # (N, S) Layer Blocks (strided when k > 1) and their (N, D) digests, or the (N, L*(S+D)) objects.
+    parts: list[np.ndarray]
+    # Staging address of every (chunk[, layer]) Layer Block and of its digest, and their layers.
     local: np.ndarray
+    digest_local: np.ndarray
     layers: np.ndarray
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
 
 
 @dataclass
@@ -131,15 +149,15 @@ class BucketIO:
         return size
 
     def check_objects(self, desc: Descriptor) -> None:
-        """Every chunk must exist with exactly L*S bytes; raises :class:`DescriptorError` otherwise."""
+        """Every chunk must exist with exactly L*(S+D) bytes; raises :class:`DescriptorError` otherwise."""
         for key, size in zip(desc.chunk_keys, self._head_pool.map(self._size, desc.chunk_keys)):
             if size is None:
                 raise DescriptorError(404, "NoSuchKey", f"chunk object {key} does not exist")
-            if size != desc.full_block_bytes:
+            if size != desc.object_bytes:
                 raise DescriptorError(
                     400, "InvalidObjectSize",
-                    f"chunk object {key} has {size} bytes, descriptor says L*S = "
-                    f"{desc.num_layers}*{desc.layer_bytes} = {desc.full_block_bytes}",
+                    f"chunk object {key} has {size} bytes, descriptor says L*(S+D) = "
+                    f"{desc.num_layers}*({desc.layer_bytes}+{desc.digest_bytes}) = {desc.object_bytes}",
                 )
 
     def close(self) -> None:
@@ -184,7 +202,8 @@ class Aggregator:
         started = time.monotonic()
         desc = job.desc
         window = desc.compute_window_s or self.config.default_compute_window_s
-        demand = Demand(desc.num_chunks * desc.layer_bytes, window, desc.payload_bytes)
+        # Digests count: the pacer sends each layer with its digests, so the demand declares the same bytes.
+        demand = Demand(desc.layer_unit_bytes, window, desc.payload_bytes)
         job.flow = self.scheduler.admit(demand, self.config.io_timeout_s)
         job.timings["admission_s"] = time.monotonic() - started
 
@@ -214,77 +233,32 @@ class Aggregator:
         """
         self._admit(job)
         try:
-            yield from self._deliveries(job)
-        finally:
-            if job.flow is not None:
-                self.scheduler.leave(job.flow)
-
-    def _deliveries(self, job: Job) -> Iterator[Unit]:
-        desc, agent = job.desc, job.io.agent
-        n, num_layers, s = desc.num_chunks, desc.num_layers, desc.layer_bytes
-        k = num_layers if job.mode == MODE_CHUNKWISE else min(
-            num_layers, max(1, math.ceil(self.config.min_read_bytes / s)))
-        windows = [(l0, min(k, num_layers - l0)) for l0 in range(0, num_layers, k)]
-        nbuf = min(2, len(windows))
-        window_bytes = n * k * s
-        staging = np.empty(nbuf * window_bytes, dtype=np.uint8)
-        base = staging.ctypes.data
-        dram_reg = agent.register_memory([(base, staging.nbytes, 0, "")], "DRAM")
-        dev_ids = obj_device_ids(agent, n)
-        obj_reg = agent.register_memory(
-            [(0, desc.full_block_bytes, d, key) for d, key in zip(dev_ids, desc.chunk_keys)], OBJ)
-        dev_id_column = np.arange(dev_ids.start, dev_ids.stop)
-        chunks = np.arange(n, dtype=np.int64)
-
-        def read(w: int) -> None:
-            l0, kw = windows[w]
-            local = base + (w % nbuf) * window_bytes + chunks * kw * s
-            rows_local = descriptors(local, kw * s)
-            rows_remote = descriptors(l0 * s, kw * s, dev_id_column)
-            # One NIXL request per group, so the OBJ backend's threads all work.
-            groups = np.array_split(np.arange(n), min(n, self.config.io_threads))
-            started = time.monotonic()
-            try:
-                ok = run_nixl_transfers(agent, "READ", [(rows_local[g], rows_remote[g]) for g in groups],
-                                        OBJ, self.config.io_timeout_s)
-            except TransferAbandoned:
-                job.abandoned = True  # NIXL may still write the staging buffer
-                raise
-            job.timings["storage_read_s"] += time.monotonic() - started
-            if not all(ok):
-                raise StorageError(f"ranged reads of layers [{l0}, {l0 + kw}) failed for {ok.count(False)} groups")
-
-        pending: Future | None = self._readers.submit(read, 0)
-        try:
-            for w, (l0, kw) in enumerate(windows):
-                started = time.monotonic()
-                current, pending = pending, None
-                current.result()
-                job.timings["read_wait_s"] += time.monotonic() - started
-                if w + 1 < len(windows):
-                    # Window w+1 goes into the buffer window w-1 used; all of it was delivered.
-                    pending = self._readers.submit(read, w + 1)
-                offset = (w % nbuf) * window_bytes
-                win = staging[offset : offset + n * kw * s].reshape(n, kw, s)
-                slot = base + offset + (chunks * kw * s)[:, None] + np.arange(kw, dtype=np.int64)[None, :] * s
-                if job.mode == MODE_CHUNKWISE:
-                    units = [Unit("chunks", 0, win.reshape(n, kw * s), slot, np.arange(kw)[None, :])]
-                else:
-                    units = (Unit("layer", l0 + i, win[:, i, :], slot[:, i], np.array(l0 + i)) for i in range(kw))
+            units = self._whole_objects(job) if job.mode == MODE_CHUNKWISE else self._layer_windows(job)
+            with contextlib.closing(units):
                 for unit in units:
                     if job.flow is not None:
                         started = time.monotonic()
-                        self.scheduler.send(job.flow, unit.view.nbytes, self.config.io_timeout_s)
+                        self.scheduler.send(job.flow, unit.nbytes, self.config.io_timeout_s)
                         job.timings["pacing_s"] += time.monotonic() - started
                     started = time.monotonic()
                     yield unit
                     job.timings["delivery_s"] += time.monotonic() - started
         finally:
-            if pending is not None:
-                try:
-                    pending.result()
-                except Exception:  # already failing; the read's own error is not the one to report
-                    pass
+            if job.flow is not None:
+                self.scheduler.leave(job.flow)
+
+    @contextlib.contextmanager
+    def _staging(self, job: Job, nbytes: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """A registered DRAM staging buffer and the chunk objects registered for OBJ reads (their device ids)."""
+        desc, agent = job.desc, job.io.agent
+        staging = np.empty(nbytes, dtype=np.uint8)
+        dram_reg = agent.register_memory([(staging.ctypes.data, staging.nbytes, 0, "")], "DRAM")
+        dev_ids = obj_device_ids(agent, desc.num_chunks)
+        obj_reg = agent.register_memory(
+            [(0, desc.object_bytes, d, key) for d, key in zip(dev_ids, desc.chunk_keys)], OBJ)
+        try:
+            yield staging, np.arange(dev_ids.start, dev_ids.stop)
+        finally:
             if job.abandoned:
                 self._abandoned.append((staging, dram_reg, obj_reg))
                 logger.error("request %s: transfers abandoned; staging of %d bytes kept", job.request_id,
@@ -293,14 +267,99 @@ class Aggregator:
                 agent.deregister_memory(obj_reg)
                 agent.deregister_memory(dram_reg)
 
+    def _read(self, job: Job, local: np.ndarray, remote: np.ndarray, what: str) -> None:
+        """Ranged GETs (descriptor rows: staging <- object range) through NIXL OBJ."""
+        # One NIXL request per group, so the OBJ backend's threads all work.
+        groups = np.array_split(np.arange(len(local)), min(len(local), self.config.io_threads))
+        started = time.monotonic()
+        try:
+            ok = run_nixl_transfers(job.io.agent, "READ", [(local[g], remote[g]) for g in groups], OBJ,
+                                    self.config.io_timeout_s)
+        except TransferAbandoned:
+            job.abandoned = True  # NIXL may still write the staging buffer
+            raise
+        job.timings["storage_read_s"] += time.monotonic() - started
+        if not all(ok):
+            raise StorageError(f"ranged reads of {what} failed for {ok.count(False)} groups")
+
+    def _whole_objects(self, job: Job) -> Iterator[Unit]:
+        """Chunkwise: each stored object in one GET (Full Block and trailer), all delivered at once."""
+        desc = job.desc
+        n, size = desc.num_chunks, desc.object_bytes
+        with self._staging(job, n * size) as (staging, dev_column):
+            starts = staging.ctypes.data + np.arange(n, dtype=np.int64) * size
+            started = time.monotonic()
+            self._read(job, descriptors(starts, size), descriptors(0, size, dev_column), "whole objects")
+            job.timings["read_wait_s"] += time.monotonic() - started
+            layers = np.arange(desc.num_layers, dtype=np.int64)[None, :]
+            yield Unit("chunks", 0, [staging.reshape(n, size)], starts[:, None] + layers * desc.layer_bytes,
+                       starts[:, None] + desc.full_block_bytes + layers * desc.digest_bytes, layers)
+
+    def _layer_windows(self, job: Job) -> Iterator[Unit]:
+        """Layerwise: windows of k layers, window w+1 read while window w is delivered, layer by layer."""
+        desc = job.desc
+        n, num_layers, s, d = desc.num_chunks, desc.num_layers, desc.layer_bytes, desc.digest_bytes
+        k = min(num_layers, max(1, math.ceil(self.config.min_read_bytes / s)))
+        windows = [(l0, min(k, num_layers - l0)) for l0 in range(0, num_layers, k)]
+        nbuf = min(2, len(windows))
+        # A window holds its layers (N, kw, S), then their digests (kw, N, D); the trailers
+        # (N, L, D) follow all windows.
+        window_bytes = n * k * (s + d)
+        trailers_at = nbuf * window_bytes
+        with self._staging(job, trailers_at + n * num_layers * d) as (staging, dev_column):
+            base = staging.ctypes.data
+            trailers = staging[trailers_at:].reshape(n, num_layers, d)
+            chunks = np.arange(n, dtype=np.int64)
+
+            def read(w: int) -> None:
+                l0, kw = windows[w]
+                local = descriptors(base + (w % nbuf) * window_bytes + chunks * kw * s, kw * s)
+                remote = descriptors(l0 * s, kw * s, dev_column)
+                if w == 0:
+                    local = np.concatenate([local, descriptors(base + trailers_at + chunks * num_layers * d,
+                                                               num_layers * d)])
+                    remote = np.concatenate([remote, descriptors(desc.full_block_bytes, num_layers * d, dev_column)])
+                self._read(job, local, remote, f"layers [{l0}, {l0 + kw})")
+
+            pending: Future | None = self._readers.submit(read, 0)
+            try:
+                for w, (l0, kw) in enumerate(windows):
+                    started = time.monotonic()
+                    current, pending = pending, None
+                    current.result()
+                    job.timings["read_wait_s"] += time.monotonic() - started
+                    if w + 1 < len(windows):
+                        # Window w+1 goes into the buffer window w-1 used; all of it was delivered.
+                        pending = self._readers.submit(read, w + 1)
+                    offset = (w % nbuf) * window_bytes
+                    blocks = staging[offset : offset + n * kw * s].reshape(n, kw, s)
+                    digests = staging[offset + n * kw * s : offset + n * kw * (s + d)].reshape(kw, n, d)
+                    digests[:] = trailers[:, l0 : l0 + kw, :].transpose(1, 0, 2)
+                    block_at = base + offset + chunks * kw * s
+                    digest_at = base + offset + n * kw * s + chunks * d
+                    for i in range(kw):
+                        yield Unit("layer", l0 + i, [blocks[:, i, :], digests[i]], block_at + i * s,
+                                   digest_at + i * n * d, np.array(l0 + i))
+            finally:
+                if pending is not None:
+                    try:
+                        pending.result()
+                    except Exception:  # already failing; the read's own error is not the one to report
+                        pass
+
     def deliver_nixl(self, job: Job, unit: Unit) -> None:
         """WRITE one unit into the client's buffer; its notification says which layer(s) are ready."""
-        target, agent = job.desc.target, job.io.agent
-        assert isinstance(target, NixlTarget) and job.remote_agent is not None
-        chunks = np.arange(job.desc.num_chunks, dtype=np.int64).reshape(-1, *([1] * (unit.local.ndim - 1)))
-        layer_bytes = job.desc.layer_bytes
-        remote = np.broadcast_to(target.remote_addrs(chunks, unit.layers, layer_bytes), unit.local.shape)
-        local_rows, remote_rows = coalesce(descriptors(unit.local, layer_bytes), descriptors(remote, layer_bytes))
+        desc, agent = job.desc, job.io.agent
+        assert isinstance(desc.target, NixlTarget) and job.remote_agent is not None
+        shape = unit.local.shape
+        chunks = np.arange(desc.num_chunks, dtype=np.int64).reshape(-1, *([1] * (unit.local.ndim - 1)))
+        remote, remote_digests = (np.broadcast_to(a, shape) for a in desc.target_addrs(chunks, unit.layers))
+        # Layer Blocks, then their digests: wherever both sides are adjacent (a layer and its
+        # digests with k = 1, a whole object chunk-major) the rows merge into one.
+        lengths = np.concatenate([np.full(shape, desc.layer_bytes), np.full(shape, desc.digest_bytes)], axis=-1)
+        local_rows, remote_rows = coalesce(
+            descriptors(np.concatenate([unit.local, unit.digest_local], axis=-1), lengths),
+            descriptors(np.concatenate([remote, remote_digests], axis=-1), lengths))
         notification = encode_notification(job.request_id, unit.index if unit.kind == "layer" else None)
         try:
             handle = agent.initialize_xfer(

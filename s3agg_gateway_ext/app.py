@@ -141,15 +141,16 @@ class Gateway:
                 self.aggregator.deliver_nixl(job, unit)
 
     def _frames(self, job: Job, started: float) -> Iterator[bytes | memoryview]:
-        """The HTTP delivery: one frame per layer (or one of all Full Blocks), then an end frame."""
+        """The HTTP delivery: one frame per layer and its digests (or one of all objects), then an end frame."""
         outcome = "error"
         try:
             with contextlib.closing(self.aggregator.stream(job)) as units:
                 for unit in units:
                     kind = FRAME_LAYER if unit.kind == "layer" else FRAME_CHUNKS
-                    yield FRAME.pack(kind, unit.index, unit.view.nbytes)
-                    # Contiguous already unless k > 1 (then one numpy gather of the layer).
-                    yield memoryview(unit.view if unit.view.flags.c_contiguous else unit.view.copy()).cast("B")
+                    yield FRAME.pack(kind, unit.index, unit.nbytes)
+                    for part in unit.parts:
+                        # Contiguous already unless k > 1 (then one numpy gather of the layer).
+                        yield memoryview(part if part.flags.c_contiguous else part.copy()).cast("B")
             outcome = "ok"
             summary = json.dumps(job.summary()).encode()
             yield FRAME.pack(FRAME_END, 0, len(summary)) + summary

@@ -8,14 +8,18 @@ existence and sizes are checked by the aggregator, still before any read.
 Wire form (JSON body of ``POST /<bucket>?aggregate``, names in
 :mod:`nixl_backends.s3agg_protocol`)::
 
-    {"version": 1, "chunk_keys": [...], "num_layers": L, "chunk_tokens": G, "per_layer_chunk_bytes": S,
-     "delivery": "layer_major", "compute_window_s": 0.01,          # optional, per layer
+    {"version": 2, "chunk_keys": [...], "num_layers": L, "chunk_tokens": G, "per_layer_chunk_bytes": S,
+     "digest_bytes": D, "delivery": "layer_major", "compute_window_s": 0.01,   # optional, per layer
      "target": {"type": "http"}
             | {"type": "nixl", "agent_metadata": "<base64>", "layout": "layer_major" | "chunk_major",
                "regions": [[addr, length], ...]}}
 
-``layer_major`` regions: one per layer, chunk ``j`` of layer ``l`` at ``regions[l] + j*S``.
-``chunk_major`` regions: one per chunk (a Full Block), layer ``l`` at ``regions[j] + l*S``.
+Each stored object is ``L*(S + D)`` bytes: the Full Block, then one ``D``-byte
+digest per layer (``D`` must be :data:`~nixl_backends.layout.DIGEST_BYTES`).
+``layer_major`` regions: one per layer of ``N*S + N*D`` bytes, chunk ``j`` of layer ``l`` at
+``regions[l] + j*S``, its digest at ``regions[l] + N*S + j*D``.
+``chunk_major`` regions: one per chunk, the stored object (layer ``l`` at ``regions[j] + l*S``,
+its digest at ``regions[j] + L*S + l*D``).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from nixl_backends.layout import DIGEST_BYTES
 from nixl_backends.s3agg_protocol import (
     AGENT_METADATA,
     CHUNK_KEYS,
@@ -36,6 +41,7 @@ from nixl_backends.s3agg_protocol import (
     DELIVERY,
     DELIVERY_LAYER_MAJOR,
     DESCRIPTOR_KEYS,
+    DIGEST_BYTES_KEY,
     LAYER_BYTES,
     LAYOUT_CHUNK_MAJOR,
     LAYOUT_LAYER_MAJOR,
@@ -79,12 +85,6 @@ class NixlTarget:
     addrs: np.ndarray
     lengths: np.ndarray
 
-    def remote_addrs(self, chunks: np.ndarray, layers: np.ndarray, layer_bytes: int) -> np.ndarray:
-        """Client addresses of (chunk, layer) slices; arguments broadcast against each other."""
-        if self.layout == LAYOUT_LAYER_MAJOR:
-            return self.addrs[layers] + chunks * layer_bytes
-        return self.addrs[chunks] + layers * layer_bytes
-
 
 @dataclass(frozen=True)
 class HttpTarget:
@@ -98,6 +98,7 @@ class Descriptor:
     num_layers: int
     chunk_tokens: int
     layer_bytes: int
+    digest_bytes: int
     compute_window_s: float | None
     target: NixlTarget | HttpTarget
 
@@ -110,8 +111,30 @@ class Descriptor:
         return self.num_layers * self.layer_bytes
 
     @property
+    def object_bytes(self) -> int:
+        """One stored object: the Full Block and its trailer of one digest per layer."""
+        return self.num_layers * (self.layer_bytes + self.digest_bytes)
+
+    @property
+    def layer_unit_bytes(self) -> int:
+        """One layer of every chunk with its digests: what a layer delivery moves."""
+        return self.num_chunks * (self.layer_bytes + self.digest_bytes)
+
+    @property
     def payload_bytes(self) -> int:
-        return self.num_chunks * self.full_block_bytes
+        """Every byte delivered (digests included): Theta, limits, scheduling and metrics count this."""
+        return self.num_chunks * self.object_bytes
+
+    def target_addrs(self, chunks: np.ndarray, layers: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Client addresses of (chunk, layer) Layer Blocks and of their digests; arguments broadcast."""
+        target = self.target
+        assert isinstance(target, NixlTarget)
+        s, d = self.layer_bytes, self.digest_bytes
+        if target.layout == LAYOUT_LAYER_MAJOR:
+            region = target.addrs[layers]
+            return region + chunks * s, region + self.num_chunks * s + chunks * d
+        region = target.addrs[chunks]
+        return region + layers * s, region + self.full_block_bytes + layers * d
 
 
 def _int_field(body: dict[str, Any], name: str, low: int, high: int) -> int:
@@ -123,7 +146,8 @@ def _int_field(body: dict[str, Any], name: str, low: int, high: int) -> int:
     return value
 
 
-def _parse_target(raw: Any, num_chunks: int, num_layers: int, layer_bytes: int) -> NixlTarget | HttpTarget:
+def _parse_target(raw: Any, num_chunks: int, num_layers: int, layer_bytes: int,
+                  digest_bytes: int) -> NixlTarget | HttpTarget:
     if not isinstance(raw, dict):
         raise _bad(f"{TARGET} must be an object, got {raw!r}")
     kind = raw.get(TARGET_TYPE)
@@ -152,8 +176,8 @@ def _parse_target(raw: Any, num_chunks: int, num_layers: int, layer_bytes: int) 
         for r in regions
     ):
         raise _bad(f"{TARGET}.{REGIONS} must be a list of [addr, length] integer pairs")
-    expected, needed = (num_layers, num_chunks * layer_bytes) if layout == LAYOUT_LAYER_MAJOR else (
-        num_chunks, num_layers * layer_bytes)
+    expected, needed = (num_layers, num_chunks * (layer_bytes + digest_bytes)) if layout == LAYOUT_LAYER_MAJOR \
+        else (num_chunks, num_layers * (layer_bytes + digest_bytes))
     if len(regions) != expected:
         raise DescriptorError(400, "InvalidTarget", f"{layout} target needs {expected} regions, got {len(regions)}")
     pairs = np.array(regions, dtype=object)
@@ -210,7 +234,12 @@ def parse_descriptor(bucket: str, body: bytes, config: GatewayConfig) -> Descrip
     num_layers = _int_field(raw, NUM_LAYERS, 1, config.max_layers)
     chunk_tokens = _int_field(raw, CHUNK_TOKENS, 1, 1 << 20)
     layer_bytes = _int_field(raw, LAYER_BYTES, 1, config.max_layer_chunk_bytes)
-    payload = len(keys) * num_layers * layer_bytes
+    # Fixed by the stored format: a client that assumes another trailer would misplace every digest.
+    digest_bytes = raw.get(DIGEST_BYTES_KEY)
+    if type(digest_bytes) is not int or digest_bytes != DIGEST_BYTES:
+        raise DescriptorError(400, "InvalidArgument", f"{DIGEST_BYTES_KEY}={digest_bytes!r}: stored chunk objects "
+                                                      f"carry {DIGEST_BYTES}-byte layer digests")
+    payload = len(keys) * num_layers * (layer_bytes + digest_bytes)
     if payload > config.max_payload_bytes:
         raise DescriptorError(
             400, "InvalidArgument", f"payload {payload} bytes exceeds max_payload_bytes {config.max_payload_bytes}")
@@ -219,6 +248,6 @@ def parse_descriptor(bucket: str, body: bytes, config: GatewayConfig) -> Descrip
     window = raw.get(COMPUTE_WINDOW)
     if window is not None and (not isinstance(window, (int, float)) or isinstance(window, bool) or window <= 0):
         raise _bad(f"{COMPUTE_WINDOW} must be a positive number, got {window!r}")
-    target = _parse_target(raw.get(TARGET), len(keys), num_layers, layer_bytes)
-    return Descriptor(bucket, tuple(keys), num_layers, chunk_tokens, layer_bytes,
+    target = _parse_target(raw.get(TARGET), len(keys), num_layers, layer_bytes, digest_bytes)
+    return Descriptor(bucket, tuple(keys), num_layers, chunk_tokens, layer_bytes, digest_bytes,
                       float(window) if window is not None else None, target)

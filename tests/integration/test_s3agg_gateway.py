@@ -1,7 +1,11 @@
 """s3agg-gateway as a real process in front of a real SeaweedFS, read through the s3agg client backend.
 
-Payload bytes are compared with the objects written; refused requests must
-leave the client's target buffer exactly as it was (a sentinel pattern).
+The objects are real chunk objects (Full Block and integrity trailer, sealed
+with :class:`ChunkIntegrity`). Delivered bytes are compared with the objects
+written (layer-major: each layer's blocks, then its digests) and every layer
+is verified with its delivered digests; a corrupted object is delivered as
+stored and fails verification at the reader. Refused requests must leave the
+client's target buffer exactly as it was (a sentinel pattern).
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from botocore.credentials import Credentials
 from botocore.exceptions import ClientError
 from prometheus_client import REGISTRY
 
-from nixl_backends.layout import BlockLayout
+from nixl_backends.integrity import ChunkIntegrity, chunk_hash_of
+from nixl_backends.layout import DIGEST_BYTES, BlockLayout
 from nixl_backends.s3agg import GatewayRefused, parse_error, post_signed
-from nixl_backends.s3agg_protocol import EXTENSION_QUERY, PROTOCOL_VERSION
+from nixl_backends.s3agg_protocol import EXTENSION_QUERY, PROTOCOL_VERSION, layer_region_bytes
 from tests.s3agg_fixtures import (  # noqa: F401  (fixtures)
     CLIENT_ACCESS_KEY,
     CLIENT_SECRET_KEY,
@@ -31,7 +36,6 @@ from tests.s3agg_fixtures import (  # noqa: F401  (fixtures)
     LayerBuffers,
     gateway,
     open_store,
-    put_chunks,
     s3agg_bucket,
     start_gateway,
 )
@@ -65,6 +69,48 @@ def read_all(store, keys, buffers: LayerBuffers):
     return result, handed
 
 
+# --- chunk objects with real trailers ----------------------------------------------------------------
+
+
+def put_objects(seaweedfs, bucket: str, rng: np.random.Generator, count: int, layout: BlockLayout) -> tuple[
+        list[str], np.ndarray]:
+    """``count`` random Full Blocks sealed with their trailers, stored under chunk keys; keys and objects."""
+    integrity = ChunkIntegrity(layout)
+    prefix = uuid.uuid4().hex
+    keys = [f"kv/{prefix}/{j:02x}/{rng.bytes(32).hex()}" for j in range(count)]
+    objects = rng.integers(0, 256, size=(count, layout.object_bytes), dtype=np.uint8)
+    client = seaweedfs.client()
+    for key, obj in zip(keys, objects):
+        integrity.seal(chunk_hash_of(key), obj)
+        client.put_object(Bucket=bucket, Key=key, Body=obj.tobytes())
+    return keys, objects
+
+
+def layer_buffers(agent, layout: BlockLayout, num_chunks: int) -> LayerBuffers:
+    """One layer-major region per layer: N*S block bytes and N*D digests (N*(S+D) bytes)."""
+    return LayerBuffers(agent, layout.num_layers, num_chunks, layout.layer_block_bytes + DIGEST_BYTES)
+
+
+def layer_major(objects: np.ndarray, layout: BlockLayout) -> np.ndarray:
+    """What layer-major delivery must produce from the stored objects: per layer, its blocks then its digests."""
+    n, full = objects.shape[0], layout.full_block_bytes
+    blocks = objects[:, :full].reshape(n, layout.num_layers, -1).transpose(1, 0, 2).reshape(layout.num_layers, -1)
+    digests = objects[:, full:].reshape(n, layout.num_layers, DIGEST_BYTES).transpose(1, 0, 2)
+    return np.concatenate([blocks, digests.reshape(layout.num_layers, -1)], axis=1)
+
+
+def intact_chunks(layout: BlockLayout, keys, buffers: LayerBuffers) -> list[int]:
+    """Per layer, how many leading chunks verify against their delivered digests."""
+    integrity = ChunkIntegrity(layout)
+    hashes = [chunk_hash_of(k) for k in keys]
+    return [integrity.verify_layer_major(hashes, layer, buffers.array[layer]) for layer in range(layout.num_layers)]
+
+
+def assert_delivered(layout: BlockLayout, keys, objects: np.ndarray, buffers: LayerBuffers) -> None:
+    np.testing.assert_array_equal(buffers.array, layer_major(objects, layout))
+    assert intact_chunks(layout, keys, buffers) == [len(keys)] * layout.num_layers
+
+
 # --- payloads ------------------------------------------------------------------------------------
 
 
@@ -76,17 +122,19 @@ def test_assembled_layers_equal_the_chunks_layer_slices(seaweedfs, s3agg_bucket,
     chunk_tokens = int(rng.choice([16, 32, 64]))
     layer_bytes = chunk_tokens * int(rng.integers(1, 97))  # odd sizes too: S = G * bytes per token
     num_chunks = int(rng.integers(1, 33))
-    keys, blocks = put_chunks(seaweedfs, s3agg_bucket, rng, num_chunks, num_layers * layer_bytes)
-    store = open_store(seaweedfs, s3agg_bucket, gateway.url, BlockLayout(num_layers, layer_bytes), agent,
-                       delivery=delivery, chunk_tokens=chunk_tokens)
-    buffers = LayerBuffers(agent, num_layers, num_chunks, layer_bytes)
+    layout = BlockLayout(num_layers, layer_bytes)
+    keys, objects = put_objects(seaweedfs, s3agg_bucket, rng, num_chunks, layout)
+    store = open_store(seaweedfs, s3agg_bucket, gateway.url, layout, agent, delivery=delivery,
+                       chunk_tokens=chunk_tokens)
+    buffers = layer_buffers(agent, layout, num_chunks)
 
     result, handed = read_all(store, keys, buffers)
 
-    payload = num_chunks * num_layers * layer_bytes
+    # Theta and the summary count every byte delivered, digests included.
+    payload = num_chunks * layout.object_bytes
     assert result.mode == ("layerwise" if payload >= THETA else "chunkwise")
     assert handed == list(range(num_layers))
-    np.testing.assert_array_equal(buffers.array, buffers.expected(blocks, num_layers))
+    assert_delivered(layout, keys, objects, buffers)
     assert result.summary["payload_bytes"] == payload
     if delivery == "nixl":
         # One notification per layer, in order (chunkwise: one for everything).
@@ -98,42 +146,94 @@ def test_layer_windows_larger_than_one_layer_assemble_the_same(seaweedfs, s3agg_
                                                                delivery):
     """min_read_bytes makes each GET cover 3 of 7 layers; layers are then gathered from staging."""
     windowed = start_gateway(min_read_bytes=3 * 2048)
-    keys, blocks = put_chunks(seaweedfs, s3agg_bucket, np.random.default_rng(7), 40, 7 * 2048)
-    store = open_store(seaweedfs, s3agg_bucket, windowed.url, BlockLayout(7, 2048), agent, delivery=delivery)
-    buffers = LayerBuffers(agent, 7, 40, 2048)
+    layout = BlockLayout(7, 2048)
+    keys, objects = put_objects(seaweedfs, s3agg_bucket, np.random.default_rng(7), 40, layout)
+    store = open_store(seaweedfs, s3agg_bucket, windowed.url, layout, agent, delivery=delivery)
+    buffers = layer_buffers(agent, layout, 40)
     result, handed = read_all(store, keys, buffers)
     assert result.mode == "layerwise" and handed == list(range(7))
-    np.testing.assert_array_equal(buffers.array, buffers.expected(blocks, 7))
+    # Windows of 3, 3 and 1 layers: each layer's digests come from the trailers read up front.
+    assert_delivered(layout, keys, objects, buffers)
 
 
 def test_mode_switches_exactly_at_theta(seaweedfs, s3agg_bucket, gateway, agent):
-    num_layers, layer_bytes = 2, 8192  # L*S = 16 KiB; THETA = 64 KiB = 4 chunks
+    # L*(S+D) = 16 KiB; THETA = 64 KiB = 4 objects (digests count towards W).
+    layout = BlockLayout(2, 8192 - DIGEST_BYTES)
     rng = np.random.default_rng(11)
-    keys, blocks = put_chunks(seaweedfs, s3agg_bucket, rng, 4, num_layers * layer_bytes)
-    store = open_store(seaweedfs, s3agg_bucket, gateway.url, BlockLayout(num_layers, layer_bytes), agent)
+    keys, objects = put_objects(seaweedfs, s3agg_bucket, rng, 4, layout)
+    store = open_store(seaweedfs, s3agg_bucket, gateway.url, layout, agent)
     for count, mode in ((3, "chunkwise"), (4, "layerwise")):
-        assert count * num_layers * layer_bytes == THETA - (4 - count) * num_layers * layer_bytes
-        buffers = LayerBuffers(agent, num_layers, count, layer_bytes)
+        assert count * layout.object_bytes == THETA - (4 - count) * layout.object_bytes
+        buffers = layer_buffers(agent, layout, count)
         result, handed = read_all(store, keys[:count], buffers)
         assert result.mode == mode
         assert handed == [0, 1]
-        np.testing.assert_array_equal(buffers.array, buffers.expected(blocks[:count], num_layers))
+        assert_delivered(layout, keys[:count], objects[:count], buffers)
 
 
-def test_full_block_reads_through_the_gateway(seaweedfs, s3agg_bucket, gateway, agent):
+@pytest.mark.parametrize(("count", "mode"), [(3, "chunkwise"), (9, "layerwise")])
+def test_object_reads_through_the_gateway_return_the_stored_objects(seaweedfs, s3agg_bucket, gateway, agent, count,
+                                                                     mode):
     layout = BlockLayout(3, 4096)
+    assert (count * layout.object_bytes >= THETA) == (mode == "layerwise")
     rng = np.random.default_rng(5)
-    keys, blocks = put_chunks(seaweedfs, s3agg_bucket, rng, 9, layout.full_block_bytes)
+    keys, objects = put_objects(seaweedfs, s3agg_bucket, rng, count, layout)
     store = open_store(seaweedfs, s3agg_bucket, gateway.url, layout, agent)
     assert store.lookup(keys) == len(keys)
-    target = np.zeros_like(blocks)
+    target = np.zeros_like(objects)
     agent.register_memory([(target.ctypes.data, target.nbytes, 0, "")], "DRAM")
     # Scattered destinations (reverse order) prove the chunk-major target addressing.
-    addrs = [target.ctypes.data + (len(keys) - 1 - j) * layout.full_block_bytes for j in range(len(keys))]
+    addrs = [target.ctypes.data + (len(keys) - 1 - j) * layout.object_bytes for j in range(len(keys))]
     before = REGISTRY.get_sample_value("s3agg_client_fallbacks_total", {"op": "read"}) or 0.0
     assert store.read(keys, addrs) == [True] * len(keys)
-    np.testing.assert_array_equal(target[::-1], blocks)
+    # Exactly the stored objects, trailers included: what the connector's read path verifies.
+    np.testing.assert_array_equal(target[::-1], objects)
+    integrity = ChunkIntegrity(layout)
+    assert all(integrity.verify(chunk_hash_of(key), obj) for key, obj in zip(keys, target[::-1]))
     assert (REGISTRY.get_sample_value("s3agg_client_fallbacks_total", {"op": "read"}) or 0.0) == before
+
+
+# --- a corrupted object --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def corrupted(seaweedfs, s3agg_bucket):
+    """Six sealed objects of L=3, S=4096 (6 are above THETA, 3 below); chunk 2's layer 1 then overwritten in
+    place with different bytes of the same size, as a bad disk or a poisoning writer would leave it."""
+    layout = BlockLayout(3, 4096)
+    keys, objects = put_objects(seaweedfs, s3agg_bucket, np.random.default_rng(21), 6, layout)
+    start, end = layout.layer_range(1)
+    objects[2, start + 100 : start + 104] ^= 0xFF
+    seaweedfs.client().put_object(Bucket=s3agg_bucket, Key=keys[2], Body=objects[2].tobytes())
+    return layout, keys, objects
+
+
+@pytest.mark.parametrize(("delivery", "count"), [("nixl", 6), ("nixl", 3), ("http", 6), ("http", 3)])
+def test_a_corrupted_object_is_delivered_as_stored_and_fails_verification(seaweedfs, s3agg_bucket, gateway,
+                                                                         corrupted, agent, delivery, count):
+    layout, keys, objects = corrupted
+    keys, objects = keys[:count], objects[:count]
+    assert (count * layout.object_bytes >= THETA) == (count == 6)
+    store = open_store(seaweedfs, s3agg_bucket, gateway.url, layout, agent, delivery=delivery)
+    buffers = layer_buffers(agent, layout, count)
+    result, handed = read_all(store, keys, buffers)
+    assert result.mode == ("layerwise" if count == 6 else "chunkwise") and handed == [0, 1, 2]
+    # The gateway moves bytes and digests, it does not judge them ...
+    np.testing.assert_array_equal(buffers.array, layer_major(objects, layout))
+    # ... the reader does: layer 1 is intact up to chunk 2 only; the other layers verify.
+    assert intact_chunks(layout, keys, buffers) == [count, 2, count]
+
+
+def test_a_corrupted_object_read_whole_fails_verification(seaweedfs, s3agg_bucket, gateway, corrupted, agent):
+    layout, keys, objects = corrupted
+    store = open_store(seaweedfs, s3agg_bucket, gateway.url, layout, agent)
+    target = np.zeros_like(objects)
+    agent.register_memory([(target.ctypes.data, target.nbytes, 0, "")], "DRAM")
+    assert store.read(keys, [row.ctypes.data for row in target]) == [True] * len(keys)
+    np.testing.assert_array_equal(target, objects)
+    integrity = ChunkIntegrity(layout)
+    assert [integrity.verify(chunk_hash_of(key), obj) for key, obj in zip(keys, target)] == [
+        True, True, False, True, True, True]
 
 
 # --- refusals ------------------------------------------------------------------------------------
@@ -151,11 +251,14 @@ def signed(gateway_url: str, bucket: str, body: bytes, secret: str = CLIENT_SECR
         conn.close()
 
 
+STORED = BlockLayout(4, 4096)
+REGION = layer_region_bytes(4, 4096)  # a layer region of the four stored chunks: 4*(4096+16) bytes
+
+
 @pytest.fixture(scope="module")
 def stored(seaweedfs, s3agg_bucket):
-    """Four chunks of L=4 layers of S=4096 bytes."""
-    keys, blocks = put_chunks(seaweedfs, s3agg_bucket, np.random.default_rng(99), 4, 4 * 4096)
-    return keys, blocks
+    """Four chunk objects of L=4 layers of S=4096 bytes, sealed."""
+    return put_objects(seaweedfs, s3agg_bucket, np.random.default_rng(99), 4, STORED)
 
 
 def descriptor(keys, buffers: LayerBuffers, agent, **changes) -> dict:
@@ -165,11 +268,12 @@ def descriptor(keys, buffers: LayerBuffers, agent, **changes) -> dict:
         "num_layers": 4,
         "chunk_tokens": 32,
         "per_layer_chunk_bytes": 4096,
+        "digest_bytes": DIGEST_BYTES,
         "target": {
             "type": "nixl",
             "layout": "layer_major",
             "agent_metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
-            "regions": [[a, len(keys) * 4096] for a in buffers.addrs],
+            "regions": [[a, REGION] for a in buffers.addrs],
         },
     }
     target_changes = changes.pop("target", {})
@@ -181,36 +285,49 @@ def descriptor(keys, buffers: LayerBuffers, agent, **changes) -> dict:
 BAD = {
     "unknown key": (lambda k, b: {"chunk_keys": k[:2] + ["kv/nope/00/" + "0" * 64] + k[3:]}, 404, "NoSuchKey",
                     "does not exist"),
-    "size not L*S": (lambda k, b: {"per_layer_chunk_bytes": 4095}, 400, "InvalidObjectSize",
-                     "has 16384 bytes, descriptor says L*S = 4*4095 = 16380"),
+    "size not L*(S+D)": (lambda k, b: {"per_layer_chunk_bytes": 4095}, 400, "InvalidObjectSize",
+                         "has 16448 bytes, descriptor says L*(S+D) = 4*(4095+16) = 16444"),
+    "digest size": (lambda k, b: {"digest_bytes": 8}, 400, "InvalidArgument",
+                    f"digest_bytes=8: stored chunk objects carry {DIGEST_BYTES}-byte layer digests"),
+    "no digest size": (lambda k, b: {"digest_bytes": None}, 400, "InvalidArgument", "digest_bytes=None"),
     "S zero": (lambda k, b: {"per_layer_chunk_bytes": 0}, 400, "InvalidArgument", "per_layer_chunk_bytes=0"),
     "S huge": (lambda k, b: {"per_layer_chunk_bytes": 1 << 40}, 400, "InvalidArgument", "per_layer_chunk_bytes="),
     "L zero": (lambda k, b: {"num_layers": 0}, 400, "InvalidArgument", "num_layers=0"),
     "L huge": (lambda k, b: {"num_layers": 100000}, 400, "InvalidArgument", "num_layers=100000"),
-    "target too small": (lambda k, b: {"target": {"regions": [[a, 4 * 4096 - 1] for a in b.addrs]}}, 400,
-                         "InvalidTarget", "has 16383 bytes, needs 16384"),
-    "target overlapping": (lambda k, b: {"target": {"regions": [[b.addrs[0] + 8, 4 * 4096]] + [
-        [a, 4 * 4096] for a in b.addrs[1:]]}}, 400, "InvalidTarget", "overlap"),
-    "target unregistered": (lambda k, b: {"target": {"regions": [[a + (1 << 40), 4 * 4096] for a in b.addrs]}},
+    # Protocol 1's region size: the blocks fit, their digests would not.
+    "target without digest room": (lambda k, b: {"target": {"regions": [[a, 4 * 4096] for a in b.addrs]}}, 400,
+                                   "InvalidTarget", f"has 16384 bytes, needs {REGION}"),
+    "target too small": (lambda k, b: {"target": {"regions": [[a, REGION - 1] for a in b.addrs]}}, 400,
+                         "InvalidTarget", f"has {REGION - 1} bytes, needs {REGION}"),
+    "target overlapping": (lambda k, b: {"target": {"regions": [[b.addrs[0] + 8, REGION]] + [
+        [a, REGION] for a in b.addrs[1:]]}}, 400, "InvalidTarget", "overlap"),
+    "target unregistered": (lambda k, b: {"target": {"regions": [[a + (1 << 40), REGION] for a in b.addrs]}},
                             400, "InvalidTarget", "not memory registered"),
-    "wrong region count": (lambda k, b: {"target": {"regions": [[b.addrs[0], 4 * 4096]]}}, 400, "InvalidTarget",
+    "wrong region count": (lambda k, b: {"target": {"regions": [[b.addrs[0], REGION]]}}, 400, "InvalidTarget",
                            "needs 4 regions, got 1"),
     "not a target type": (lambda k, b: {"target": {"type": "rdma"}}, 400, "MalformedDescriptor", "target.type"),
     "other protocol version": (lambda k, b: {"version": PROTOCOL_VERSION + 1}, 400, "UnsupportedProtocolVersion",
                                f"version {PROTOCOL_VERSION + 1}; this gateway speaks s3agg protocol version "
                                f"{PROTOCOL_VERSION}"),
+    # A client of protocol 1 (objects without trailers, no digests delivered).
+    "protocol 1 client": (lambda k, b: {"version": 1, "digest_bytes": None,
+                                        "target": {"regions": [[a, 4 * 4096] for a in b.addrs]}},
+                          400, "UnsupportedProtocolVersion",
+                          f"version 1; this gateway speaks s3agg protocol version {PROTOCOL_VERSION}"),
 }
 
 
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_descriptors_are_refused_before_anything_is_written(gateway, s3agg_bucket, stored, ucx_agent, case):
     keys, _ = stored
-    buffers = LayerBuffers(ucx_agent, 4, len(keys), 4096)
+    buffers = layer_buffers(ucx_agent, STORED, len(keys))
     change, status, code, reason = BAD[case]
     body = json.dumps(descriptor(keys, buffers, ucx_agent, **change(keys, buffers))).encode()
     got_status, got_code, message, _ = signed(gateway.url, s3agg_bucket, body)
     assert (got_status, got_code) == (status, code), message
     assert reason in message
+    if code == "InvalidObjectSize":
+        assert message.startswith(f"chunk object {keys[0]} has")  # names the object
     assert buffers.untouched()
 
 
@@ -223,7 +340,7 @@ def test_malformed_bodies_are_refused(gateway, s3agg_bucket, body):
 
 def test_unserved_bucket_is_no_such_bucket(gateway, stored, ucx_agent):
     keys, _ = stored
-    buffers = LayerBuffers(ucx_agent, 4, len(keys), 4096)
+    buffers = layer_buffers(ucx_agent, STORED, len(keys))
     body = json.dumps(descriptor(keys, buffers, ucx_agent)).encode()
     status, code, _, _ = signed(gateway.url, "some-other-bucket", body)
     assert (status, code) == (404, "NoSuchBucket")
@@ -236,7 +353,7 @@ def test_unserved_bucket_is_no_such_bucket(gateway, stored, ucx_agent):
 ])
 def test_wrong_credentials_get_403(gateway, s3agg_bucket, stored, ucx_agent, access, secret, code):
     keys, _ = stored
-    buffers = LayerBuffers(ucx_agent, 4, len(keys), 4096)
+    buffers = layer_buffers(ucx_agent, STORED, len(keys))
     body = json.dumps(descriptor(keys, buffers, ucx_agent)).encode()
     status, got_code, _, _ = signed(gateway.url, s3agg_bucket, body, secret=secret, access=access)
     assert (status, got_code) == (403, code)
@@ -261,8 +378,8 @@ def test_unsigned_and_ordinary_s3_requests(gateway, s3agg_bucket):
 
 def test_client_raises_refusals_without_falling_back(seaweedfs, s3agg_bucket, gateway, stored, agent):
     keys, _ = stored
-    store = open_store(seaweedfs, s3agg_bucket, gateway.url, BlockLayout(4, 4096), agent, secret_key="wrong")
-    buffers = LayerBuffers(agent, 4, len(keys), 4096)
+    store = open_store(seaweedfs, s3agg_bucket, gateway.url, STORED, agent, secret_key="wrong")
+    buffers = layer_buffers(agent, STORED, len(keys))
     with pytest.raises(GatewayRefused) as refused:
         store.read_layerwise(keys, buffers.addrs, lambda layer: None)
     assert (refused.value.status, refused.value.code) == (403, "SignatureDoesNotMatch")
@@ -277,12 +394,10 @@ def test_gateway_stopped_mid_request_falls_back_to_plain_s3(seaweedfs, s3agg_buc
                                                              caplog):
     # Paced at 1 MB/s, each 128 KiB layer takes ~0.13 s: the stop lands mid-request.
     paced = start_gateway(bandwidth_cap_bytes_s=1e6, policy="equal", epoch_s=0.01)
-    num_layers, layer_bytes, num_chunks = 8, 8192, 16
-    keys, blocks = put_chunks(seaweedfs, s3agg_bucket, np.random.default_rng(3), num_chunks,
-                              num_layers * layer_bytes)
-    store = open_store(seaweedfs, s3agg_bucket, paced.url, BlockLayout(num_layers, layer_bytes), agent,
-                       delivery=delivery)
-    buffers = LayerBuffers(agent, num_layers, num_chunks, layer_bytes)
+    layout, num_chunks = BlockLayout(8, 8192), 16
+    keys, objects = put_objects(seaweedfs, s3agg_bucket, np.random.default_rng(3), num_chunks, layout)
+    store = open_store(seaweedfs, s3agg_bucket, paced.url, layout, agent, delivery=delivery)
+    buffers = layer_buffers(agent, layout, num_chunks)
     handed: list[int] = []
 
     def on_layer(layer: int) -> None:
@@ -296,8 +411,9 @@ def test_gateway_stopped_mid_request_falls_back_to_plain_s3(seaweedfs, s3agg_buc
         result = store.read_layerwise(keys, buffers.addrs, on_layer)
     assert result.mode == "fallback"
     assert result.error
-    assert handed == list(range(num_layers))
-    np.testing.assert_array_equal(buffers.array, buffers.expected(blocks, num_layers))
+    assert handed == list(range(layout.num_layers))
+    # Layer 0 came from the gateway, the rest from plain ranged GETs: the same layout, digests included.
+    assert_delivered(layout, keys, objects, buffers)
     assert REGISTRY.get_sample_value("s3agg_client_fallbacks_total", {"op": "read_layerwise"}) == before + 1
     assert any("falls back to plain S3" in r.getMessage() and result.request_id in r.getMessage()
                for r in caplog.records)
@@ -306,14 +422,14 @@ def test_gateway_stopped_mid_request_falls_back_to_plain_s3(seaweedfs, s3agg_buc
 def test_unreachable_gateway_falls_back(seaweedfs, s3agg_bucket, stored, agent):
     from dualpath_dev.processes import free_port
 
-    keys, blocks = stored
-    store = open_store(seaweedfs, s3agg_bucket, f"http://127.0.0.1:{free_port()}", BlockLayout(4, 4096), agent)
-    buffers = LayerBuffers(agent, 4, len(keys), 4096)
+    keys, objects = stored
+    store = open_store(seaweedfs, s3agg_bucket, f"http://127.0.0.1:{free_port()}", STORED, agent)
+    buffers = layer_buffers(agent, STORED, len(keys))
     result, handed = read_all(store, keys, buffers)
     # Refused, or reset when something else grabbed the free port meanwhile: either way a fallback.
     assert result.mode == "fallback" and result.error.startswith(f"gateway {store.config.gateway}")
     assert handed == [0, 1, 2, 3]
-    np.testing.assert_array_equal(buffers.array, buffers.expected(blocks, 4))
+    assert_delivered(STORED, keys, objects, buffers)
 
 
 # --- tracing -------------------------------------------------------------------------------------
@@ -321,8 +437,8 @@ def test_unreachable_gateway_falls_back(seaweedfs, s3agg_bucket, stored, agent):
 
 def test_request_id_metrics_and_no_secrets_in_logs(seaweedfs, s3agg_bucket, gateway, stored, agent):
     keys, _ = stored
-    store = open_store(seaweedfs, s3agg_bucket, gateway.url, BlockLayout(4, 4096), agent)
-    buffers = LayerBuffers(agent, 4, len(keys), 4096)
+    store = open_store(seaweedfs, s3agg_bucket, gateway.url, STORED, agent)
+    buffers = layer_buffers(agent, STORED, len(keys))
     request_id = f"trace-{uuid.uuid4().hex}"
     result = store.read_layerwise(keys, buffers.addrs, lambda layer: None, request_id=request_id)
     assert result.request_id == request_id == result.summary["request_id"]

@@ -1,13 +1,17 @@
-"""The s3agg wire protocol: what the client writes, the gateway reads, version checks included."""
+"""The s3agg wire protocol: what the client writes, the gateway reads, version and trailer checks included."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
+from nixl_backends.integrity import ChunkIntegrity
+from nixl_backends.layout import DIGEST_BYTES, BlockLayout
 from nixl_backends.s3agg_protocol import (
     ALL_LAYERS,
+    DIGEST_BYTES_KEY,
     LAYOUT_CHUNK_MAJOR,
     LAYOUT_LAYER_MAJOR,
     PROTOCOL_VERSION,
@@ -15,6 +19,7 @@ from nixl_backends.s3agg_protocol import (
     descriptor_body,
     encode_notification,
     http_target,
+    layer_region_bytes,
     nixl_target,
     parse_notification,
 )
@@ -40,10 +45,13 @@ def test_other_notifications_are_not_the_gateways():
 
 
 def test_the_gateway_parses_what_the_client_writes_nixl_target():
-    regions = [[4096 * (1 + layer), len(KEYS) * 256] for layer in range(4)]
+    regions = [[4096 * (1 + layer), layer_region_bytes(len(KEYS), 256)] for layer in range(4)]
     body = descriptor_body(KEYS, 4, 16, 256, nixl_target(b"metadata", LAYOUT_LAYER_MAJOR, regions), 0.01)
     desc = parse_descriptor("kv-bucket", body, CONFIG)
-    assert (desc.chunk_keys, desc.num_layers, desc.chunk_tokens, desc.layer_bytes) == (tuple(KEYS), 4, 16, 256)
+    assert (desc.chunk_keys, desc.num_layers, desc.chunk_tokens, desc.layer_bytes, desc.digest_bytes) == (
+        tuple(KEYS), 4, 16, 256, DIGEST_BYTES)
+    assert desc.object_bytes == BlockLayout(4, 256).object_bytes
+    assert desc.payload_bytes == len(KEYS) * desc.object_bytes
     assert desc.compute_window_s == 0.01
     assert isinstance(desc.target, NixlTarget)
     assert desc.target.agent_metadata == b"metadata" and desc.target.layout == LAYOUT_LAYER_MAJOR
@@ -51,7 +59,7 @@ def test_the_gateway_parses_what_the_client_writes_nixl_target():
 
 
 def test_the_gateway_parses_what_the_client_writes_chunk_major_and_http():
-    regions = [[8192 * (1 + j), 4 * 256] for j in range(len(KEYS))]
+    regions = [[8192 * (1 + j), BlockLayout(4, 256).object_bytes] for j in range(len(KEYS))]
     body = descriptor_body(KEYS, 4, 16, 256, nixl_target(b"m", LAYOUT_CHUNK_MAJOR, regions))
     assert parse_descriptor("kv-bucket", body, CONFIG).target.layout == LAYOUT_CHUNK_MAJOR
     http = parse_descriptor("kv-bucket", descriptor_body(KEYS, 4, 16, 256, http_target()), CONFIG)
@@ -90,3 +98,97 @@ def test_the_version_is_checked_before_the_keys_it_may_change():
     body["a_key_of_the_next_version"] = 1
     with pytest.raises(DescriptorError, match="protocol version"):
         parse_descriptor("kv-bucket", json.dumps(body).encode(), CONFIG)
+
+
+def test_an_old_client_without_trailers_is_refused():
+    """Protocol 1 clients expect L*S objects and no digests: the version alone refuses them."""
+    body = json.loads(descriptor_body(KEYS, 4, 16, 256, http_target()))
+    body[VERSION] = 1
+    del body[DIGEST_BYTES_KEY]
+    with pytest.raises(DescriptorError) as refused:
+        parse_descriptor("kv-bucket", json.dumps(body).encode(), CONFIG)
+    assert refused.value.code == "UnsupportedProtocolVersion"
+    assert f"descriptor has version 1; this gateway speaks s3agg protocol version {PROTOCOL_VERSION}" in \
+        refused.value.message
+
+
+def test_the_client_declares_the_stored_digest_size():
+    assert json.loads(descriptor_body(KEYS, 4, 16, 256, http_target()))[DIGEST_BYTES_KEY] == DIGEST_BYTES
+
+
+@pytest.mark.parametrize("digest_bytes", [DIGEST_BYTES // 2, DIGEST_BYTES * 2, 0, str(DIGEST_BYTES), True, None])
+def test_another_digest_size_is_refused_naming_the_field(digest_bytes):
+    body = json.loads(descriptor_body(KEYS, 4, 16, 256, http_target()))
+    if digest_bytes is None:
+        del body[DIGEST_BYTES_KEY]
+    else:
+        body[DIGEST_BYTES_KEY] = digest_bytes
+    with pytest.raises(DescriptorError) as refused:
+        parse_descriptor("kv-bucket", json.dumps(body).encode(), CONFIG)
+    assert (refused.value.status, refused.value.code) == (400, "InvalidArgument")
+    assert f"{DIGEST_BYTES_KEY}={digest_bytes!r}" in refused.value.message
+    assert f"{DIGEST_BYTES}-byte" in refused.value.message
+
+
+LAYER_REGION, OBJECT = layer_region_bytes(len(KEYS), 256), BlockLayout(4, 256).object_bytes
+
+
+@pytest.mark.parametrize(("layout", "count", "length", "needed"), [
+    (LAYOUT_LAYER_MAJOR, 4, len(KEYS) * 256, LAYER_REGION),  # protocol 1's size: no room for the digests
+    (LAYOUT_LAYER_MAJOR, 4, LAYER_REGION - 1, LAYER_REGION),
+    (LAYOUT_CHUNK_MAJOR, len(KEYS), 4 * 256, OBJECT),
+    (LAYOUT_CHUNK_MAJOR, len(KEYS), OBJECT - 1, OBJECT),
+])
+def test_target_regions_must_hold_the_digests(layout, count, length, needed):
+    regions = [[(1 + i) << 20, length] for i in range(count)]
+    body = descriptor_body(KEYS, 4, 16, 256, nixl_target(b"m", layout, regions))
+    with pytest.raises(DescriptorError) as refused:
+        parse_descriptor("kv-bucket", body, CONFIG)
+    assert (refused.value.code, refused.value.message) == (
+        "InvalidTarget", f"target region 0 has {length} bytes, needs {needed}")
+
+
+@pytest.mark.parametrize("layout", [LAYOUT_LAYER_MAJOR, LAYOUT_CHUNK_MAJOR])
+def test_target_addresses_put_each_digest_where_the_protocol_says(layout):
+    n, num_layers, s, d = len(KEYS), 4, 256, DIGEST_BYTES
+    count, length = (num_layers, LAYER_REGION) if layout == LAYOUT_LAYER_MAJOR else (n, OBJECT)
+    regions = [[(1 + i) << 20, length] for i in range(count)]
+    desc = parse_descriptor("kv-bucket", descriptor_body(KEYS, num_layers, 16, s, nixl_target(b"m", layout, regions)),
+                            CONFIG)
+    chunks, layers = np.arange(n)[:, None], np.arange(num_layers)[None, :]
+    blocks, digests = desc.target_addrs(chunks, layers)
+    for j in range(n):
+        for layer in range(num_layers):
+            if layout == LAYOUT_LAYER_MAJOR:
+                region, block, digest = regions[layer][0], j * s, n * s + j * d
+            else:
+                region, block, digest = regions[j][0], layer * s, num_layers * s + layer * d
+            assert (blocks[j, layer], digests[j, layer]) == (region + block, region + digest)
+
+
+def _layer_major(objects: np.ndarray, layout: BlockLayout, layer: int) -> np.ndarray:
+    start, end = layout.layer_range(layer)
+    d_start, d_end = layout.digest_range(layer)
+    return np.concatenate([objects[:, start:end].ravel(), objects[:, d_start:d_end].ravel()])
+
+
+def test_verify_layer_major_counts_the_leading_intact_chunks():
+    layout = BlockLayout(3, 64)
+    integrity = ChunkIntegrity(layout)
+    rng = np.random.default_rng(1)
+    hashes = [rng.bytes(32).hex() for _ in range(5)]
+    objects = rng.integers(0, 256, size=(5, layout.object_bytes), dtype=np.uint8)
+    for chunk_hash, obj in zip(hashes, objects):
+        integrity.seal(chunk_hash, obj)
+    for layer in range(3):
+        assert integrity.verify_layer_major(hashes, layer, _layer_major(objects, layout, layer)) == 5
+    # Negative controls: a flipped byte of chunk 2's layer, a flipped digest of chunk 3, the wrong layer.
+    region = _layer_major(objects, layout, 1)
+    region[2 * 64 + 7] ^= 1
+    assert integrity.verify_layer_major(hashes, 1, region) == 2
+    region = _layer_major(objects, layout, 1)
+    region[5 * 64 + 3 * DIGEST_BYTES] ^= 1
+    assert integrity.verify_layer_major(hashes, 1, region) == 3
+    assert integrity.verify_layer_major(hashes, 0, _layer_major(objects, layout, 1)) == 0
+    with pytest.raises(ValueError, match="layer-major region of 5 chunks"):
+        integrity.verify_layer_major(hashes, 1, region[:-1])
