@@ -11,6 +11,10 @@ It also owns NIXL notifications (one reader per agent): ``pulled:<req>`` from
 a DE ends a PE's hold on a finished prefill's blocks; ``release:<lease>`` from
 a PE ends a DE's lease on its buffer. Every hold has an expiry, so a peer that
 vanishes never pins memory for good.
+
+Every side-channel message is signed with the cluster key
+(``DUALPATH_CLUSTER_KEY``, :mod:`dualpath_connector.cluster_auth`): without it
+a PD engine does not start, and a peer without it is served nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 
 from nixl_backends.buffers import HostBufferPool
 
+from dualpath_connector.cluster_auth import ClusterKey
 from dualpath_connector.kv_regions import KVRegions
 from dualpath_connector.protocol import (
     OP_HELLO,
@@ -52,7 +57,10 @@ class PeerLink:
         serve_read: Callable[[ReadRequest, Callable[[dict[str, Any]], None]], None],
         lease_s: float,
         cpu_affinity: set[int] | None = None,
+        key: ClusterKey | None = None,
     ) -> None:
+        # First: a PD engine without the cluster key must not start (ConfigError naming the variable).
+        self._key = ClusterKey.from_env() if key is None else key
         self.agent = agent
         self.namespace_digest = namespace_digest
         self._local_kv = local_kv
@@ -68,8 +76,13 @@ class PeerLink:
         # DE: buffer slots lent to a PE -> (pool, slots, expiry).
         self._leases: dict[str, tuple[HostBufferPool, list[int], float]] = {}
         self._server = SideChannelServer(
-            host, port, {OP_HELLO: self._hello, OP_READ: self._read}, self._tick, cpu_affinity=cpu_affinity
+            host, port, self._key, {OP_HELLO: self._hello, OP_READ: self._read}, self._tick, cpu_affinity=cpu_affinity
         )
+
+    @property
+    def rejected_messages(self) -> int:
+        """Side-channel messages dropped unanswered (unauthenticated, stale, replayed or malformed)."""
+        return self._server.rejected_messages
 
     # -- serving peers --------------------------------------------------------
 
@@ -165,7 +178,7 @@ class PeerLink:
             return self._peers.get(address)
 
     def _handshake(self, address: str, timeout_s: float) -> KVRegions:
-        answer = request(address, hello_message(), timeout_s)
+        answer = request(address, hello_message(), timeout_s, self._key)
         check_version(answer, f"the engine at {address}")
         # Validated before NIXL sees the peer: a bad answer adds no remote agent.
         KVRegions.from_wire(answer.get("kv"), "")

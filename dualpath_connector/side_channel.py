@@ -5,6 +5,12 @@ objects with an ``op`` field. The server answers on its own thread; a handler
 may answer later from any thread (a DE-side read replies once the store read
 is done), so replies are handed back to the server thread through an
 in-process socket: ZeroMQ sockets belong to one thread.
+
+Every message, request and answer, is signed with the cluster key
+(:mod:`dualpath_connector.cluster_auth`). A frame that fails the check is
+dropped unanswered (a scanner learns nothing, not even that it was refused),
+counted in :attr:`SideChannelServer.rejected_messages` and logged at most once
+a minute. A client refuses an answer that is not signed or not to its request.
 """
 
 from __future__ import annotations
@@ -15,12 +21,22 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 import zmq
 
 from dualpath_connector.affinity import pin_current_thread
+from dualpath_connector.cluster_auth import (
+    AuthError,
+    ClusterKey,
+    ReplayGuard,
+    open_answer,
+    open_request,
+    seal_answer,
+    seal_request,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +44,12 @@ Reply = Callable[[dict[str, Any]], None]
 Handler = Callable[[dict[str, Any], Reply], None]
 
 _server_ids = itertools.count()
+# Far above any request or answer we send (a read request names at most one
+# load buffer of chunk hashes); ZeroMQ drops a peer that sends more, before
+# it costs memory.
+MAX_MESSAGE_BYTES = 16 << 20
+# A flood of bad frames must not flood the log: one warning, then at most one per interval.
+REJECTION_LOG_INTERVAL_S = 60.0
 
 
 class SideChannelError(RuntimeError):
@@ -53,18 +75,26 @@ class SideChannelServer:
         self,
         host: str,
         port: int,
+        key: ClusterKey,
         handlers: dict[str, Handler],
         on_tick: Callable[[], None],
         tick_s: float = 0.005,
         cpu_affinity: set[int] | None = None,
     ) -> None:
         self.address = f"{host}:{port}"
+        self._key = key
+        self._replays = ReplayGuard()
+        # Frames dropped unanswered (bad signature, stale, replayed, malformed); read by any thread.
+        self.rejected_messages = 0
+        self._rejections_unlogged = 0
+        self._next_rejection_log = float("-inf")
         self._handlers = handlers
         self._on_tick = on_tick
         self._tick_ms = max(1, int(tick_s * 1000))
         self._context = zmq.Context()
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
         self._router.bind(f"tcp://{host}:{port}")
         self._replies_address = f"inproc://dualpath-replies-{next(_server_ids)}"
         self._replies = self._context.socket(zmq.PULL)
@@ -84,9 +114,10 @@ class SideChannelServer:
             sock.connect(self._replies_address)
         return sock
 
-    def _replier(self, identity: bytes) -> Reply:
+    def _replier(self, identity: bytes, request_nonce: bytes) -> Reply:
         def reply(message: dict[str, Any]) -> None:
-            self._reply_socket().send_multipart([identity, json.dumps(message).encode()])
+            frame = seal_answer(self._key, json.dumps(message).encode(), request_nonce)
+            self._reply_socket().send_multipart([identity, frame])
 
         return reply
 
@@ -107,10 +138,10 @@ class SideChannelServer:
             if self._router in events:
                 while True:
                     try:
-                        identity, _, body = self._router.recv_multipart(zmq.NOBLOCK)
+                        frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._dispatch(identity, body)
+                    self._receive(frames)
             try:
                 self._on_tick()
             except Exception:
@@ -118,8 +149,38 @@ class SideChannelServer:
         self._router.close()
         self._replies.close()
 
-    def _dispatch(self, identity: bytes, body: bytes) -> None:
-        reply = self._replier(identity)
+    def _receive(self, frames: list[zmq.Frame]) -> None:
+        # ROUTER frames from a DEALER: identity, empty delimiter, one envelope.
+        try:
+            if len(frames) != 3 or frames[1].bytes:
+                raise AuthError(f"{len(frames) - 1} frames where a delimiter and one envelope were expected")
+            opened = open_request(self._key, frames[2].bytes)
+            self._replays.check(opened)
+        except AuthError as exc:
+            self._reject(frames[-1], exc)
+            return
+        self._dispatch(self._replier(frames[0].bytes, opened.nonce), opened.body)
+
+    def _reject(self, frame: zmq.Frame, reason: AuthError) -> None:
+        self.rejected_messages += 1
+        self._rejections_unlogged += 1
+        now = time.monotonic()
+        if now < self._next_rejection_log:
+            return
+        try:
+            peer = frame.get("Peer-Address")
+        except zmq.ZMQError:
+            peer = "an unknown address"
+        logger.warning(
+            "side channel %s: dropped %d message(s) unanswered, the last from %s: %s (%d in all; the next such "
+            "warning comes %.0f s from now at the earliest)",
+            self.address, self._rejections_unlogged, peer, reason, self.rejected_messages, REJECTION_LOG_INTERVAL_S,
+        )  # fmt: skip
+        self._rejections_unlogged = 0
+        self._next_rejection_log = now + REJECTION_LOG_INTERVAL_S
+
+    def _dispatch(self, reply: Reply, body: bytes) -> None:
+        # The sender holds the cluster key: a bad message from it gets an error naming the fault.
         try:
             message = json.loads(body)
             handler = self._handlers[message["op"]]
@@ -150,20 +211,38 @@ def _context() -> zmq.Context:
     return _client_context[1]
 
 
-def request(address: str, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """Send one request to the side channel at ``host:port``; its answer, or :class:`SideChannelError`."""
+def request(address: str, message: dict[str, Any], timeout_s: float, key: ClusterKey | None = None) -> dict[str, Any]:
+    """Send one request to the side channel at ``host:port``; its answer, or :class:`SideChannelError`.
+
+    Signed with ``key`` (default: the one in ``DUALPATH_CLUSTER_KEY``); an
+    answer not signed with it, or not to this request, is refused.
+    """
+    key = ClusterKey.from_env() if key is None else key
+    frame, nonce = seal_request(key, json.dumps(message).encode())
     sock = _context().socket(zmq.DEALER)
     # A dead peer must not keep this process from exiting.
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
     try:
         sock.connect(f"tcp://{address}")
-        sock.send_multipart([b"", json.dumps(message).encode()])
+        sock.send_multipart([b"", frame])
         if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            raise SideChannelError(f"no answer from {address} to {message['op']!r} within {timeout_s:.1f}s")
-        _, body = sock.recv_multipart()
+            # A server drops what fails its check unanswered, so a key mismatch looks like this too.
+            raise SideChannelError(
+                f"no answer from {address} to {message['op']!r} within {timeout_s:.1f}s (is it up, on this "
+                "dualpath-kv release, with this engine's DUALPATH_CLUSTER_KEY?)"
+            )
+        frames = sock.recv_multipart()
     finally:
         sock.close()
-    answer = json.loads(body)
+    try:
+        if len(frames) != 2 or frames[0]:
+            raise AuthError(f"{len(frames)} frames where a delimiter and one envelope were expected")
+        answer = json.loads(open_answer(key, frames[1], nonce))
+    except (AuthError, ValueError) as exc:
+        raise SideChannelError(f"refused the answer of {address} to {message['op']!r}: {exc}") from None
+    if not isinstance(answer, dict):
+        raise SideChannelError(f"refused the answer of {address} to {message['op']!r}: not a JSON object")
     if "error" in answer:
         error = PeerBusy if answer.get("busy") else SideChannelError
         raise error(f"{address} refused {message['op']!r}: {answer['error']}")

@@ -3,22 +3,36 @@
 Two NIXL agents in this process, each with UCX and a storage backend as the
 connector's workers have, and each with its own :class:`PeerLink` (side
 channel on a free port). Bytes move through UCX for real; "KV caches" are
-plain registered buffers.
+plain registered buffers. Both sides hold the cluster key
+(``DUALPATH_CLUSTER_KEY``); the last tests play peers and servers without it.
 """
 
 from __future__ import annotations
 
 import itertools
+import json
+import logging
 import os
+import threading
 import time
 
 import numpy as np
 import pytest
 
+import zmq
+
+from dualpath_connector.cluster_auth import (
+    CLUSTER_KEY_ENV,
+    ClusterKey,
+    open_request,
+    seal_answer,
+    seal_request,
+)
 from dualpath_connector.kv_regions import KVRegions
 from dualpath_connector.peer import PeerLink
-from dualpath_connector.protocol import PROTOCOL_VERSION, PULLED, RELEASE, VERSION_KEY, ReadRequest
+from dualpath_connector.protocol import PROTOCOL_VERSION, PULLED, RELEASE, VERSION_KEY, ReadRequest, hello_message
 from dualpath_connector.side_channel import PeerBusy, SideChannelError, request
+from nixl_backends.configuration import ConfigError
 from dualpath_dev.processes import free_port
 from nixl_backends.buffers import HostBufferPool
 from nixl_backends.transport import UCX, add_ucx_backend, post_read
@@ -26,6 +40,15 @@ from nixl_backends.transport import UCX, add_ucx_backend, post_read
 BLOCK_BYTES = 4096
 NUM_BLOCKS = 16
 _names = itertools.count()
+CLUSTER_SECRET = "peer-link-test-cluster-secret"
+KEY = ClusterKey(CLUSTER_SECRET.encode())
+WRONG_KEY = ClusterKey(b"not-this-cluster's-secret")
+
+
+@pytest.fixture(autouse=True)
+def cluster_key(monkeypatch):
+    """What every PD engine of a cluster has in its environment."""
+    monkeypatch.setenv(CLUSTER_KEY_ENV, CLUSTER_SECRET)
 
 
 class Side:
@@ -141,12 +164,15 @@ def test_de_side_read_lease_released_by_the_pe(pair):
     wait_for(lambda: de.pool.free_slots == 4)
 
 
-def test_unreleased_lease_expires():
+def test_unreleased_lease_expires(caplog):
     side = Side(lease_s=0.2)
     try:
-        read_request(side.address, "ns-1", ["a"], timeout_s=5)
-        assert side.pool.free_slots == 3
+        answer = read_request(side.address, "ns-1", ["a"], timeout_s=5)
+        assert answer["readable"] == 1 and side.reads == [["a"]]  # one slot lent
+        # The slot comes back by expiry alone (checked by outcome, not by timing:
+        # a stall of this process may outlast the 0.2 s lease).
         wait_for(lambda: side.pool.free_slots == 4)
+        assert f"buffer lease {answer['lease']} expired before the PE released it" in caplog.text
     finally:
         side.close()
 
@@ -208,3 +234,151 @@ def test_a_malformed_read_is_refused_before_it_reaches_the_reader(pair):
         with pytest.raises(SideChannelError, match="ProtocolError"):
             request(de.address, {**base, **bad}, 5)
     assert de.reads == []
+
+
+# -- authentication ------------------------------------------------------------------
+
+
+def test_a_pd_engine_without_the_cluster_key_does_not_start(monkeypatch):
+    monkeypatch.delenv(CLUSTER_KEY_ENV)
+    port = free_port()
+    with pytest.raises(ConfigError, match=f"{CLUSTER_KEY_ENV} is not set"):
+        PeerLink(None, "127.0.0.1", port, "ns-1", None, None, 30.0)
+    monkeypatch.setenv(CLUSTER_KEY_ENV, "too-short")
+    with pytest.raises(ConfigError, match=f"{CLUSTER_KEY_ENV} is shorter") as refused:
+        PeerLink(None, "127.0.0.1", port, "ns-1", None, None, 30.0)
+    assert "too-short" not in str(refused.value)
+    # Nothing listens: the refusal came before the side channel bound its port.
+    with pytest.raises(SideChannelError, match="no answer"):
+        request(f"127.0.0.1:{port}", hello_message(), 0.3, KEY)
+
+
+class RawPeer:
+    """A ZeroMQ DEALER that sends whatever frames it is given, as a port scanner or an old release would."""
+
+    def __init__(self, address: str) -> None:
+        self.socket = zmq.Context.instance().socket(zmq.DEALER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.connect(f"tcp://{address}")
+
+    def send(self, *frames: bytes) -> None:
+        self.socket.send_multipart(list(frames))
+
+    def answered(self, timeout_s: float) -> bool:
+        return bool(self.socket.poll(int(timeout_s * 1000), zmq.POLLIN))
+
+    def close(self) -> None:
+        self.socket.close()
+
+
+@pytest.fixture
+def raw_peer(pair):
+    peer = RawPeer(pair[1].address)
+    yield peer
+    peer.close()
+
+
+def test_unauthenticated_peers_get_nothing_and_one_warning(pair, raw_peer, caplog):
+    _, de = pair
+    hello = json.dumps(hello_message()).encode()
+    signed, _ = seal_request(KEY, hello)
+    bad = [
+        (b"", hello),  # an older release: plain JSON
+        (b"", seal_request(WRONG_KEY, hello)[0]),  # another cluster's key
+        (b"", signed[:-1]),  # truncated
+        (b"", signed[:40]),  # truncated inside the header
+        (b"", signed[:-1] + bytes([signed[-1] ^ 1])),  # tampered body
+        (b"", seal_request(KEY, hello, now=time.time() - 300)[0]),  # stale
+        (b"", signed, b"extra frame"),
+        (b"not a delimiter", signed),
+        (b"",),
+        (b"", os.urandom(500)),
+    ] * 3
+    with caplog.at_level(logging.WARNING, logger="dualpath_connector.side_channel"):
+        for frames in bad:
+            raw_peer.send(*frames)
+        wait_for(lambda: de.link.rejected_messages == len(bad))
+        # Through the client, with another cluster's key: no answer, not even an error.
+        with pytest.raises(SideChannelError, match="no answer"):
+            request(de.address, hello_message(), 0.5, WRONG_KEY)
+        wait_for(lambda: de.link.rejected_messages == len(bad) + 1)
+        # Negative control: the same hello signed with the cluster key is served.
+        assert request(de.address, hello_message(), 5)["agent"] == de.agent.name
+        assert not raw_peer.answered(0.2)
+    warnings = [r for r in caplog.records if r.name == "dualpath_connector.side_channel"]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "older dualpath-kv release" in warnings[0].getMessage() and "127.0.0.1" in warnings[0].getMessage()
+    assert CLUSTER_SECRET not in caplog.text
+    assert de.reads == []
+
+
+def test_a_replayed_request_is_served_once(pair, raw_peer):
+    _, de = pair
+    frame, _ = seal_request(KEY, json.dumps(ReadRequest("ns-1", ["a"], 5).to_message()).encode())
+    raw_peer.send(b"", frame)
+    assert raw_peer.answered(5)
+    raw_peer.socket.recv_multipart()
+    raw_peer.send(b"", frame)
+    wait_for(lambda: de.link.rejected_messages == 1)
+    assert not raw_peer.answered(0.2)
+    assert de.reads == [["a"]]
+
+
+class FakeServer:
+    """A side channel that answers each request with ``answer(request_nonce) -> frame``: a fake or old DE."""
+
+    def __init__(self, answer) -> None:
+        self.port = free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        self._answer = answer
+        self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.bind(f"tcp://{self.address}")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            if self._socket.poll(20, zmq.POLLIN):
+                identity, _, frame = self._socket.recv_multipart()
+                nonce = open_request(KEY, frame).nonce
+                self._socket.send_multipart([identity, b"", self._answer(nonce)])
+        self._socket.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+
+@pytest.fixture
+def fake_server():
+    servers = []
+
+    def start(answer) -> FakeServer:
+        servers.append(FakeServer(answer))
+        return servers[-1]
+
+    yield start
+    for server in servers:
+        server.close()
+
+
+def test_a_forged_answer_is_refused_by_the_client(pair, fake_server):
+    pe, _ = pair
+    forged = json.dumps({VERSION_KEY: PROTOCOL_VERSION, "agent": "evil", "metadata": "", "namespace": "ns-1",
+                         "kv": pe.kv().to_wire()}).encode()  # fmt: skip
+    earlier_nonce = seal_request(KEY, b"{}")[1]
+    cases = {
+        "unsigned (an older release)": (lambda nonce: forged, "older dualpath-kv release"),
+        "another key": (lambda nonce: seal_answer(WRONG_KEY, forged, nonce), "bad signature"),
+        "an answer to another request": (lambda nonce: seal_answer(KEY, forged, earlier_nonce), "another request"),
+        "a request reflected back": (lambda nonce: seal_request(KEY, forged)[0], "a request where an answer"),
+    }
+    for name, (answer, reason) in cases.items():
+        fake = fake_server(answer)
+        with pytest.raises(SideChannelError, match=f"refused the answer of {fake.address}.*{reason}"):
+            pe.link.peer(fake.address, timeout_s=5)
+    # Negative control: the same answer, signed with the key and naming its request, is taken.
+    fake = fake_server(lambda nonce: seal_answer(KEY, forged, nonce))
+    assert request(fake.address, hello_message(), 5)["agent"] == "evil"
