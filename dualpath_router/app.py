@@ -30,6 +30,7 @@ from dualpath_connector.protocol import PrefillHandoff, PrefillRequest, Protocol
 
 from dualpath_router.accounting import Accounting
 from dualpath_router.config import RouterConfig, load_router_config
+from dualpath_router.credentials import EngineCredential
 from dualpath_router.dispatcher import Dispatcher, Placement, QueueTimeout
 from dualpath_router.lookup import HitLookup
 from dualpath_router.policies import make_policy
@@ -103,6 +104,8 @@ class EngineFailed(Exception):
 class Router:
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
+        # Read once at start-up: a router without it could not reach a guarded engine.
+        self.credential = EngineCredential.from_env(config.engine_api_key_env)
         accounting = Accounting.build(
             config.prefill_engines,
             config.decode_engines,
@@ -114,7 +117,7 @@ class Router:
         if config.namespace != "auto":
             lookup.namespace = config.namespace
         self.dispatcher = Dispatcher(config, accounting, make_policy(config.policy, config.scheduling), lookup)
-        self.prompts = PromptBuilder(config.tokenizer, config.served_model_names)
+        self.prompts = PromptBuilder(config)
         self.metrics = RouterMetrics(self.dispatcher)
         self.client: httpx.AsyncClient | None = None
 
@@ -122,6 +125,8 @@ class Router:
     async def lifespan(self, app: FastAPI) -> AsyncIterator[None]:
         timeouts = self.config.timeouts
         self.client = httpx.AsyncClient(
+            # On every engine request (the /v1 paths need it; /metrics and /health do not mind).
+            headers=self.credential.headers(),
             timeout=httpx.Timeout(timeouts.prefill_s, connect=timeouts.connect_s),
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
         )
@@ -258,8 +263,7 @@ class Router:
             response = await self.client.post(f"{placement.prefill.config.url}/v1/completions", json=body)
         except httpx.HTTPError as exc:
             raise EngineFailed(f"{type(exc).__name__}: {exc}") from None
-        if response.status_code >= 500:
-            raise EngineFailed(f"HTTP {response.status_code}: {response.text[:200]}")
+        _raise_for_engine_failure(response, self.config.engine_api_key_env)
         if response.status_code < 400:
             try:
                 answer = response.json()
@@ -340,8 +344,7 @@ class Router:
                 raise EngineFailed(f"answer broke off: {type(exc).__name__}: {exc}") from None
             finally:
                 await upstream.aclose()
-        if upstream.status_code >= 500:
-            raise EngineFailed(f"HTTP {upstream.status_code}: {upstream.text[:200]}")
+        _raise_for_engine_failure(upstream, self.config.engine_api_key_env)
         return upstream
 
     async def _pass_through(self, chunks: AsyncIterator[bytes], placement: Placement) -> AsyncIterator[bytes]:
@@ -372,6 +375,15 @@ class UpstreamStream(StreamingResponse):
             # Starlette cancels through anyio, which would cancel this await too.
             with anyio.CancelScope(shield=True):
                 await self._on_close()
+
+
+def _raise_for_engine_failure(response: httpx.Response, key_variable: str) -> None:
+    """5xx, and a refused credential: the engine's failure (or the router's setup), not the client's request."""
+    if response.status_code in (401, 403):
+        raise EngineFailed(f"HTTP {response.status_code}: the engine refused the router's API key "
+                           f"(${key_variable} must hold the key the engines were started with)")
+    if response.status_code >= 500:
+        raise EngineFailed(f"HTTP {response.status_code}: {response.text[:200]}")
 
 
 def _handoff(response: httpx.Response, engine: str) -> PrefillHandoff | None:
@@ -409,9 +421,9 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:
         print(f"dualpath-router: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    logger.info("policy %s, read side %s, %d prefill and %d decode engines, listening on %s:%d",
-                config.policy, config.read_side, len(config.prefill_engines), len(config.decode_engines),
-                config.host, config.port)
+    logger.info("policy %s, read side %s, %d prefill and %d decode engines, listening on %s:%d; "
+                "engine API key from $%s", config.policy, config.read_side, len(config.prefill_engines),
+                len(config.decode_engines), config.host, config.port, config.engine_api_key_env)
     uvicorn.run(router.build_app(), host=config.host, port=config.port, log_level=args.log_level)
 
 

@@ -19,6 +19,14 @@ from nixl_backends.registry import parse_store_config
 
 from dualpath_connector.protocol import ProtocolError, StoreKeySpace
 
+from dualpath_router.credentials import DEFAULT_ENGINE_API_KEY_ENV, ENV_NAME
+
+NO_VOCABULARY = (
+    "the router needs the model's vocabulary size to check prompt token ids before an engine sees them: "
+    "set `tokenizer` (a Hugging Face tokenizer directory), `model_config` (a Hugging Face model directory "
+    "or its config.json) or `vocab_size`"
+)
+
 PolicyName = Literal["basic", "round_robin", "dualpath"]
 ReadSideOverride = Literal["auto", "pe", "de"]
 
@@ -106,6 +114,16 @@ class RouterConfig:
     read_side: ReadSideOverride = "auto"
     # A Hugging Face tokenizer directory; text prompts and chat need it.
     tokenizer: str | None = None
+    # Where the vocabulary size comes from besides the tokenizer (one of the
+    # three is required: token ids are checked before any engine sees them):
+    # a Hugging Face model directory or its config.json (`vocab_size`,
+    # `max_position_embeddings`), or the number itself.
+    model_config: str | None = None
+    vocab_size: int | None = None
+    # Longer prompts get a 400; default: the model config's max_position_embeddings.
+    max_prompt_tokens: int | None = None
+    # The environment variable holding the engines' API key (never the key itself).
+    engine_api_key_env: str = DEFAULT_ENGINE_API_KEY_ENV
     metrics_refresh_interval_s: float = 1.0
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
@@ -131,6 +149,15 @@ class RouterConfig:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         _require_positive(self, "metrics_refresh_interval_s", "lookup_cache_chunks")
+        if self.tokenizer is None and self.model_config is None and self.vocab_size is None:
+            raise ConfigError(NO_VOCABULARY)
+        for name in ("vocab_size", "max_prompt_tokens"):
+            if getattr(self, name) is not None:
+                _require_positive(self, name)
+        if not ENV_NAME.fullmatch(self.engine_api_key_env):
+            # It may be the key itself pasted in by mistake: not shown.
+            raise ConfigError("engine_api_key_env must name an environment variable (letters, digits, _) "
+                              "holding the engines' API key, never the key itself")
 
     def engines(self) -> list[EngineConfig]:
         return [*self.prefill_engines, *self.decode_engines]

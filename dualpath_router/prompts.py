@@ -3,7 +3,9 @@
 Engines run without a tokenizer (``--skip-tokenizer-init``), so they only
 ever get ``/v1/completions`` with the prompt as token ids. Token-id prompts
 need nothing else; text prompts and chat need the router's ``tokenizer``,
-which also turns the engine's ``token_ids`` back into chat messages.
+which also turns the engine's ``token_ids`` back into chat messages. Such
+engines check no prompt id against the vocabulary (an id past it kills the
+engine), so every prompt's ids are checked here, whatever their origin.
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
+
+from nixl_backends.configuration import ConfigError
+
+from dualpath_router.config import RouterConfig
+from dualpath_router.model_limits import ModelLimits, model_limits
 
 NO_TOKENIZER = "text prompts need `tokenizer` in the router config"
 
@@ -53,26 +60,46 @@ class RoutedRequest:
     answer_form: AnswerForm = "raw"
 
 
-def _token_ids(value: Any, vocab_size: int | None) -> list[int] | None:
-    """``value`` as a token-id list, ``None`` if it is not one; raises on bad ids."""
-    if not isinstance(value, list) or not value or not all(isinstance(t, int) for t in value):
-        return None
-    for t in value:
-        if isinstance(t, bool) or t < 0 or (vocab_size is not None and t >= vocab_size):
-            limit = f" below the vocabulary size {vocab_size}" if vocab_size is not None else ""
-            raise BadRequest(f"bad token id {t!r} in `prompt`: ids must be non-negative integers{limit}",
+def _shown(value: Any) -> str:
+    shown = json.dumps(value) if not isinstance(value, float) else repr(value)
+    return shown if len(shown) <= 40 else shown[:37] + "..."
+
+
+def check_token_ids(token_ids: list[Any], where: str, limits: ModelLimits) -> list[int]:
+    """``token_ids`` as ints, each in the vocabulary; the first bad one is named with its position."""
+    if not token_ids:
+        raise BadRequest(f"`{where}` is empty: a prompt needs at least one token id", param="prompt",
+                         reason="bad_prompt")
+    vocab = limits.vocab_size
+    for i, t in enumerate(token_ids):
+        if not isinstance(t, int) or isinstance(t, bool):
+            kind = "null" if t is None else "a nested list" if isinstance(t, list) else type(t).__name__
+            raise BadRequest(f"bad token id {_shown(t)} at {where}[{i}]: a token id is an integer, got {kind}",
                              param="prompt", reason="bad_token_ids")
-    return list(value)
+        if not 0 <= t < vocab:
+            raise BadRequest(f"bad token id {_shown(t)} at {where}[{i}]: token ids are in [0, {vocab}) "
+                             f"(the model's vocabulary size is {vocab})", param="prompt", reason="bad_token_ids")
+    if limits.max_prompt_tokens is not None and len(token_ids) > limits.max_prompt_tokens:
+        raise BadRequest(f"the prompt has {len(token_ids)} tokens, more than the model's "
+                         f"{limits.max_prompt_tokens}", param="prompt", reason="prompt_too_long")
+    return token_ids
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer_path: str | None, served_model_names: list[str]) -> None:
-        self.served_model_names = served_model_names
+    def __init__(self, config: RouterConfig) -> None:
+        self.served_model_names = config.served_model_names
         self.tokenizer = None
-        if tokenizer_path is not None:
+        if config.tokenizer is not None:
             from transformers import AutoTokenizer  # heavy; only when configured
 
-            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+            try:
+                self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
+            except (OSError, ValueError) as exc:
+                raise ConfigError(f"tokenizer: cannot load {config.tokenizer}: {exc}") from None
+        self.limits = model_limits(
+            len(self.tokenizer) if self.tokenizer is not None else None,
+            config.model_config, config.vocab_size, config.max_prompt_tokens,
+        )
 
     def build(self, raw: bytes, *, chat: bool) -> RoutedRequest:
         try:
@@ -91,8 +118,9 @@ class PromptBuilder:
             token_ids = self._chat_token_ids(body)
             out = {k: body[k] for k in _CHAT_TO_COMPLETION_FIELDS if k in body}
             answer_form: AnswerForm = "chat"
+            where = "the tokenized messages"
         else:
-            token_ids, answer_form = self._prompt_token_ids(body)
+            token_ids, answer_form, where = self._prompt_token_ids(body)
             out = dict(body)
             # The router owns the PD handoff; a client's own parameters would mislead the engines.
             out.pop("kv_transfer_params", None)
@@ -104,7 +132,8 @@ class PromptBuilder:
                                        or max_tokens < 1):
             raise BadRequest(f"`max_tokens` must be a positive integer, got {max_tokens!r}", param="max_tokens",
                              reason="bad_max_tokens")
-        out["prompt"] = token_ids
+        # Every id, the tokenizer's too (it may know more ids than the model's embedding table).
+        out["prompt"] = token_ids = check_token_ids(token_ids, where, self.limits)
         return RoutedRequest(out, token_ids, stream, answer_form)
 
     def _check_model(self, body: dict[str, Any]) -> None:
@@ -117,29 +146,26 @@ class PromptBuilder:
                 status=404, param="model", reason="unknown_model", err_type="NotFoundError",
             )
 
-    @property
-    def _vocab_size(self) -> int | None:
-        return len(self.tokenizer) if self.tokenizer is not None else None
-
-    def _prompt_token_ids(self, body: dict[str, Any]) -> tuple[list[int], AnswerForm]:
+    def _prompt_token_ids(self, body: dict[str, Any]) -> tuple[list[Any], AnswerForm, str]:
+        """The prompt's token ids (checked by the caller), the answer's form, where the ids stand."""
         if "prompt" not in body:
             raise BadRequest("missing required field `prompt`", param="prompt", reason="missing_prompt")
         prompt = body["prompt"]
-        # One prompt per request: a PD handoff carries one sequence.
+        if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+            # One prompt per request: a PD handoff carries one sequence.
+            raise BadRequest("batched prompts are not supported: send one request per prompt", param="prompt",
+                             reason="bad_prompt")
+        where = "prompt"
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]
-        token_ids = _token_ids(prompt, self._vocab_size)
-        if token_ids is not None:
-            return token_ids, "raw"
+            prompt, where = prompt[0], "prompt[0]"
+        if isinstance(prompt, list):
+            return prompt, "raw", where
         if isinstance(prompt, str) and prompt:
             if self.tokenizer is None:
                 raise BadRequest(NO_TOKENIZER, param="prompt", reason="no_tokenizer")
-            return list(self.tokenizer.encode(prompt)), "text"
-        raise BadRequest(
-            "`prompt` must be one non-empty string or one non-empty list of token ids "
-            "(batched prompts are not supported: send one request per prompt)",
-            param="prompt", reason="bad_prompt",
-        )
+            return list(self.tokenizer.encode(prompt)), "text", f"the tokenized {where}"
+        raise BadRequest(f"`prompt` must be one non-empty string or one list of token ids, got {_shown(prompt)}",
+                         param="prompt", reason="bad_prompt")
 
     def _chat_token_ids(self, body: dict[str, Any]) -> list[int]:
         messages = body.get("messages")

@@ -18,6 +18,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 VALID = {
     "served_model_names": ["m"],
+    "vocab_size": 1024,
     "prefill_engines": [{"name": "pe0", "url": "http://127.0.0.1:8100", "node": "a"}],
     "decode_engines": [{"name": "de0", "url": "http://127.0.0.1:8200", "node": "b", "side_channel": "127.0.0.1:5700"}],
 }
@@ -30,6 +31,7 @@ def test_shipped_example_loads():
     assert config.decode_engines[0].side_channel == "127.0.0.1:5700"
     assert config.store.bucket == "dualpath-kv" and config.store.addressing_style == "path"
     assert config.namespace == "auto"
+    assert config.vocab_size == 1024 and config.engine_api_key_env == "DUALPATH_ENGINE_API_KEY"
 
 
 def test_explicit_namespace(tmp_path):
@@ -63,6 +65,12 @@ def test_explicit_namespace(tmp_path):
                         "layer_block_bytes": 8}}, "namespace.'chunk_tokens'"),
         ({"served_model_names": []}, "served_model_names"),
         ({"port": "eighty"}, "'port'"),
+        ({"vocab_size": 0}, "vocab_size must be positive"),
+        ({"vocab_size": "1024"}, "'vocab_size'"),
+        ({"max_prompt_tokens": -1}, "max_prompt_tokens must be positive"),
+        ({"vocab_size": None}, "set `tokenizer` (a Hugging Face tokenizer directory), `model_config`"),
+        # A key pasted where its variable's name belongs: refused, and not echoed.
+        ({"engine_api_key_env": "s3cr3t key"}, "engine_api_key_env must name an environment variable"),
         ({"extra": 1}, "unknown key 'extra'"),
     ],
 )

@@ -5,12 +5,14 @@ OpenAI server with our connector (JSON and SSE completions, Prometheus
 /metrics, a :class:`PrefillHandoff` on the prefill answer), record every body
 they receive and can be told to fail. They stand in for vLLM because a CPU
 vLLM start costs about 90 s per engine; the real engines behind this router
-are covered by the 1P1D end-to-end test (tests/test_engine_e2e.py).
+are covered by the 1P1D end-to-end test (tests/e2e/test_pd_e2e.py).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import secrets
 import socket
 import subprocess
 import sys
@@ -30,6 +32,8 @@ from dualpath_dev.processes import free_port, stop_process_group
 
 MODEL = "tiny-llama"
 PROMPT = list(range(100, 170))
+# What the stand-ins demand and the routers started here get in DUALPATH_ENGINE_API_KEY; random per run.
+API_KEY = secrets.token_hex(16)
 
 
 class StandInEngine:
@@ -38,13 +42,19 @@ class StandInEngine:
     ``mode``: ``ok``; ``http500`` (5xx before any byte); ``close`` (drops the
     connection without answering); ``http400`` (refuses the request);
     ``hold`` (a PE answers, a DE streams past its first event, only after ``release``).
+    Like vLLM started with an API key, it answers 401 to a POST without
+    ``Authorization: Bearer <api_key>`` (and records nothing of it).
     """
 
-    def __init__(self, name: str, role: str) -> None:
+    def __init__(self, name: str, role: str, api_key: str = API_KEY) -> None:
         self.name = name
         self.role = role
         self.mode = "ok"
+        self.api_key = api_key
         self.received: list[dict] = []
+        # The Authorization header of every request (GET and POST), None when absent.
+        self.authorizations: list[str | None] = []
+        self.refused = 0
         self.sent_kv_transfer_params: list[dict] = []
         self.release = threading.Event()
         self.metrics_text = (
@@ -69,6 +79,7 @@ class StandInEngine:
                 self.wfile.write(body)
 
             def do_GET(self) -> None:
+                engine.authorizations.append(self.headers.get("Authorization"))
                 if self.path == "/metrics":
                     self._send(200, engine.metrics_text.encode(), "text/plain; version=0.0.4")
                 else:
@@ -76,6 +87,11 @@ class StandInEngine:
 
             def do_POST(self) -> None:
                 body = json.loads(self.rfile.read(int(self.headers["content-length"])))
+                engine.authorizations.append(self.headers.get("Authorization"))
+                if self.headers.get("Authorization") != f"Bearer {engine.api_key}":
+                    engine.refused += 1
+                    self._send(401, b'{"error": "Unauthorized"}', "application/json")
+                    return
                 engine.received.append(body)
                 if engine.mode == "close":
                     self.close_connection = True
@@ -159,22 +175,23 @@ class StandInEngine:
 
 
 class RouterProcess:
-    """``python -m dualpath_router.app`` on a free port, stopped by its PID."""
+    """``python -m dualpath_router.app`` on a free port, stopped by its PID; ``API_KEY`` in its environment."""
 
-    def __init__(self, config: dict, workdir: Path) -> None:
+    def __init__(self, config: dict, workdir: Path, api_key: str = API_KEY) -> None:
         self.port = free_port()
         config = {**config, "host": "127.0.0.1", "port": self.port}
         self.config_path = workdir / "router.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.log_path = workdir / "router.log"
         self.url = f"http://127.0.0.1:{self.port}"
+        self.env = dict(os.environ, DUALPATH_ENGINE_API_KEY=api_key)
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 180.0) -> RouterProcess:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "dualpath_router.app", "--config", str(self.config_path)],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=self.env,
             )
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -199,6 +216,7 @@ class RouterProcess:
 def router_config(pes: list[StandInEngine], des: list[StandInEngine], **overrides) -> dict:
     config = {
         "served_model_names": [MODEL],
+        "vocab_size": 1024,
         "policy": "dualpath",
         "metrics_refresh_interval_s": 0.2,
         "prefill_engines": [{"name": e.name, "url": e.url, "node": f"node-{e.name}"} for e in pes],
@@ -229,10 +247,10 @@ def engines():
 def start_router(tmp_path):
     started: list[RouterProcess] = []
 
-    def start(config: dict) -> RouterProcess:
+    def start(config: dict, api_key: str = API_KEY) -> RouterProcess:
         workdir = tmp_path / f"router{len(started)}"
         workdir.mkdir()
-        started.append(RouterProcess(config, workdir))
+        started.append(RouterProcess(config, workdir, api_key))
         return started[-1].start()
 
     yield start
@@ -388,7 +406,7 @@ def test_unusable_handoff_sends_the_plain_request(engines, start_router, change,
         (b"[1, 2]", 400, "must be a JSON object"),
         (json.dumps({"model": MODEL, "max_tokens": 2}).encode(), 400, "missing required field `prompt`"),
         (json.dumps({"model": MODEL, "prompt": [1, -5]}).encode(), 400, "bad token id -5"),
-        (json.dumps({"model": MODEL, "prompt": [1, "a"]}).encode(), 400, "`prompt` must be"),
+        (json.dumps({"model": MODEL, "prompt": [1, "a"]}).encode(), 400, 'bad token id "a" at prompt[1]'),
         (json.dumps({"model": MODEL, "prompt": [[1, 2], [3]]}).encode(), 400, "batched prompts"),
         (json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": 0}).encode(), 400, "`max_tokens`"),
         (json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": "5"}).encode(), 400, "`max_tokens`"),

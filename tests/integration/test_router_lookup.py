@@ -22,8 +22,9 @@ from tests.integration.test_router_http import MODEL, engines, router_config, st
 
 NAMESPACE = StoreKeySpace(digest="0123abcd" * 4, key_prefix="dualpath", chunk_tokens=32, num_layers=4,
                            layer_block_bytes=1024)
-FULL_BLOCK_BYTES = NAMESPACE.num_layers * NAMESPACE.layer_block_bytes
-TOKENS = list(range(1000, 1000 + 5 * 32))  # five chunks
+# A stored chunk: its Full Block and the integrity trailer after it.
+OBJECT_BYTES = NAMESPACE.layout.object_bytes
+TOKENS = list(range(800, 800 + 5 * 32))  # five chunks, ids in the router's vocabulary
 
 
 @pytest.fixture
@@ -43,7 +44,7 @@ def store_section(seaweedfs, bucket: str) -> dict:
     return {"backend": "s3", "endpoint": seaweedfs.endpoint, "bucket": bucket, "addressing_style": "path"}
 
 
-def put_chunks(seaweedfs, bucket: str, keys: list[str], size: int = FULL_BLOCK_BYTES) -> None:
+def put_chunks(seaweedfs, bucket: str, keys: list[str], size: int = OBJECT_BYTES) -> None:
     client = seaweedfs.client()
     if bucket not in {b["Name"] for b in client.list_buckets()["Buckets"]}:
         client.create_bucket(Bucket=bucket)
@@ -74,7 +75,7 @@ def test_leading_run_and_never_the_last_token(s3_env, s3_bucket):
 def test_gap_and_short_objects_end_the_run(s3_env, s3_bucket):
     keys = keys_of(TOKENS)
     put_chunks(s3_env, s3_bucket, [keys[0], keys[2], keys[3]])
-    put_chunks(s3_env, s3_bucket, [keys[1]], size=FULL_BLOCK_BYTES - 1)  # a torn write
+    put_chunks(s3_env, s3_bucket, [keys[1]], size=OBJECT_BYTES - 1)  # a torn write
     assert asyncio.run(lookup_for(s3_env, s3_bucket).hit_tokens(TOKENS)) == 32
 
 
