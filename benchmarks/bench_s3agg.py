@@ -1,8 +1,9 @@
 """s3agg-gateway side by side: read paths by chunk size and context, and bandwidth policies under a cap.
 
 Part 1 (paths). For every context length and chunk size, the same chunk objects
-(``L`` layers of ``S = G * bytes_per_token`` bytes) in SeaweedFS on 127.0.0.1 are
-read into NIXL-registered layer buffers by
+(``L`` layers of ``S = G * bytes_per_token`` bytes and the integrity trailer, one
+digest per layer) in SeaweedFS on 127.0.0.1 are read into NIXL-registered
+layer-major buffers (each layer's blocks, then their digests) by
 
 - ``per-chunk``: plain ranged GETs, one per chunk and layer, each layer's GETs
   in parallel through NIXL OBJ (what a layerwise reader does without the gateway);
@@ -13,7 +14,8 @@ read into NIXL-registered layer buffers by
 - ``aggregated-win``: the same with ``min_read_bytes`` so each GET covers several layers;
 
 plus the store's large-object GET throughput (``S3Store.read`` of 16 MiB objects).
-Every read is checked byte for byte; medians over ``--reps`` after one warm-up.
+Every read is checked byte for byte, digests included; MB/s count every byte
+delivered (digests too, as the gateway does); medians over ``--reps`` after one warm-up.
 
 Part 2 (scheduling). ObjectCache's workloads A, B, C (Table A8 requests, caps 80,
 50, 50 Gbps, margin 5 Gbps) scaled to this machine by ``--byte-scale`` and
@@ -45,8 +47,9 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: th
 from _common import RESULTS_DIR, environment, exit_on_sigterm, markdown_table, median, run_and_report  # noqa: E402
 
 from dualpath_dev.seaweedfs import SeaweedFS  # noqa: E402
-from nixl_backends.layout import BlockLayout  # noqa: E402
+from nixl_backends.layout import DIGEST_BYTES, BlockLayout  # noqa: E402
 from nixl_backends.registry import make_store, parse_store_config  # noqa: E402
+from nixl_backends.s3agg_protocol import layer_region_bytes  # noqa: E402
 from dualpath_dev.gateway import GatewayProcess, gateway_config  # noqa: E402
 from s3agg_gateway_ext.scheduling import allocate  # noqa: E402
 
@@ -66,7 +69,7 @@ A8_LAYERS, A8_BYTES_PER_TOKEN = 32, 4096
 
 
 class Client:
-    """A NIXL agent and an s3agg store for one layout, with registered layer buffers."""
+    """A NIXL agent and an s3agg store for one layout, with registered layer-major buffers."""
 
     def __init__(self, s3: SeaweedFS, bucket: str, layout: BlockLayout, num_chunks: int) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
@@ -82,7 +85,8 @@ class Client:
         })
         self.store = make_store(config, layout, self.agent)
         self.layout = layout
-        self.layers = np.zeros((layout.num_layers, num_chunks * layout.layer_block_bytes), dtype=np.uint8)
+        self.layers = np.zeros((layout.num_layers, layer_region_bytes(num_chunks, layout.layer_block_bytes)),
+                               dtype=np.uint8)
         self.agent.register_memory([(self.layers.ctypes.data, self.layers.nbytes, 0, "")], "DRAM")
         self.addrs = [self.layers.ctypes.data + l * self.layers.shape[1] for l in range(layout.num_layers)]
 
@@ -105,23 +109,27 @@ class Client:
             return arrivals, None
         return arrivals, self.store.read_layerwise(keys, self.addrs, on_layer, compute_window_s=window_s)
 
-    def check(self, blocks: np.ndarray) -> None:
-        n, num_layers = blocks.shape[0], self.layout.num_layers
-        expected = blocks.reshape(n, num_layers, -1).transpose(1, 0, 2).reshape(num_layers, -1)
-        if not np.array_equal(self.layers[:, : expected.shape[1]], expected):
+    def check(self, objects: np.ndarray) -> None:
+        """Each layer region holds every object's layer, then every object's digest of it."""
+        n, num_layers, full = objects.shape[0], self.layout.num_layers, self.layout.full_block_bytes
+        blocks = objects[:, :full].reshape(n, num_layers, -1).transpose(1, 0, 2).reshape(num_layers, -1)
+        digests = objects[:, full:].reshape(n, num_layers, DIGEST_BYTES).transpose(1, 0, 2).reshape(num_layers, -1)
+        if not np.array_equal(self.layers[:, : n * (self.layout.layer_block_bytes + DIGEST_BYTES)],
+                              np.concatenate([blocks, digests], axis=1)):
             raise AssertionError("bytes read differ from bytes written")
 
 
 def write_chunks(client: Client, rng: np.random.Generator, count: int, tag: str) -> tuple[list[str], np.ndarray]:
-    """Random Full Blocks written through the store (NIXL OBJ PUTs)."""
-    blocks = rng.integers(0, 256, size=(count, client.layout.full_block_bytes), dtype=np.uint8)
-    client.agent.register_memory([(blocks.ctypes.data, blocks.nbytes, 0, "")], "DRAM")
+    """Random chunk objects (Full Block and trailer; the gateway never checks the digests, so random
+    ones do) written through the store (NIXL OBJ PUTs)."""
+    objects = rng.integers(0, 256, size=(count, client.layout.object_bytes), dtype=np.uint8)
+    client.agent.register_memory([(objects.ctypes.data, objects.nbytes, 0, "")], "DRAM")
     keys = [f"bench/{tag}/{j:05d}" for j in range(count)]
-    addrs = [blocks.ctypes.data + j * blocks.shape[1] for j in range(count)]
+    addrs = [objects.ctypes.data + j * objects.shape[1] for j in range(count)]
     for start in range(0, count, 256):
         if not all(client.store.write(keys[start:start + 256], addrs[start:start + 256])):
             raise RuntimeError("writing benchmark chunks failed")
-    return keys, blocks
+    return keys, objects
 
 
 def bench_gateway(s3: SeaweedFS, bucket: str, workdir: Path, **settings) -> GatewayProcess:
@@ -149,7 +157,7 @@ def large_object_mbps(s3: SeaweedFS, bucket: str, reps: int) -> list[float]:
     agent = nixl_agent(f"bench-large-{uuid.uuid4().hex[:6]}",
                        nixl_agent_config(enable_prog_thread=False, backends=[]))
     store = make_store(parse_store_config({**s3.store_config(bucket), "create_bucket": False}), layout, agent)
-    data = np.random.default_rng(1).integers(0, 256, size=(2, count, layout.full_block_bytes), dtype=np.uint8)
+    data = np.random.default_rng(1).integers(0, 256, size=(2, count, layout.object_bytes), dtype=np.uint8)
     agent.register_memory([(data.ctypes.data, data.nbytes, 0, "")], "DRAM")
     keys = [f"bench/large/{j}" for j in range(count)]
     src = [data[0, j].ctypes.data for j in range(count)]
@@ -184,8 +192,8 @@ def part_paths(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
             layout = BlockLayout(args.layers, chunk * args.bytes_per_token)
             n = context // chunk
             client = Client(s3, bucket, layout, n)
-            keys, blocks = write_chunks(client, rng, n, f"{context}-{chunk}")
-            payload = n * layout.full_block_bytes
+            keys, objects = write_chunks(client, rng, n, f"{context}-{chunk}")
+            payload = n * layout.object_bytes
             for path in PATHS:
                 client.use(gateways.get(path, gateways["aggregated"]))
                 seconds, firsts = [], []
@@ -193,15 +201,16 @@ def part_paths(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
                     started = time.monotonic()
                     arrivals, result = client.read(keys, plain=path == "per-chunk")
                     mode = result.mode if result else path
-                    client.check(blocks)
+                    client.check(objects)
                     if rep:
                         seconds.append(arrivals[-1] - started)
                         firsts.append(arrivals[0] - started)
                 k = 1 if path != "aggregated-win" else min(args.layers, -(-args.min_read // layout.layer_block_bytes))
-                gets = {"per-chunk": n * args.layers, "chunkwise": n}.get(path, n * -(-args.layers // k))
+                # Layerwise paths GET each chunk's trailer once more; chunkwise GETs whole objects.
+                gets = n if path == "chunkwise" else n * -(-args.layers // k) + n
                 rows.append({
                     "context": context, "chunk_tokens": chunk, "chunks": n, "path": path, "mode": mode,
-                    "payload_bytes": payload, "client_requests": n * args.layers if path == "per-chunk" else 1,
+                    "payload_bytes": payload, "client_requests": gets if path == "per-chunk" else 1,
                     "store_gets": gets, "seconds": seconds, "first_layer_seconds": firsts,
                     "mb_s": payload / median(seconds) / MB, "first_layer_ms": median(firsts) * 1e3,
                 })
@@ -224,8 +233,7 @@ def eq3_ttft(arrivals: list[float], start: float, window_s: float) -> float:
 
 def part_scheduling(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
     scale_rate = args.byte_scale / args.time_scale
-    bytes_per_token = int(A8_BYTES_PER_TOKEN * args.byte_scale)
-    layout = BlockLayout(A8_LAYERS, args.sched_chunk * bytes_per_token)
+    layout = _sched_layout(args)
     windows = {name: ms / 1000 / A8_LAYERS * args.time_scale for name, (_, ms) in A8.items()}
     rng = np.random.default_rng(2)
     # One client per request of the largest workload, reused for every gateway.
@@ -300,11 +308,16 @@ def part_scheduling(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
     return {"rows": rows, "byte_scale": args.byte_scale, "time_scale": args.time_scale}
 
 
+def _sched_layout(args) -> BlockLayout:
+    return BlockLayout(A8_LAYERS, args.sched_chunk * int(A8_BYTES_PER_TOKEN * args.byte_scale))
+
+
 def _demand(name: str, args):
+    """What the gateway declares for this request: its per-layer bytes count the digests, as the gateway's do."""
     from s3agg_gateway_ext.scheduling import Demand
 
     tokens, ms = A8[name]
-    layer_bytes = tokens * A8_BYTES_PER_TOKEN * args.byte_scale
+    layer_bytes = layer_region_bytes(tokens // args.sched_chunk, _sched_layout(args).layer_block_bytes)
     return Demand(layer_bytes, ms / 1000 / A8_LAYERS * args.time_scale, layer_bytes * A8_LAYERS)
 
 
