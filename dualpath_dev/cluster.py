@@ -40,7 +40,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dualpath_dev.engines import RouterProcess, VLLMServer
+from dualpath_dev.engines import ClusterKeys, RouterProcess, VLLMServer
 from dualpath_dev.seaweedfs import SeaweedFS
 
 from dualpath_bench.errors import BenchUsageError
@@ -403,6 +403,8 @@ class EmulatedCluster:
         self.s3: SeaweedFS | None = None
         self.engines: dict[str, VLLMServer] = {}
         self.router: RouterProcess | None = None
+        # One per cluster, random per run: the engines' API key and the side channel's key.
+        self.keys = ClusterKeys.generate()
 
     @property
     def prefill(self) -> list[VLLMServer]:
@@ -455,7 +457,7 @@ class EmulatedCluster:
             server = VLLMServer(
                 self.model, self.s3, self.workdir / f"{self.network.prefix}-{node.name}-{spec.name}-vllm.log",
                 max_model_len=self.max_model_len, config="pe.json" if node.role == "prefill" else "de.json",
-                extra=extra, host=node.compute_addr, launcher=node.launcher,
+                extra=extra, host=node.compute_addr, launcher=node.launcher, keys=self.keys,
             )  # fmt: skip
             server.env.update(
                 {

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import sys
 import time
+import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from nixl_backends.lookup import wait_stored
 
+from dualpath_connector.cluster_auth import CLUSTER_KEY_ENV
 from dualpath_connector.protocol import StoreKeySpace, metric_total
 
 from dualpath_dev.processes import ServiceProcess, free_port
@@ -18,6 +22,35 @@ from dualpath_dev.seaweedfs import SeaweedFS
 
 # The ready-made configs of the checkout (this package exists only in a checkout).
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+# Where the routers started here read the engines' API key (named in their config as engine_api_key_env).
+ROUTER_KEY_ENV = "DUALPATH_ENGINE_API_KEY"
+
+
+@dataclass(frozen=True)
+class ClusterKeys:
+    """One cluster's secrets, random per run: every engine of the cluster and its router share them.
+
+    ``api_key``: what the engines' OpenAI servers demand (vLLM reads
+    ``VLLM_API_KEY``; the environment keeps it out of ``ps``), sent by the
+    router and by the helpers here. ``cluster_key``: what authenticates
+    PE<->DE side-channel messages.
+    """
+
+    api_key: str = field(repr=False)
+    cluster_key: str = field(repr=False)
+
+    @classmethod
+    def generate(cls) -> ClusterKeys:
+        return cls(secrets.token_hex(16), secrets.token_hex(32))
+
+    def engine_env(self) -> dict[str, str]:
+        return {"VLLM_API_KEY": self.api_key, CLUSTER_KEY_ENV: self.cluster_key}
+
+    def router_env(self) -> dict[str, str]:
+        return {ROUTER_KEY_ENV: self.api_key}
+
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
 
 
 class VLLMServer(ServiceProcess):
@@ -31,6 +64,9 @@ class VLLMServer(ServiceProcess):
     cache is off, so every hit it reports was read from the store.
     ``host``: the address it listens on and is reached at; ``launcher``: a
     command prefix (``ip netns exec <ns>`` for a network namespace).
+    ``keys``: the cluster's secrets (:class:`ClusterKeys`), in the environment
+    too; the PE and DE of one cluster need the same, a single-instance engine
+    (``kv_both``) makes its own when none is given.
     """
 
     def __init__(
@@ -46,6 +82,7 @@ class VLLMServer(ServiceProcess):
         *,
         host: str = "127.0.0.1",
         launcher: Sequence[str] = (),
+        keys: ClusterKeys | None = None,
     ) -> None:
         self.kv_config = json.loads((CONFIGS / config).read_text())
         extra_config = self.kv_config["kv_connector_extra_config"]
@@ -55,8 +92,11 @@ class VLLMServer(ServiceProcess):
         extra_config.update(extra or {})
         self.side_channel = None
         if self.kv_config["kv_role"] != "kv_both":
+            if keys is None:
+                raise ValueError(f"{config}: the engines of a PD cluster share one ClusterKeys; pass keys=")
             extra_config["side_channel_port"] = free_port()
             self.side_channel = f"{extra_config['side_channel_host']}:{extra_config['side_channel_port']}"
+        self.keys = keys if keys is not None else ClusterKeys.generate()
         self.model = model
         self._s3 = s3
         self.log_path = log_path
@@ -69,6 +109,7 @@ class VLLMServer(ServiceProcess):
             VLLM_CPU_KVCACHE_SPACE="2",
             VLLM_CPU_NUM_OF_RESERVED_CPU="1",
             PYTHONUNBUFFERED="1",
+            **self.keys.engine_env(),
         )
         self.args = [
             *launcher, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -83,10 +124,18 @@ class VLLMServer(ServiceProcess):
             self.args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
         self.health_url = f"{self.base_url}/health"
 
+    def _request(self, path: str, body: dict) -> urllib.request.Request:
+        """A POST to the server carrying the cluster's API key (without it the /v1 paths answer 401)."""
+        headers = {"Content-Type": "application/json", **self.keys.auth_headers()}
+        return urllib.request.Request(f"{self.base_url}{path}", data=json.dumps(body).encode(), headers=headers)
+
+    def post(self, path: str, body: dict, timeout_s: float = 600.0) -> dict:
+        """A POST with the API key; the JSON answer."""
+        with urllib.request.urlopen(self._request(path, body), timeout=timeout_s) as response:
+            return json.loads(response.read())
+
     def complete(self, prompt: list[int], max_tokens: int, timeout_s: float = 600.0) -> tuple[float, list[int], dict]:
         """A greedy streaming completion: (seconds to first token, token ids, usage)."""
-        import urllib.request
-
         body = {
             "model": str(self.model),
             "prompt": prompt,
@@ -97,14 +146,11 @@ class VLLMServer(ServiceProcess):
             "stream_options": {"include_usage": True},
             "return_token_ids": True,
         }
-        request = urllib.request.Request(
-            f"{self.base_url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
-        )
         started = time.perf_counter()
         first_token_s = None
         tokens: list[int] = []
         usage: dict = {}
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+        with urllib.request.urlopen(self._request("/v1/completions", body), timeout=timeout_s) as response:
             for raw in response:
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
@@ -139,21 +185,24 @@ class VLLMServer(ServiceProcess):
 
     def metrics_text(self) -> str:
         """The server's /metrics (Prometheus text)."""
-        import urllib.request
-
         return urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30).read().decode()
 
 
 class RouterProcess(ServiceProcess):
     """``dualpath-router`` in its own process on a free port, in front of PD engines.
 
-    The store section is the PE's (credentials travel in the AWS variables);
-    ``overrides`` are top-level router config keys (``policy``, ``read_side``...).
+    The store section is the PE's (credentials travel in the AWS variables,
+    the engines' API key in ``DUALPATH_ENGINE_API_KEY``); the vocabulary size
+    comes from the served model's config.json; ``overrides`` are top-level
+    router config keys (``policy``, ``read_side``...).
     """
 
     def __init__(
         self, prefill: list[VLLMServer], decode: list[VLLMServer], s3: SeaweedFS, workdir: Path, **overrides: object
     ) -> None:
+        keys = prefill[0].keys
+        if any(engine.keys != keys for engine in (*prefill, *decode)):
+            raise ValueError("the router's engines must be one cluster: they share one ClusterKeys")
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         store = prefill[0].kv_config["kv_connector_extra_config"]["store"]
@@ -161,6 +210,8 @@ class RouterProcess(ServiceProcess):
             "host": "127.0.0.1",
             "port": self.port,
             "served_model_names": [str(prefill[0].model)],
+            "model_config": str(Path(prefill[0].model).resolve()),
+            "engine_api_key_env": ROUTER_KEY_ENV,
             "policy": "dualpath",
             "prefill_engines": [
                 {"name": f"pe{i}", "url": pe.base_url, "node": f"node-pe{i}"} for i, pe in enumerate(prefill)
@@ -176,7 +227,8 @@ class RouterProcess(ServiceProcess):
         self.config_path = workdir / f"router-{self.port}.yaml"
         self.config_path.write_text(json.dumps(config))  # JSON is YAML
         self.log_path = workdir / f"router-{self.port}.log"
-        self.env = dict(os.environ, AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key)
+        self.env = dict(os.environ, AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key,
+                        **keys.router_env())
         self.args = [sys.executable, "-m", "dualpath_router.app", "--config", str(self.config_path)]
         # /health is 200 once the router itself sees a healthy PE and DE.
         self.health_url = f"{self.url}/health"
@@ -184,8 +236,6 @@ class RouterProcess(ServiceProcess):
 
     def complete(self, body: dict, timeout_s: float = 600.0) -> tuple[dict, dict[str, str], float]:
         """A non-streaming completion: (answer, x-dualpath-* headers, seconds)."""
-        import urllib.request
-
         request = urllib.request.Request(
             f"{self.url}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
         )

@@ -8,6 +8,10 @@ a new observation to the agent's context. Per turn it prints the read side the
 router chose, the hit tokens and the time to first token (non-streaming here,
 so the time of the whole request), and at the end the bytes each side read
 from the store. Everything started here is stopped on exit, also on Ctrl-C.
+
+The engines get a random API key and cluster key per run in their
+environment (``VLLM_API_KEY``, ``DUALPATH_CLUSTER_KEY``), the router the API
+key (``DUALPATH_ENGINE_API_KEY``): only the router talks to the engines.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from dualpath_connector.protocol import counter_total_name
-from dualpath_dev.engines import RouterProcess, VLLMServer
+from dualpath_dev.engines import ClusterKeys, RouterProcess, VLLMServer
 from dualpath_dev.seaweedfs import SeaweedFS
 from dualpath_dev.tiny_model import make_tiny_llama
 
@@ -70,8 +74,10 @@ def run(args: argparse.Namespace) -> dict:
     rows: list[dict] = []
     with SeaweedFS() as s3:
         print(f"S3 (SeaweedFS) on {s3.endpoint}")
-        pe = VLLMServer(model, s3, workdir / "demo-pe.log", config="pe.json")
-        de = VLLMServer(model, s3, workdir / "demo-de.log", config="de.json")
+        # Random per run: the engines answer only the router (API key), the side channel only its peers.
+        keys = ClusterKeys.generate()
+        pe = VLLMServer(model, s3, workdir / "demo-pe.log", config="pe.json", keys=keys)
+        de = VLLMServer(model, s3, workdir / "demo-de.log", config="de.json", keys=keys)
         print(f"PE {pe.base_url} (side channel {pe.side_channel}), DE {de.base_url} (side channel {de.side_channel})")
         print(f"starting both engines (logs: {pe.log_path}, {de.log_path}) ...", flush=True)
         with pe, de, RouterProcess([pe], [de], s3, workdir, policy="dualpath") as router:

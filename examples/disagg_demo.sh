@@ -3,6 +3,8 @@
 # CPU, the tiny test Llama, configs/pe.json and configs/de.json) and dualpath-router in front; two
 # agents replay a multi-turn session. Prints per turn the read side, hit tokens and time, and per
 # side the bytes read from the store. Extra arguments go to the driver (--turns, --agents, ...).
+# The driver makes a random API key and cluster key per run and hands them to the engines and the
+# router in their environment (VLLM_API_KEY, DUALPATH_CLUSTER_KEY, DUALPATH_ENGINE_API_KEY).
 #
 # Everything is started by the Python driver, which stops it by the PIDs it holds; the trap makes
 # Ctrl-C or a kill of this script reach the driver, so nothing is left running.
