@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
-.PHONY: setup test test-unit test-integration test-e2e demo demo-single bench clean mma bench-s3agg bench-injection bench-dualpath
+.PHONY: setup test test-unit test-integration test-e2e demo demo-single bench clean mma bench-s3agg bench-injection bench-dualpath soak
 
 setup: $(STAMP) mma
 
@@ -60,6 +60,12 @@ bench-injection: setup
 # BENCH_ARGS adds options, e.g. BENCH_ARGS="--topologies 1P1D,1P2D,2P1D". Results: benchmarks/results/dualpath-bench.*
 bench-dualpath: setup
 	PYTHONPATH=$(CURDIR) $(PY) -m dualpath_bench.cli cluster --workdir .cache --out-dir benchmarks/results $(BENCH_ARGS)
+
+# A soak, not part of `make test`: agents through the 1P1D stack for 10 minutes, RSS and open fds of the engines and
+# the router sampled every 10 s; SOAK_ARGS adds options, e.g. SOAK_ARGS="--duration 60 --agents 2".
+# Results: benchmarks/results/soak.*
+soak: setup
+	$(PY) benchmarks/soak.py $(SOAK_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

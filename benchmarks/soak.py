@@ -1,0 +1,430 @@
+"""A soak of the 1P1D stack: agents for a while, memory and open file descriptors of every process sampled.
+
+The stack of ``make demo`` (SeaweedFS on 127.0.0.1, a prefill engine from
+``configs/pe.json``, a decode engine from ``configs/de.json``, both vLLM on CPU
+with the tiny test Llama, and ``dualpath-router`` with the ``dualpath``
+policy) serves ``--agents`` agents for ``--duration`` seconds. Each agent runs
+an endless multi-turn session through the router: every turn appends the
+model's answer and ``--tokens-per-turn`` new random tokens to its context, and
+once the context passes ``--max-context`` the agent starts a new session.
+
+Every ``--sample-every`` seconds, for the PE, the DE and the router, the RSS
+(``VmRSS`` from ``/proc/<pid>/status``) and the open file descriptors
+(``/proc/<pid>/fd``) are summed over the process tree (vLLM's API server runs
+its EngineCore as a child process), together with the requests done and
+failed so far. A healthy stack is flat: neither series grows with the requests.
+
+Output: a table (first, last and max value of each series, its least-squares
+slope per minute over the whole run and over its second half) printed and in
+``<out-dir>/soak.md``, every sample in ``soak.json``, and ``soak.png`` (one
+panel RSS since the first sample, one panel fds). Exit status 1 when a process
+died or a request failed. Everything started here is stopped by the PID it
+holds, also on Ctrl-C and SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import sys
+import threading
+import time
+import urllib.error
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
+from _common import REPO_ROOT, RESULTS_DIR, VOCAB, exit_on_sigterm, markdown_table, result_payload  # noqa: E402
+
+from dualpath_dev.engines import ClusterKeys, RouterProcess, VLLMServer  # noqa: E402
+from dualpath_dev.seaweedfs import SeaweedFS  # noqa: E402
+from dualpath_dev.tiny_model import make_tiny_llama  # noqa: E402
+
+MEASURED = ("pe", "de", "router")
+KEPT_ERRORS = 5  # error messages kept verbatim in the JSON; the rest are only counted by kind
+
+
+# --- what a process tree holds -------------------------------------------------------------------
+
+
+def _children_by_parent() -> dict[int, list[int]]:
+    """Every process's children, from one pass over /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry.name}/stat").read_text()
+        except OSError:  # it exited since the listing
+            continue
+        # The command name (field 2) may hold spaces and ')': the parent is the 2nd field after its last ')'.
+        parent = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(parent, []).append(int(entry.name))
+    return children
+
+
+def _tree(root: int, children: dict[int, list[int]]) -> list[int]:
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo.extend(children.get(pid, ()))
+    return pids
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024  # kB
+    return 0  # a zombie has no memory left
+
+
+def measure_tree(root: int, children: dict[int, list[int]]) -> dict[str, float]:
+    """RSS (MiB) and open fds summed over ``root`` and its descendants, and how many processes that is.
+
+    Pages shared between the processes count once per process: the level is an
+    upper bound, and what a soak looks at is how it moves.
+    """
+    rss = fds = processes = 0
+    for pid in _tree(root, children):
+        try:
+            rss += _rss_bytes(pid)
+            fds += len(os.listdir(f"/proc/{pid}/fd"))
+        except (FileNotFoundError, ProcessLookupError):  # it exited since the listing
+            continue
+        processes += 1
+    return {"rss_mib": round(rss / 2**20, 1), "fds": fds, "processes": processes}
+
+
+# --- the agents ----------------------------------------------------------------------------------
+
+
+class Tally:
+    """What the agents did so far, shared between their threads."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.requests = 0
+        self.errors = 0
+        self.sessions = 0
+        self.prompt_tokens = 0
+        self.hit_tokens = 0
+        self.read_sides: Counter[str] = Counter()
+        self.error_kinds: Counter[str] = Counter()
+        self.first_errors: list[str] = []
+
+    def done(self, prompt_tokens: int, headers: dict[str, str]) -> None:
+        with self.lock:
+            self.requests += 1
+            self.prompt_tokens += prompt_tokens
+            self.hit_tokens += int(headers.get("x-dualpath-hit-tokens", 0))
+            self.read_sides[headers.get("x-dualpath-read-side", "?")] += 1
+
+    def failed(self, exc: Exception) -> None:
+        if isinstance(exc, urllib.error.HTTPError):
+            kind = f"HTTP {exc.code}"
+            try:
+                detail = exc.read()[:300].decode(errors="replace")
+            except OSError:
+                detail = str(exc)
+        else:
+            kind, detail = type(exc).__name__, str(exc)[:300]
+        with self.lock:
+            self.errors += 1
+            self.error_kinds[kind] += 1
+            if len(self.first_errors) < KEPT_ERRORS:
+                self.first_errors.append(f"{kind}: {detail}")
+
+    def new_session(self) -> None:
+        with self.lock:
+            self.sessions += 1
+
+
+def agent(index: int, router: RouterProcess, model: str, args: argparse.Namespace, stop: threading.Event,
+          tally: Tally) -> None:
+    """One endless multi-turn session after another until ``stop`` is set."""
+    rng = random.Random(f"{args.seed}-{index}")
+    context: list[int] = []
+    while not stop.is_set():
+        if not context or len(context) > args.max_context:
+            context = [rng.randrange(VOCAB) for _ in range(args.first_prompt_tokens)]
+            tally.new_session()
+        body = {"model": model, "prompt": context, "max_tokens": args.output_tokens, "temperature": 0.0,
+                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+        try:
+            answer, headers, _ = router.complete(body, timeout_s=args.request_timeout)
+            output = answer["choices"][0]["token_ids"]
+        except Exception as exc:  # every failure is a finding, counted by kind; the agent goes on
+            if stop.is_set():
+                return  # cut off by the shutdown, not a failure of the stack
+            tally.failed(exc)
+            context = []  # a failed turn has no answer to append: start a new session
+            stop.wait(1.0)  # a back-off, so a broken stack is not hammered in a tight loop
+            continue
+        tally.done(len(context), headers)
+        context = context + output + [rng.randrange(VOCAB) for _ in range(args.tokens_per_turn)]
+
+
+# --- the run -------------------------------------------------------------------------------------
+
+
+def run(args: argparse.Namespace) -> dict:
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    workdir = args.workdir.resolve()
+    model = make_tiny_llama(workdir / "tiny-llama")
+    tally = Tally()
+    stop = threading.Event()
+    samples: list[dict] = []
+    stopped_early = ""
+    with contextlib.ExitStack() as stack:
+        s3 = stack.enter_context(SeaweedFS())
+        print(f"S3 (SeaweedFS) on {s3.endpoint}", file=sys.stderr)
+        # Random per run, as in the demo: the engines answer only the router, the side channel only its peers.
+        keys = ClusterKeys.generate()
+        engines = {
+            name: VLLMServer(model, s3, workdir / f"soak-{name}.log", max_model_len=args.max_model_len,
+                             config=f"{name}.json", keys=keys)
+            for name in ("pe", "de")
+        }  # fmt: skip
+        for name, server in engines.items():
+            stack.callback(server.stop)
+            print(f"starting the {name.upper()} on {server.base_url}; log: {server.log_path}", file=sys.stderr)
+            server.start(args.start_timeout)
+        router = RouterProcess([engines["pe"]], [engines["de"]], s3, workdir, policy="dualpath")
+        stack.callback(router.stop)
+        router.start(args.start_timeout)
+        print(f"dualpath-router on {router.url}; log: {router.log_path}", file=sys.stderr)
+        procs = {"pe": engines["pe"].proc, "de": engines["de"].proc, "router": router.proc}
+        # Registered last, so it runs first on the way out: agents stop before the stack does, and a
+        # request cut off by the shutdown is not counted as a failure.
+        stack.callback(stop.set)
+        agents = [
+            threading.Thread(target=agent, args=(i, router, str(model), args, stop, tally), name=f"agent-{i}",
+                             daemon=True)
+            for i in range(args.agents)
+        ]  # fmt: skip
+        started = time.monotonic()
+        samples.append(_sample(0.0, procs, tally))
+        for thread in agents:
+            thread.start()
+        print(f"{args.agents} agents for {args.duration:.0f}s, a sample every {args.sample_every:.0f}s",
+              file=sys.stderr)  # fmt: skip
+        deadline = started + args.duration
+        next_at = started + args.sample_every
+        while True:
+            wake = min(next_at, deadline)
+            time.sleep(max(0.0, wake - time.monotonic()))  # the sampling cadence, not a synchronisation
+            dead = [f"{name} (exit status {p.returncode})" for name, p in procs.items() if p.poll() is not None]
+            if dead:
+                stopped_early = f"{', '.join(dead)} exited during the soak"
+                break
+            samples.append(_sample(time.monotonic() - started, procs, tally))
+            _print_progress(samples[-1])
+            if wake >= deadline:
+                break
+            next_at += args.sample_every
+        # Leaving the stack stops the router and the engines, which ends the requests still in flight.
+    for thread in agents:
+        thread.join(timeout=30)
+    return result_payload(
+        args,
+        samples=samples,
+        series=summarise(samples),
+        requests=tally.requests,
+        errors=tally.errors,
+        error_kinds=dict(tally.error_kinds),
+        first_errors=tally.first_errors,
+        sessions=tally.sessions,
+        prompt_tokens=tally.prompt_tokens,
+        hit_tokens=tally.hit_tokens,
+        read_sides=dict(tally.read_sides),
+        stopped_early=stopped_early,
+    )
+
+
+def _sample(t_s: float, procs: dict, tally: Tally) -> dict:
+    children = _children_by_parent()
+    with tally.lock:
+        counts = {"requests": tally.requests, "errors": tally.errors}
+    return {"t_s": round(t_s, 1), **counts, **{name: measure_tree(procs[name].pid, children) for name in MEASURED}}
+
+
+def _print_progress(sample: dict) -> None:
+    parts = [f"{name} {sample[name]['rss_mib']:.0f} MiB/{sample[name]['fds']} fds" for name in MEASURED]
+    print(f"  t={sample['t_s']:>6.0f}s  {'  '.join(parts)}  requests {sample['requests']}, errors {sample['errors']}",
+          file=sys.stderr, flush=True)  # fmt: skip
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+
+def _series(samples: list[dict]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for name in MEASURED:
+        out[f"{name} RSS (MiB)"] = [s[name]["rss_mib"] for s in samples]
+    for name in MEASURED:
+        out[f"{name} fds"] = [s[name]["fds"] for s in samples]
+    out["requests done"] = [s["requests"] for s in samples]
+    out["errors"] = [s["errors"] for s in samples]
+    return out
+
+
+def slope_per_minute(times_s: list[float], values: list[float]) -> float | None:
+    """Least-squares slope of ``values`` over time, per minute; None with fewer than two samples."""
+    if len(times_s) < 2:
+        return None
+    mean_t = sum(times_s) / len(times_s)
+    mean_v = sum(values) / len(values)
+    spread = sum((t - mean_t) ** 2 for t in times_s)
+    if spread == 0:
+        return None
+    return 60.0 * sum((t - mean_t) * (v - mean_v) for t, v in zip(times_s, values)) / spread
+
+
+def summarise(samples: list[dict]) -> dict[str, dict[str, float | None]]:
+    """Per series: first, last, max, slope per minute over all samples and over the second half.
+
+    The second half leaves out the start-up growth (allocator pools, compiled
+    kernels, first connections), so a leak shows there as a slope that stays.
+    """
+    times = [s["t_s"] for s in samples]
+    half = len(samples) // 2
+    return {
+        name: {
+            "first": values[0],
+            "last": values[-1],
+            "max": max(values),
+            "slope_per_min": slope_per_minute(times, values),
+            "slope_per_min_2nd_half": slope_per_minute(times[half:], values[half:]),
+        }
+        for name, values in _series(samples).items()
+        if values
+    }
+
+
+def table(payload: dict) -> str:
+    config = payload["config"]
+    hit_share = payload["hit_tokens"] / payload["prompt_tokens"] if payload["prompt_tokens"] else 0.0
+    caption = (
+        f"Soak of the 1P1D stack (SeaweedFS, PE, DE, dualpath-router; vLLM CPU, tiny Llama): {config['agents']} "
+        f"agents for {config['duration']:.0f}s, {len(payload['samples'])} samples every {config['sample_every']:.0f}s; "
+        f"{payload['requests']} requests, {payload['errors']} errors, {payload['sessions']} sessions, "
+        f"{hit_share:.0%} of prompt tokens were store hits (read sides: "
+        f"{', '.join(f'{k} {v}' for k, v in sorted(payload['read_sides'].items())) or 'none'}). "
+        f"RSS and fds summed over each process tree."
+    )
+    rows = [
+        [name, _fmt(s["first"]), _fmt(s["last"]), _fmt(s["max"]), _fmt(s["slope_per_min"], 2),
+         _fmt(s["slope_per_min_2nd_half"], 2)]
+        for name, s in payload["series"].items()
+    ]  # fmt: skip
+    text = markdown_table(["series", "first", "last", "max", "slope/min", "slope/min (2nd half)"], rows, caption)
+    if payload["stopped_early"]:
+        text += f"\n\n**Stopped early: {payload['stopped_early']}.**"
+    if payload["errors"]:
+        text += f"\n\nErrors by kind: {payload['error_kinds']}; first: {payload['first_errors']}"
+    return text
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def chart(payload: dict, path: Path) -> Path | None:
+    """RSS growth and open fds of each process tree over time; None when matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    minutes = [s["t_s"] / 60 for s in payload["samples"]]
+    fig, (rss, fds) = plt.subplots(2, 1, sharex=True, figsize=(7.0, 6.0))
+    for name in MEASURED:
+        # Growth, not level: an engine's 5 GB and the router's 100 MB share one axis, and growth is the question.
+        first = payload["samples"][0][name]["rss_mib"]
+        rss.plot(minutes, [s[name]["rss_mib"] - first for s in payload["samples"]], marker=".",
+                 label=f"{name} (first {first:.0f} MiB)")  # fmt: skip
+        fds.plot(minutes, [s[name]["fds"] for s in payload["samples"]], marker=".", label=name)
+    rss.set_ylabel("RSS since the first sample (MiB)")
+    fds.set_ylabel("open file descriptors")
+    fds.set_xlabel("minutes since the agents started")
+    rss.set_title(f"Soak, 1P1D: {payload['config']['agents']} agents, {payload['requests']} requests, "
+                  f"{payload['errors']} errors")  # fmt: skip
+    for ax in (rss, fds):
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _write(path: Path, text: str) -> None:
+    # Written beside the target and renamed: a reader never sees half a file.
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--agents", type=int, default=4, help="concurrent agents (sessions)")
+    parser.add_argument("--duration", type=float, default=600.0, help="seconds the agents run")
+    parser.add_argument("--sample-every", type=float, default=10.0, help="seconds between samples")
+    parser.add_argument("--first-prompt-tokens", type=int, default=1000, help="tokens of a session's first prompt")
+    parser.add_argument("--tokens-per-turn", type=int, default=300, help="new random tokens appended per turn")
+    parser.add_argument("--output-tokens", type=int, default=32, help="max_tokens of every request")
+    parser.add_argument("--max-context", type=int, default=6000,
+                        help="a session whose context passes this many tokens ends; the agent starts a new one")
+    parser.add_argument("--max-model-len", type=int, default=8192)
+    parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a process to become healthy")
+    parser.add_argument("--request-timeout", type=float, default=600.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--workdir", type=Path, default=REPO_ROOT / ".cache", help="model and logs go here")
+    parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="soak.json, soak.md, soak.png go here")
+    args = parser.parse_args(argv)
+    for name in ("agents", "first_prompt_tokens", "tokens_per_turn", "output_tokens"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    for name in ("duration", "sample_every", "start_timeout", "request_timeout"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be > 0, got {getattr(args, name)}")
+    if args.max_context < args.first_prompt_tokens:
+        parser.error(f"--max-context ({args.max_context}) must be at least --first-prompt-tokens "
+                     f"({args.first_prompt_tokens})")  # fmt: skip
+    # A context past --max-context is never sent: the longest prompt is --max-context tokens.
+    if args.max_context + args.output_tokens > args.max_model_len:
+        parser.error(f"--max-model-len ({args.max_model_len}) must hold --max-context ({args.max_context}) "
+                     f"plus --output-tokens ({args.output_tokens})")  # fmt: skip
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    exit_on_sigterm()
+    try:
+        payload = run(args)
+    except KeyboardInterrupt:
+        print("interrupted; everything this run started has been stopped", file=sys.stderr)
+        sys.exit(130)
+    text = table(payload)
+    payload["table"] = text
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    _write(args.out_dir / "soak.json", json.dumps(payload, indent=2) + "\n")
+    _write(args.out_dir / "soak.md", text + "\n")
+    print(text)
+    print(f"\nresults: {args.out_dir / 'soak.json'}, {args.out_dir / 'soak.md'}")
+    if chart(payload, args.out_dir / "soak.png") is not None:
+        print(f"chart: {args.out_dir / 'soak.png'}")
+    if payload["stopped_early"] or payload["errors"]:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
