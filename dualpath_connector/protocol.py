@@ -27,7 +27,8 @@ from typing import Any, Literal
 from nixl_backends.layout import BlockLayout, KVNamespace, chunk_hashes, chunk_key
 
 # Bumped on any incompatible change of a message, a key or a label below.
-PROTOCOL_VERSION = 1
+# 2: side-channel messages are signed (cluster_auth); stored chunks carry integrity trailers.
+PROTOCOL_VERSION = 2
 VERSION_KEY = "dualpath_version"
 
 
@@ -221,6 +222,8 @@ COUNTERS = {
     "de_reads_declined": "PE read requests this DE declined (its read queue would miss the PE's deadline); "
     "the PE read those hits itself",
     "corrupt_chunks": "Chunks read from the store whose bytes failed their integrity digest (treated as misses)",
+    "side_channel_rejected_messages": "Side-channel messages dropped unanswered: unsigned, wrong key, stale, "
+    "replayed or malformed",
 }
 TIMINGS = {
     "load_seconds": "Time from a load's start to its hit being readable (bulk: in the KV cache)",

@@ -110,6 +110,7 @@ class DualPathWorker:
         self._in_flight: set[str] = set()
         self._dropped: set[str] = set()
         self._injection: LayerwiseInjection | None = None
+        self._rejected_reported = 0
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -303,6 +304,11 @@ class DualPathWorker:
     # -- lifecycle --------------------------------------------------------------------
 
     def get_stats(self) -> DualPathStats | None:
+        if self.peers is not None:
+            # The side channel counts refusals on its own thread; hand on what is new.
+            rejected = self.peers.rejected_messages
+            self.stats.add(side_channel_rejected_messages=rejected - self._rejected_reported)
+            self._rejected_reported = rejected
         return self.stats.take()
 
     def shutdown(self) -> None:
