@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
-.PHONY: setup test test-unit test-integration test-e2e demo demo-single bench clean mma bench-s3agg bench-injection bench-dualpath soak
+.PHONY: setup test test-unit test-integration test-e2e demo demo-single bench clean mma bench-s3agg bench-injection bench-integrity bench-dualpath soak
 
 setup: $(STAMP) mma
 
@@ -51,6 +51,10 @@ bench: setup
 # s3agg-gateway: read paths by chunk size and context, bandwidth policies on workloads A, B, C.
 bench-s3agg: setup
 	$(PY) benchmarks/bench_s3agg.py
+
+# What chunk integrity costs: seal/verify GB/s per mode and Layer Block size, beside memcpy.
+bench-integrity: setup
+	$(PY) benchmarks/bench_integrity.py
 
 # TTFT with bulk vs layerwise injection of a 90% store hit at 8k/16k/32k-token prompts.
 bench-injection: setup

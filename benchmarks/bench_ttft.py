@@ -10,14 +10,19 @@ serve every measurement. For each prompt length L and repetition:
   new tokens is sent and its KV for X is loaded from S3 instead of recomputed.
 
 TTFT is the time from sending the request to the first streamed chunk carrying
-token ids (``max_tokens=1``). Medians go to a markdown table and
+token ids (``max_tokens=1``). Every hit's chunks are checked against their
+integrity digests before they reach the KV cache (``--integrity``: the
+connector's ``checksum`` or ``keyed`` mode); the time that takes is part of
+the hit TTFT and is reported beside it (``dualpath_kv:verify_seconds``). Medians go to a markdown table and
 ``benchmarks/results/ttft.json`` (and ``ttft.png`` when matplotlib is importable).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
+import secrets
 import sys
 from pathlib import Path
 
@@ -57,6 +62,9 @@ class Bench:
     def fresh(self, n: int) -> list[int]:
         return [self.rng.randrange(VOCAB) for _ in range(n)]
 
+    def verify_seconds(self) -> float:
+        return self.server.metric_total("dualpath_kv:verify_seconds_sum")
+
     def request(self, prompt: list[int]) -> tuple[float, int]:
         ttft, _, usage = self.server.complete(prompt, 1, self.args.request_timeout)
         return ttft, cached_tokens(usage)
@@ -73,11 +81,14 @@ class Bench:
         populate_ttft, populate_hit = self.request(context)
         save = self.wait_saves(len(context) // self.chunk_tokens)
         prompt = context + self.fresh(self.args.extra_tokens)
+        verified_before = self.verify_seconds()
         ttft, hit = self.request(prompt)
         # Chunks of X are stored already; only chunks completed by the new tokens are saved.
         after = self.wait_saves(len(prompt) // self.chunk_tokens - len(context) // self.chunk_tokens)
         return {
             "ttft_s": ttft,
+            # Waiting for the saves also lets the step's connector stats reach /metrics.
+            "verify_s": self.verify_seconds() - verified_before,
             "cached_tokens": hit,
             "prompt_tokens": len(prompt),
             "populate_ttft_s": populate_ttft,
@@ -89,7 +100,9 @@ class Bench:
 
 def run(args: argparse.Namespace) -> dict:
     rows = []
-    with vllm_stack(args, "bench-ttft", {"": {}}) as servers:
+    if args.integrity == "keyed" and not os.environ.get("DUALPATH_INTEGRITY_KEY"):
+        os.environ["DUALPATH_INTEGRITY_KEY"] = secrets.token_hex(16)  # the server inherits it
+    with vllm_stack(args, "bench-ttft", {"": {"extra": {"integrity": args.integrity}}}) as servers:
         server = servers[""]
         bench = Bench(server, chunk_tokens(server), args)
 
@@ -117,6 +130,7 @@ def run(args: argparse.Namespace) -> dict:
                 "prompt_tokens": length + args.extra_tokens,
                 "recompute_ttft_ms_median": rec * 1000,
                 "hit_ttft_ms_median": hit * 1000,
+                "verify_ms_median": median([s["verify_s"] for s in samples["hit"]]) * 1000,
                 "speedup": rec / hit,
                 "hit_tokens_median": median([s["cached_tokens"] for s in samples["hit"]]),
                 "recompute_cached_tokens_max": max(s["cached_tokens"] for s in samples["recompute"]),
@@ -135,14 +149,19 @@ def table(payload: dict) -> str:
             f"{r['hit_ttft_ms_median']:.0f}",
             f"{r['speedup']:.2f}x",
             f"{r['hit_tokens_median']:.0f}",
+            f"{r['verify_ms_median']:.2f}",
+            f"{100 * r['verify_ms_median'] / r['hit_ttft_ms_median']:.2f}%",
         ]
         for r in payload["results"]
     ]
     caption = (
         f"{ttft_caption(payload)} recompute: {payload['config']['extra_tokens']} more tokens than the context, "
-        f"all computed; hit: the same length, of which the context's chunks come from the store."
+        f"all computed; hit: the same length, of which the context's chunks come from the store, each checked "
+        f"against its {payload['config']['integrity']} integrity digests first (verify ms: that check, "
+        f"part of the hit TTFT)."
     )
-    headers = ["context tokens", "prompt tokens", "recompute TTFT ms", "hit TTFT ms", "speedup", "hit tokens"]
+    headers = ["context tokens", "prompt tokens", "recompute TTFT ms", "hit TTFT ms", "speedup", "hit tokens",
+               "verify ms", "verify share"]
     return markdown_table(headers, rows, caption)
 
 
@@ -162,6 +181,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="repetitions per length (the median is reported)")
     parser.add_argument("--extra-tokens", type=int, default=16, help="new tokens after the stored context")
     parser.add_argument("--max-model-len", type=int, default=20480)
+    parser.add_argument("--integrity", choices=["checksum", "keyed"], default="checksum",
+                        help="the connector's integrity mode (keyed: a random DUALPATH_INTEGRITY_KEY unless set)")
     add_server_args(parser)
     parser.add_argument("--output", default="ttft", help="base name under benchmarks/results/ (.json, .png)")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2k tokens only, 1 repetition")

@@ -228,6 +228,7 @@ COUNTERS = {
 TIMINGS = {
     "load_seconds": "Time from a load's start to its hit being readable (bulk: in the KV cache)",
     "save_seconds": "Time to write one step's completed chunks to the store",
+    "verify_seconds": "Time to check the integrity digests of one store read's chunks",
     "pull_seconds": "Time for a DE to pull a prefilled prompt's KV from its PE",
 }
 GAUGES = {

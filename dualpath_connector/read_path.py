@@ -177,11 +177,13 @@ class HitReader:
         ok = self.store.read([self.key_space.key(h) for h in chunk_hashes], [self.pool.slot_addr(s) for s in slots])
         self.read_queue.record_read(sum(ok) * self.key_space.chunk_tokens, time.perf_counter() - started)
         # Only the leading run is used, so verification stops at its end.
+        started = time.perf_counter()
         for i in range(self._leading_ok(ok)):
             if not self.integrity.verify(chunk_hashes[i], self.pool.slot_view(slots[i])):
                 self._drop_corrupt(self.key_space.key(chunk_hashes[i]))
                 ok[i] = False
                 break
+        self.stats.time("verify_seconds", time.perf_counter() - started)
         return ok
 
     def _drop_corrupt(self, key: str) -> None:
