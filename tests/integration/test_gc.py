@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 import zlib
@@ -23,6 +24,7 @@ from botocore.exceptions import ClientError
 
 from nixl_backends.buffers import HostBufferPool
 from nixl_backends.cli import main
+from nixl_backends.integrity import ChunkIntegrity, chunk_hash_of
 from nixl_backends.layout import BlockLayout, chunk_key
 from nixl_backends.registry import make_store, parse_store_config
 
@@ -309,3 +311,62 @@ def test_the_command_runs_as_a_process_with_credentials_from_the_environment(sea
     assert done.returncode == 0, done.stderr
     assert said(done.stdout, f"deleted: 2 objects, {2 * SIZE} bytes")
     assert len(kv.keys()) == 1
+
+
+def test_gc_running_during_reads_never_yields_wrong_bytes(kv, nixl_agent):
+    """Readers get a chunk whole, verified and equal to what was written, or a miss; never a mix.
+
+    gc deletes what was not used (budget 0) in a loop while the chunks are
+    written again now and then and read back through the store, alternating
+    halves, as engines re-save and load them. Each round waits for one more
+    collection, so rounds and collections interleave.
+    """
+    keys = make_keys(NS_A, 8, "busy")
+    integrity = ChunkIntegrity(LAYOUT)
+    store = make_store(parse_store_config(kv.section), LAYOUT, nixl_agent)
+    sources = HostBufferPool(nixl_agent, SIZE, len(keys))
+    targets = HostBufferPool(nixl_agent, SIZE, len(keys))
+    for slot, key in enumerate(keys):
+        sources.slot_view(slot)[:] = np.frombuffer(payload(key), dtype=np.uint8)
+        integrity.seal(chunk_hash_of(key), sources.slot_view(slot))
+    written = {key: sources.slot_view(slot).tobytes() for slot, key in enumerate(keys)}
+    stop = threading.Event()
+    done = threading.Condition()
+    collections: list[int] = []
+
+    def collect() -> None:
+        while not stop.is_set():
+            code = main(["gc", "--store", json.dumps(kv.section), "--key-prefix", PREFIX, "--namespace", NS_A,
+                         "--max-bytes", "0"])  # fmt: skip
+            with done:
+                collections.append(code)
+                done.notify_all()
+
+    collector = threading.Thread(target=collect, name="gc-loop")
+    outcomes = {"read": 0, "miss": 0}
+    collector.start()
+    try:
+        for round_ in range(12):
+            if round_ % 3 == 0:
+                assert store.write(keys, [sources.slot_addr(s) for s in range(len(keys))]) == [True] * len(keys)
+            half = list(range(round_ % 2, len(keys), 2))
+            for slot in half:
+                targets.slot_view(slot)[:] = 0xA5
+            ok = store.read([keys[s] for s in half], [targets.slot_addr(s) for s in half])
+            for slot, read in zip(half, ok):
+                if read:
+                    got = targets.slot_view(slot)
+                    assert integrity.verify(chunk_hash_of(keys[slot]), got) and got.tobytes() == written[keys[slot]]
+                outcomes["read" if read else "miss"] += 1
+            with done:
+                seen = len(collections)
+                assert done.wait_for(lambda: len(collections) > seen, timeout=60), "gc made no progress"
+    finally:
+        stop.set()
+        collector.join()
+        sources.close()
+        targets.close()
+        store.close()
+    assert set(collections) == {0}
+    # Both outcomes happened, so the reads really raced the deletions.
+    assert outcomes["read"] > 0 and outcomes["miss"] > 0, outcomes
