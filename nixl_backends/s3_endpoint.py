@@ -16,11 +16,14 @@ from typing import Any, Literal
 
 import boto3
 from botocore.config import Config as BotoConfig
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from nixl_backends.configuration import ConfigError
 
 _NOT_FOUND = ("404", "NoSuchKey", "NotFound")
+# A HEAD answers with the bare status code (no body to name the error); other calls name it.
+_REFUSED = ("401", "403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
+            "ExpiredToken", "InvalidClientTokenId")
 
 
 @dataclass
@@ -78,17 +81,43 @@ def s3_client(config: S3StoreConfig, session: boto3.session.Session, max_pool_co
     )
 
 
-def ensure_bucket(client: Any, bucket: str) -> None:
-    """Create ``bucket`` unless it exists (also when another client created it meanwhile)."""
+def _error_code(exc: ClientError) -> str:
+    response = exc.response
+    return str(response.get("Error", {}).get("Code") or response.get("ResponseMetadata", {}).get("HTTPStatusCode"))
+
+
+def ensure_bucket(client: Any, bucket: str, create: bool = True) -> None:
+    """Check at start-up that the store accepts these credentials; create the bucket if missing and ``create``.
+
+    Any failure is a :class:`ConfigError` naming the endpoint and the bucket,
+    so wrong credentials stop an engine at start-up instead of turning every
+    request into a silent miss. The message never carries the secret key
+    (boto3's errors do not either; they are not chained, so no traceback shows
+    more than the message).
+    """
+    where = f"S3 store {client.meta.endpoint_url}, bucket {bucket!r}"
     try:
         client.head_bucket(Bucket=bucket)
-    except ClientError:
-        try:
-            client.create_bucket(Bucket=bucket)
-        except ClientError as exc:
-            code = exc.response.get("Error", {}).get("Code")
-            if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
-                raise
+        return
+    except ClientError as exc:
+        code = _error_code(exc)
+        if code in _REFUSED:
+            raise ConfigError(
+                f"{where}: the store refused the credentials ({code}); check AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY (or store.access_key/store.secret_key) and that they may use this bucket"
+            ) from None
+        if code not in _NOT_FOUND:
+            raise ConfigError(f"{where}: checking the bucket failed ({code})") from None
+    except BotoCoreError as exc:  # unreachable endpoint, TLS failure, no credentials at all
+        raise ConfigError(f"{where}: {exc}") from None
+    if not create:
+        return  # a lookup-only client may come before the bucket's first writer
+    try:
+        client.create_bucket(Bucket=bucket)
+    except ClientError as exc:
+        code = _error_code(exc)
+        if code not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):  # another client created it meanwhile
+            raise ConfigError(f"{where}: no such bucket, and creating it failed ({code})") from None
 
 
 def object_size(client: Any, bucket: str, key: str) -> int | None:
