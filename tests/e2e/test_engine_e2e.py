@@ -11,7 +11,9 @@ import random
 import numpy as np
 import pytest
 
-from nixl_backends.layout import chunk_hashes, chunk_key
+from dualpath_dev.tiny_model import TINY_LLAMA
+from nixl_backends.integrity import ChunkIntegrity
+from nixl_backends.layout import DIGEST_BYTES, BlockLayout, chunk_hashes, chunk_key
 from tests.vllm_engine import Engine, start_engine_expecting_failure
 
 pytestmark = pytest.mark.engine
@@ -93,7 +95,11 @@ def populated(tiny_model, seaweedfs, baseline):
     with Engine(tiny_model, kv_config(seaweedfs), s3=seaweedfs) as engine:
         outputs = {"P": engine.generate([P], MAX_TOKENS)[0], "S": engine.generate([BATCH[0]], MAX_TOKENS)[0]}
         namespace, prefix = engine.ready["namespace"], engine.ready["key_prefix"]
-    return {"outputs": outputs, "key": lambda tokens, i: chunk_key(prefix, namespace, chunk_hashes(namespace, tokens, CHUNK)[i])}
+
+    def hashes(tokens: list[int]) -> list[str]:
+        return chunk_hashes(namespace, tokens, CHUNK)
+
+    return {"outputs": outputs, "hashes": hashes, "key": lambda tokens, i: chunk_key(prefix, namespace, hashes(tokens)[i])}
 
 
 def test_saving_does_not_change_outputs(baseline, populated, s3):
@@ -106,7 +112,7 @@ def test_saving_does_not_change_outputs(baseline, populated, s3):
 
 
 def test_fresh_engine_hits_stored_prefix_and_matches(tiny_model, seaweedfs, baseline, populated, s3):
-    key = populated["key"]
+    key, chunk_hashes_of = populated["key"], populated["hashes"]
     with Engine(tiny_model, kv_config(seaweedfs), s3=seaweedfs) as engine:
         # All full chunks of P are hit; the output equals the engine without
         # the connector serving A after P from its own prefix cache.
@@ -127,17 +133,49 @@ def test_fresh_engine_hits_stored_prefix_and_matches(tiny_model, seaweedfs, base
         assert same(out, baseline["A"])
         assert f"chunk {key(A, BOUNDARY_CHUNK)} unreadable; hit shortened" in engine.log_text()
 
-        # Negative control: a chunk of the right size with wrong bytes is
-        # served as a hit, and the comparison must catch it.
+        # A chunk of the right size with wrong bytes (bit rot, a torn write):
+        # its digests do not match, so it is a miss like the truncated one;
+        # the reader deletes it and the recomputed chunk is stored again.
+        # (The size comes from an untouched chunk: the truncated one may still be on its way back.)
+        noise = _noise(s3.head_object(Bucket=BUCKET, Key=key(A, 0))["ContentLength"])
+        s3.put_object(Bucket=BUCKET, Key=key(A, BOUNDARY_CHUNK), Body=noise)
+        out = engine.generate([A], MAX_TOKENS)[0]
+        assert same(out, baseline["A"])
+        assert f"store chunk {key(A, BOUNDARY_CHUNK)} failed its integrity check (xxh3-128)" in engine.log_text()
+        assert _stored_or_none(s3, key(A, BOUNDARY_CHUNK)) != noise
+
+        # Negative control: the same noise sealed with a valid checksum
+        # trailer (anyone can compute XXH3; only the keyed mode stops a
+        # writer who means harm) is served as a hit, and the comparison must catch it.
         original = s3.get_object(Bucket=BUCKET, Key=key(SHARED, 5))["Body"].read()
-        noise = np.random.default_rng(0).integers(0, 256, len(original), dtype=np.uint8).tobytes()
-        s3.put_object(Bucket=BUCKET, Key=key(SHARED, 5), Body=noise)
+        s3.put_object(Bucket=BUCKET, Key=key(SHARED, 5), Body=_forged(len(original), chunk_hashes_of(SHARED)[5]))
         try:
             out = engine.generate([BATCH[1]], MAX_TOKENS)[0]
         finally:
             s3.put_object(Bucket=BUCKET, Key=key(SHARED, 5), Body=original)
-        assert out["num_cached_tokens"] > 6 * CHUNK  # the corrupted chunk was served
+        assert out["num_cached_tokens"] > 6 * CHUNK  # the forged chunk was served
         assert not same(out, baseline["S1_after_S0"], BATCH_LOGPROB_TOLERANCE)
+
+
+def _stored_or_none(s3, key: str) -> bytes | None:
+    try:
+        return s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    except s3.exceptions.NoSuchKey:
+        return None
+
+
+def _noise(size: int) -> bytes:
+    return np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
+
+
+def _forged(size: int, chunk_hash: str) -> bytes:
+    """Random KV under a trailer that verifies in checksum mode."""
+    layers = TINY_LLAMA["num_hidden_layers"]
+    layout = BlockLayout(layers, size // layers - DIGEST_BYTES)
+    assert layout.object_bytes == size
+    forged = np.frombuffer(bytearray(_noise(size)), dtype=np.uint8)
+    ChunkIntegrity(layout).seal(chunk_hash, forged)
+    return forged.tobytes()
 
 
 def test_missing_or_truncated_chunk_shortens_hit(tiny_model, seaweedfs, baseline, populated, s3):
