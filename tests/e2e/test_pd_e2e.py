@@ -14,6 +14,10 @@ did: once with ``max_tokens=1`` (the PE's prefill, starting where the previous
 turn's blocks end), then the real request, whose prefix-cache hit leaves
 exactly the last token to compute because every prompt is 1 token past a
 block boundary (appends and outputs are whole blocks).
+
+The engines share a random API key and cluster key: they refuse requests
+without the key, and a bad token id through the router is a 400 that leaves
+the PE healthy.
 """
 
 from __future__ import annotations
@@ -21,15 +25,17 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import signal
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
 
 from dualpath_connector.protocol import PrefillRequest, counter_total_name
-from dualpath_dev.engines import RouterProcess, VLLMServer
+from dualpath_dev.engines import ClusterKeys, RouterProcess, VLLMServer
 from tests.vllm_engine import Engine
 
 pytestmark = pytest.mark.engine
@@ -83,9 +89,9 @@ def baseline(tiny_model) -> dict:
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model, seaweedfs, tmp_path_factory):
-    """One PE and one DE (vLLM OpenAI servers), stopped by the PIDs they hold."""
+    """One PE and one DE (vLLM OpenAI servers) sharing one API key and cluster key, stopped by the PIDs they hold."""
     logs = tmp_path_factory.mktemp("pd-logs")
-    options = {"bucket": BUCKET, "max_num_batched_tokens": BATCH_TOKENS}
+    options = {"bucket": BUCKET, "max_num_batched_tokens": BATCH_TOKENS, "keys": ClusterKeys.generate()}
     pe = VLLMServer(tiny_model, seaweedfs, logs / "pe.log", config="pe.json", **options)
     de = VLLMServer(tiny_model, seaweedfs, logs / "de.log", config="de.json", **options)
     try:
@@ -95,8 +101,7 @@ def cluster(tiny_model, seaweedfs, tmp_path_factory):
         # engine for a minute on 2 cores; do it before the DE serves peers.
         warm_up = {"model": str(tiny_model), "prompt": [1, 2, 3], "max_tokens": 2, "logprobs": 0, "return_tokens_as_token_ids": True}
         for server in (pe, de):
-            request = urllib.request.Request(f"{server.base_url}/v1/completions", json.dumps(warm_up).encode(), {"Content-Type": "application/json"})
-            urllib.request.urlopen(request, timeout=900).read()
+            server.post("/v1/completions", warm_up, timeout_s=900)
         yield pe, de
     finally:
         pe.stop()
@@ -169,6 +174,55 @@ def _settled(read, timeout_s: float = 30.0) -> float:
     return value
 
 
+def _post_status(url: str, body: dict, headers: dict[str, str]) -> tuple[int, dict]:
+    """POST ``body``; (status, JSON answer) whatever the status."""
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_engines_answer_only_requests_with_the_api_key(cluster):
+    """No client past the router: without the key (or with another) an engine refuses, kv_transfer_params and all."""
+    pe, de = cluster
+    body = {"model": str(pe.model), "prompt": [1, 2, 3], "max_tokens": 1,
+            "kv_transfer_params": PrefillRequest("pe").to_dict()}
+    for server in (pe, de):
+        for headers in ({}, {"Authorization": f"Bearer {secrets.token_hex(16)}"}):
+            status, _ = _post_status(f"{server.base_url}/v1/completions", body, headers)
+            assert status == 401
+    # Negative control: the same engine answers the key (a plain request: nothing held for a DE).
+    answer = pe.post("/v1/completions", {"model": str(pe.model), "prompt": [1, 2, 3], "max_tokens": 1,
+                                         "return_token_ids": True})
+    assert len(answer["choices"][0]["token_ids"]) == 1
+
+
+def test_bad_token_id_through_router_is_refused_and_the_pe_stays_healthy(cluster, seaweedfs, tmp_path):
+    """An id past the vocabulary would crash the tokenizer-less PE's forward: the router answers 400 instead."""
+    pe, de = cluster
+    router = RouterProcess([pe], [de], seaweedfs, tmp_path).start()
+    try:
+        model = router_model(router)
+        for prompt, named in (([5, 999999, 7], "bad token id 999999 at prompt[1]"),
+                              ([5, 1024], "bad token id 1024 at prompt[1]"),
+                              ([-3, 5], "bad token id -3 at prompt[0]"),
+                              ([5, 6.0], "bad token id 6.0 at prompt[1]")):
+            status, answer = _post_status(f"{router.url}/v1/completions",
+                                          {"model": model, "prompt": prompt, "max_tokens": 2}, {})
+            assert status == 400 and named in answer["error"]["message"]
+        assert urllib.request.urlopen(pe.health_url, timeout=30).status == 200
+        answer, _, _ = router.complete({"model": model, "prompt": [5, 6, 7, 1023], "max_tokens": 2,
+                                        "ignore_eos": True, "return_token_ids": True})
+        assert len(answer["choices"][0]["token_ids"]) == 2
+        assert urllib.request.urlopen(pe.health_url, timeout=30).status == 200
+    finally:
+        router.stop()
+    logs = "".join(path.read_text(errors="replace") for path in (pe.log_path, de.log_path, router.log_path))
+    assert pe.keys.api_key not in logs and pe.keys.cluster_key not in logs
+
+
 def test_de_killed_during_de_side_read_falls_back(cluster, baseline):
     """The DE hangs, then dies, while the PE waits for it to read a hit: the PE reads the store itself.
 
@@ -186,9 +240,7 @@ def test_de_killed_during_de_side_read_falls_back(cluster, baseline):
             "ignore_eos": True, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
             "kv_transfer_params": PrefillRequest("de", de.side_channel).to_dict(),
         }  # fmt: skip
-        request = urllib.request.Request(f"{pe.base_url}/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
-        with urllib.request.urlopen(request, timeout=300) as response:
-            answer.update(json.loads(response.read()))
+        answer.update(pe.post("/v1/completions", body, timeout_s=300))
 
     asker = threading.Thread(target=ask)
     asker.start()
