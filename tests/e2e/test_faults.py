@@ -383,7 +383,7 @@ def store():
 
 @pytest.fixture(scope="module")
 def small_root(tmp_path_factory):
-    """A tmpfs of TMPFS_BYTES (unmounted at the end); None where mounting is not permitted."""
+    """``(root, "")``: a tmpfs of TMPFS_BYTES, unmounted at the end; ``(None, why)`` where mounting is not permitted."""
     root = tmp_path_factory.mktemp("faults-tmpfs")
     mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES}", "tmpfs", str(root)],
                              capture_output=True, text=True)  # fmt: skip
@@ -526,7 +526,8 @@ def _forged(stand_in: bytes, key: str, layout: BlockLayout) -> bytes:
 
     Anyone who can write to the bucket can compute XXH3; only the keyed mode
     stops this. Real KV of other tokens, not noise: random bytes hold NaN
-    patterns, whose harm outlives the request that loaded them.
+    patterns, and NaN KV left in a freed block spoils the next request that
+    gets the block (seen: the probe after such a hit answered token 0 only).
     """
     forged = np.frombuffer(bytearray(stand_in), dtype=np.uint8)
     ChunkIntegrity(layout).seal(chunk_hash_of(key), forged)
@@ -554,7 +555,8 @@ def test_corrupted_or_truncated_chunk_shortens_the_hit_on_either_read_side(stack
     (the PE, or the DE for its PE) ends the hit before it, vLLM recomputes, the tokens are the cold ones;
     the noise counts as a corrupt chunk.
 
-    Negative control: the same noise under a valid checksum trailer is served as a hit and changes the answer.
+    Negative control: another chunk's KV under a valid checksum trailer (what the checksum mode cannot
+    catch) is served as a hit and changes the answer.
     """
     tokens = prompt("corrupt")
     expected = stack.reference(tokens)
@@ -603,11 +605,10 @@ def test_corrupted_or_truncated_chunk_shortens_the_hit_on_either_read_side(stack
 def _fill(root: Path) -> Path:
     """Write a file until the file system is full; the file, to delete."""
     filler = root / "filler"
-    with open(filler, "wb") as out:
+    with open(filler, "wb", buffering=0) as out:  # unbuffered: ENOSPC surfaces here, not at close
         try:
             while True:
                 out.write(b"\0" * (1 << 16))
-                out.flush()
         except OSError as exc:
             assert exc.errno == errno.ENOSPC, exc
     return filler
