@@ -35,8 +35,8 @@ class S3Store(KVStore):
         self.config = config
         session = s3_session(config)
         self._client = s3_client(config, session, _LOOKUP_WINDOW)
-        if config.create_bucket:
-            ensure_bucket(self._client, config.bucket)
+        # Also without create_bucket: wrong credentials must stop start-up, not turn every request into a miss.
+        ensure_bucket(self._client, config.bucket, create=config.create_bucket)
         self._agent = agent
         self._lookup_pool = ThreadPoolExecutor(_LOOKUP_WINDOW, thread_name_prefix="s3-lookup")
         if agent is not None:
