@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.integrity import ChunkIntegrity
@@ -42,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 # PE: DE-side reads waited for at once (one thread each).
 _DE_READ_THREADS = 8
+# KV dtypes whose values are checked for NaN/inf after the digest (torch.isfinite on CPU).
+_FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass
@@ -76,6 +79,7 @@ class HitReader:
         block_size: int,
         key_space: StoreKeySpace,
         integrity: ChunkIntegrity,
+        kv_dtype: torch.dtype,
         peers: PeerLink | None,
         lane: IOLane,
         stats: StatsRecorder,
@@ -87,6 +91,7 @@ class HitReader:
         self.block_size = block_size
         self.key_space = key_space
         self.integrity = integrity
+        self.kv_dtype = kv_dtype if kv_dtype in _FINITE_CHECKED else None
         self.peers = peers
         self.lane = lane
         self.stats = stats
@@ -179,18 +184,31 @@ class HitReader:
         # Only the leading run is used, so verification stops at its end.
         started = time.perf_counter()
         for i in range(self._leading_ok(ok)):
-            if not self.integrity.verify(chunk_hashes[i], self.pool.slot_view(slots[i])):
-                self._drop_corrupt(self.key_space.key(chunk_hashes[i]))
+            problem = self._check(chunk_hashes[i], self.pool.slot_view(slots[i]))
+            if problem is not None:
+                self._drop_corrupt(self.key_space.key(chunk_hashes[i]), problem)
                 ok[i] = False
                 break
         self.stats.time("verify_seconds", time.perf_counter() - started)
         return ok
 
-    def _drop_corrupt(self, key: str) -> None:
+    def _check(self, chunk_hash: str, obj: np.ndarray) -> str | None:
+        """Why this object must not reach a KV cache, or None."""
+        if not self.integrity.verify(chunk_hash, obj):
+            return f"failed its integrity check ({self.integrity.algorithm})"
+        if self.kv_dtype is not None:
+            # A writer who can compute the digest (checksum mode) could store
+            # NaN/inf; in a KV cache they spread to whichever request reuses
+            # the blocks, so they are refused too.
+            values = torch.from_numpy(obj[: self.key_space.layout.full_block_bytes]).view(self.kv_dtype)
+            if not bool(torch.isfinite(values).all()):
+                return "holds non-finite values"
+        return None
+
+    def _drop_corrupt(self, key: str, problem: str) -> None:
         # Deleted, so the next lookup misses it and the next save stores it
         # again; left in place it would stay "present" and fail every load.
-        logger.warning("store chunk %s failed its integrity check (%s): treated as a miss and deleted", key,
-                       self.integrity.algorithm)  # fmt: skip
+        logger.warning("store chunk %s %s: treated as a miss and deleted", key, problem)
         self.stats.add(corrupt_chunks=1)
         try:
             self.store.delete([key])

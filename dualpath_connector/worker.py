@@ -143,7 +143,7 @@ class DualPathWorker:
             )
         self.reader = HitReader(
             store=self.store, pool=self.load_pool, block_size=self.geometry.block_size, key_space=self.key_space,
-            integrity=self.integrity, peers=self.peers, lane=self._lanes["read"], stats=self.stats,
+            integrity=self.integrity, kv_dtype=kv_caches[names[0]].dtype, peers=self.peers, lane=self._lanes["read"], stats=self.stats,
             de_read_timeout_s=self.config.de_read_timeout_s, cores=self._transfer_cores,
         )  # fmt: skip
         self.injector = Injector(
