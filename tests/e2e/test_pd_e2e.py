@@ -199,14 +199,17 @@ def test_engines_answer_only_requests_with_the_api_key(cluster):
     assert len(answer["choices"][0]["token_ids"]) == 1
 
 
-@pytest.mark.xfail(strict=True, reason="vLLM's --api-key guards only /v1, /v2, /inference and /cohere: its SageMaker "
-                   "route /invocations serves a completions body (kv_transfer_params included) without the key; "
-                   "closing it needs an engine-side middleware (vLLM --middleware) that guards every path")
+# vLLM's --api-key guards only /v1, /v2, /inference and /cohere; its SageMaker route /invocations
+# serves a completions body (kv_transfer_params included) to anyone. The engines run with
+# dualpath_connector.engine_guard.EngineKeyGuard (vLLM --middleware), which closes every path but the probes.
 def test_no_engine_path_serves_a_completion_without_the_api_key(cluster):
     pe, _ = cluster
     body = {"model": str(pe.model), "prompt": [1, 2, 3], "max_tokens": 1}
     status, _ = _post_status(f"{pe.base_url}/invocations", body, {})
     assert status == 401
+    # Negative control: with the key the same route serves the completion.
+    status, _ = _post_status(f"{pe.base_url}/invocations", body, {"Authorization": f"Bearer {pe.keys.api_key}"})
+    assert status == 200
 
 
 def test_bad_token_id_through_router_is_refused_and_the_pe_stays_healthy(cluster, seaweedfs, tmp_path):
