@@ -128,7 +128,9 @@ class Router:
             # On every engine request (the /v1 paths need it; /metrics and /health do not mind).
             headers=self.credential.headers(),
             timeout=httpx.Timeout(timeouts.prefill_s, connect=timeouts.connect_s),
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+            # Idle connections are dropped before the engines' uvicorn closes them (its keep-alive is
+            # 5 s, httpx's default too): reusing one the engine is closing fails a request with no retry.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0),
         )
         refresher = asyncio.create_task(self.dispatcher.refresh_forever(self.client))
         try:
