@@ -144,11 +144,12 @@ def test_fresh_engine_hits_stored_prefix_and_matches(tiny_model, seaweedfs, base
         assert f"store chunk {key(A, BOUNDARY_CHUNK)} failed its integrity check (xxh3-128)" in engine.log_text()
         assert _stored_or_none(s3, key(A, BOUNDARY_CHUNK)) != noise
 
-        # Negative control: the same noise sealed with a valid checksum
-        # trailer (anyone can compute XXH3; only the keyed mode stops a
-        # writer who means harm) is served as a hit, and the comparison must catch it.
+        # Negative control: another chunk's KV resealed with a valid checksum
+        # trailer for this one (anyone can compute XXH3; only the keyed mode
+        # stops a writer who means harm) is served as a hit, and the comparison must catch it.
         original = s3.get_object(Bucket=BUCKET, Key=key(SHARED, 5))["Body"].read()
-        s3.put_object(Bucket=BUCKET, Key=key(SHARED, 5), Body=_forged(len(original), chunk_hashes_of(SHARED)[5]))
+        other = s3.get_object(Bucket=BUCKET, Key=key(SHARED, 4))["Body"].read()
+        s3.put_object(Bucket=BUCKET, Key=key(SHARED, 5), Body=_forged(other, chunk_hashes_of(SHARED)[5]))
         try:
             out = engine.generate([BATCH[1]], MAX_TOKENS)[0]
         finally:
@@ -168,12 +169,12 @@ def _noise(size: int) -> bytes:
     return np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
-def _forged(size: int, chunk_hash: str) -> bytes:
-    """Random KV under a trailer that verifies in checksum mode."""
+def _forged(stored: bytes, chunk_hash: str) -> bytes:
+    """A stored object's KV (finite, plausible values) under a trailer that verifies for ``chunk_hash``."""
     layers = TINY_LLAMA["num_hidden_layers"]
-    layout = BlockLayout(layers, size // layers - DIGEST_BYTES)
-    assert layout.object_bytes == size
-    forged = np.frombuffer(bytearray(_noise(size)), dtype=np.uint8)
+    layout = BlockLayout(layers, len(stored) // layers - DIGEST_BYTES)
+    assert layout.object_bytes == len(stored)
+    forged = np.frombuffer(bytearray(stored), dtype=np.uint8)
     ChunkIntegrity(layout).seal(chunk_hash, forged)
     return forged.tobytes()
 
