@@ -57,18 +57,6 @@ def gateway(start_gateway) -> GatewayProcess:
     return start_gateway()
 
 
-def put_chunks(seaweedfs, bucket: str, rng: np.random.Generator, count: int, full_bytes: int) -> tuple[
-        list[str], np.ndarray]:
-    """``count`` random Full Blocks as fresh objects; returns their keys and bytes (count x full_bytes)."""
-    client = seaweedfs.client()
-    blocks = rng.integers(0, 256, size=(count, full_bytes), dtype=np.uint8)
-    prefix = uuid.uuid4().hex
-    keys = [f"kv/{prefix}/{j:02x}/{rng.bytes(32).hex()}" for j in range(count)]
-    for key, block in zip(keys, blocks):
-        client.put_object(Bucket=bucket, Key=key, Body=block.tobytes())
-    return keys, blocks
-
-
 def open_store(seaweedfs, bucket: str, gateway_url: str, layout: BlockLayout, agent, **overrides):
     """An ``s3agg`` store, parsed from config exactly as a user would write it."""
     config = parse_store_config({
@@ -93,11 +81,6 @@ class LayerBuffers:
         self.addrs = [self.array.ctypes.data + layer * self.array.shape[1] for layer in range(num_layers)]
         self._agent = agent
         self._registration = agent.register_memory([(self.array.ctypes.data, self.array.nbytes, 0, "")], "DRAM")
-
-    def expected(self, blocks: np.ndarray, num_layers: int) -> np.ndarray:
-        """Layer l = the concatenation of every chunk's layer-l slice, in prefix order."""
-        n = blocks.shape[0]
-        return blocks.reshape(n, num_layers, -1).transpose(1, 0, 2).reshape(num_layers, -1)
 
     def untouched(self) -> bool:
         return bool((self.array == self.SENTINEL).all())
