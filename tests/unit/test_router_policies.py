@@ -142,6 +142,7 @@ def test_throughput_estimate_charges_concurrent_work_once(monkeypatch):
 def make_dispatcher(policy: str = "dualpath", **scheduling) -> Dispatcher:
     config = parse_router_config({
         "served_model_names": ["m"],
+        "vocab_size": 1024,
         "policy": policy,
         "prefill_engines": [{"name": "pe0", "url": "http://127.0.0.1:1", "node": "n1"},
                             {"name": "pe1", "url": "http://127.0.0.1:2", "node": "n2"}],
