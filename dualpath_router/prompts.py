@@ -17,6 +17,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
 from nixl_backends.configuration import ConfigError
 
 from dualpath_router.config import RouterConfig
@@ -71,6 +73,31 @@ def check_token_ids(token_ids: list[Any], where: str, limits: ModelLimits) -> li
         raise BadRequest(f"`{where}` is empty: a prompt needs at least one token id", param="prompt",
                          reason="bad_prompt")
     vocab = limits.vocab_size
+    if not _all_in_vocabulary(token_ids, vocab):
+        _raise_first_bad_id(token_ids, where, vocab)
+    if limits.max_prompt_tokens is not None and len(token_ids) > limits.max_prompt_tokens:
+        raise BadRequest(f"the prompt has {len(token_ids)} tokens, more than the model's "
+                         f"{limits.max_prompt_tokens}", param="prompt", reason="prompt_too_long")
+    return token_ids
+
+
+def _all_in_vocabulary(token_ids: list[Any], vocab: int) -> bool:
+    """Every id an ``int`` (not a bool) in ``[0, vocab)``, checked at C speed: this runs for every request.
+
+    False also for what only the element-wise check can judge (an ``int``
+    subclass, an id past int64): :func:`_raise_first_bad_id` has the last word.
+    """
+    if set(map(type, token_ids)) != {int}:
+        return False
+    try:
+        ids = np.fromiter(token_ids, dtype=np.int64, count=len(token_ids))
+    except OverflowError:
+        return False
+    return bool(ids.min() >= 0 and ids.max() < vocab)
+
+
+def _raise_first_bad_id(token_ids: list[Any], where: str, vocab: int) -> None:
+    """The first id that is not an integer in ``[0, vocab)``, named with its position; returns if there is none."""
     for i, t in enumerate(token_ids):
         if not isinstance(t, int) or isinstance(t, bool):
             kind = "null" if t is None else "a nested list" if isinstance(t, list) else type(t).__name__
@@ -79,10 +106,6 @@ def check_token_ids(token_ids: list[Any], where: str, limits: ModelLimits) -> li
         if not 0 <= t < vocab:
             raise BadRequest(f"bad token id {_shown(t)} at {where}[{i}]: token ids are in [0, {vocab}) "
                              f"(the model's vocabulary size is {vocab})", param="prompt", reason="bad_token_ids")
-    if limits.max_prompt_tokens is not None and len(token_ids) > limits.max_prompt_tokens:
-        raise BadRequest(f"the prompt has {len(token_ids)} tokens, more than the model's "
-                         f"{limits.max_prompt_tokens}", param="prompt", reason="prompt_too_long")
-    return token_ids
 
 
 class PromptBuilder:
