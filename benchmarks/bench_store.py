@@ -4,6 +4,8 @@ For every chunk (Full Block) size, each repetition writes N fresh chunks through
 ``store.write`` from a NIXL-registered ``HostBufferPool``, reads them back through
 ``store.read`` into other slots of the same pool, checks the bytes read equal the
 bytes written (so no speed is ever reported for wrong data), and deletes them.
+Stores move whole chunk objects (the Full Block and its integrity trailer,
+``BlockLayout.object_bytes``): pool slots hold one each and MB/s count every byte moved.
 Medians over the repetitions are printed as a markdown table and written to
 ``benchmarks/results/store.json``.
 """
@@ -89,11 +91,11 @@ def measure(backend: str, store_section: dict, chunk_bytes: int, num_chunks: int
     store = make_store(parse_store_config(store_section), layout, agent)
     pool = None
     try:
-        pool = HostBufferPool(agent, layout.full_block_bytes, 2 * num_chunks)
+        pool = HostBufferPool(agent, layout.object_bytes, 2 * num_chunks)
         src = list(range(num_chunks))
         dst = list(range(num_chunks, 2 * num_chunks))
-        src_view = pool.array[: num_chunks * chunk_bytes]
-        dst_view = pool.array[num_chunks * chunk_bytes :]
+        src_view = pool.array[: num_chunks * layout.object_bytes]
+        dst_view = pool.array[num_chunks * layout.object_bytes :]
         rng = np.random.default_rng(seed)
         writes, reads = [], []
 
@@ -123,7 +125,7 @@ def measure(backend: str, store_section: dict, chunk_bytes: int, num_chunks: int
             pool.close()
         store.close()
         del agent
-    total = num_chunks * chunk_bytes
+    total = num_chunks * layout.object_bytes
     w, r = median(writes), median(reads)
     return {
         "backend": backend,
