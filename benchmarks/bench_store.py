@@ -29,6 +29,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: th
 from _common import environment, exit_on_sigterm, markdown_table, median, run_and_report  # noqa: E402
 
 from nixl_backends.buffers import HostBufferPool  # noqa: E402
+from nixl_backends.cli import parse_size  # noqa: E402
 from nixl_backends.layout import BlockLayout, chunk_key  # noqa: E402
 from nixl_backends.registry import make_store, parse_store_config  # noqa: E402
 
@@ -37,14 +38,6 @@ MIB = 1024 * KIB
 MB = 1e6  # throughput is reported in MB/s (10^6 bytes per second)
 NUM_LAYERS = 4  # the chunk is split into this many Layer Blocks; stores only see the Full Block
 BACKENDS = ("posix", "s3")
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().lower()
-    for suffix, factor in (("kib", KIB), ("k", KIB), ("mib", MIB), ("m", MIB)):
-        if text.endswith(suffix):
-            return int(float(text[: -len(suffix)]) * factor)
-    return int(text)
 
 
 def human(size: int) -> str:
@@ -219,7 +212,7 @@ def cfg_cpus(payload: dict) -> object:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunk-sizes", nargs="+", default=["64KiB", "256KiB", "1MiB", "4MiB"],
-                        help="Full Block sizes (suffix KiB or MiB)")
+                        help="Full Block sizes, e.g. 64KiB 1MiB (KiB/MiB binary, k/M decimal)")
     parser.add_argument("--total", default="64MiB", help="bytes written and read per chunk size and repetition")
     parser.add_argument("--reps", type=int, default=5, help="repetitions (the median is reported)")
     parser.add_argument("--batch-chunks", type=int, default=64,
