@@ -56,14 +56,18 @@ def environment() -> dict[str, object]:
     }
 
 
-def write_json(name: str, payload: dict) -> Path:
-    """Write ``benchmarks/results/<name>`` atomically (via a ``.tmp`` file git ignores)."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / name
+def write_text(path: Path, text: str) -> Path:
+    """Write ``path`` atomically: beside it as ``<name>.tmp`` (git ignores it under results/), then renamed."""
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    tmp.write_text(text)
     tmp.replace(path)
     return path
+
+
+def write_json(name: str, payload: dict, out_dir: Path = RESULTS_DIR) -> Path:
+    """Write ``<out_dir>/<name>`` (default: ``benchmarks/results/``) atomically."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return write_text(out_dir / name, json.dumps(payload, indent=2, sort_keys=False) + "\n")
 
 
 def exit_on_sigterm() -> None:
@@ -71,8 +75,8 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
 
 
-def run_and_report(run, table, args, json_name: str, chart=None) -> dict:
-    """Run a benchmark, print its table and write its JSON; Ctrl-C exits 130 after cleanup.
+def run_and_report(run, table, args, json_name: str, chart=None, out_dir: Path = RESULTS_DIR) -> dict:
+    """Run a benchmark, print its table and write its JSON under ``out_dir``; Ctrl-C exits 130 after cleanup.
 
     ``chart(payload, path)``, if given, draws the PNG beside the JSON (and returns
     None when it cannot, e.g. without matplotlib).
@@ -84,7 +88,7 @@ def run_and_report(run, table, args, json_name: str, chart=None) -> dict:
         sys.exit(130)
     text = table(payload)
     payload["table"] = text
-    path = write_json(json_name, payload)
+    path = write_json(json_name, payload, out_dir)
     print(text)
     print(f"\nresults: {path}")
     if chart is not None and chart(payload, path.with_suffix(".png")) is not None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import random
 import sys
@@ -38,7 +37,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
-from _common import REPO_ROOT, RESULTS_DIR, VOCAB, exit_on_sigterm, markdown_table, result_payload  # noqa: E402
+from _common import (  # noqa: E402
+    REPO_ROOT,
+    RESULTS_DIR,
+    VOCAB,
+    exit_on_sigterm,
+    markdown_table,
+    result_payload,
+    run_and_report,
+    write_text,
+)
 
 from dualpath_dev.engines import ClusterKeys, RouterProcess, VLLMServer  # noqa: E402
 from dualpath_dev.seaweedfs import SeaweedFS  # noqa: E402
@@ -365,13 +373,6 @@ def chart(payload: dict, path: Path) -> Path | None:
     return path
 
 
-def _write(path: Path, text: str) -> None:
-    # Written beside the target and renamed: a reader never sees half a file.
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--agents", type=int, default=4, help="concurrent agents (sessions)")
@@ -408,20 +409,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     exit_on_sigterm()
-    try:
-        payload = run(args)
-    except KeyboardInterrupt:
-        print("interrupted; everything this run started has been stopped", file=sys.stderr)
-        sys.exit(130)
-    text = table(payload)
-    payload["table"] = text
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    _write(args.out_dir / "soak.json", json.dumps(payload, indent=2) + "\n")
-    _write(args.out_dir / "soak.md", text + "\n")
-    print(text)
-    print(f"\nresults: {args.out_dir / 'soak.json'}, {args.out_dir / 'soak.md'}")
-    if chart(payload, args.out_dir / "soak.png") is not None:
-        print(f"chart: {args.out_dir / 'soak.png'}")
+    payload = run_and_report(run, table, args, "soak.json", chart, out_dir=args.out_dir)
+    markdown = write_text(args.out_dir / "soak.md", payload["table"] + "\n")
+    print(f"table: {markdown}")
     if payload["stopped_early"] or payload["errors"]:
         sys.exit(1)
 
