@@ -74,7 +74,8 @@ def test_no_import_cycle(graph):
     assert _cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b", "a"]]
 
 
-def test_dependencies_point_down(graph):
+def _violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """The edges ``(module, dependency)`` that break the layering rule."""
     violations = []
     for module, deps in graph.items():
         top = module.split(".")[0]
@@ -89,4 +90,26 @@ def test_dependencies_point_down(graph):
                 violations.append((module, dep))  # dev scaffolding is not installed
             if top != "dualpath_router" and dep_top == "dualpath_router":
                 violations.append((module, dep))
-    assert violations == []
+    return violations
+
+
+def test_dependencies_point_down(graph):
+    assert _violations(graph) == []
+
+
+@pytest.mark.parametrize(
+    "module, dep",
+    [
+        ("nixl_backends.store", "dualpath_connector.protocol"),
+        ("dualpath_router.app", "dualpath_connector.worker"),
+        ("s3agg_gateway_ext.app", "dualpath_connector.config"),
+        ("dualpath_bench.replay", "dualpath_connector.scheduler"),
+        ("dualpath_connector.worker", "dualpath_dev.engines"),
+        ("dualpath_bench.cli", "dualpath_dev.cluster"),
+        ("dualpath_dev.engines", "dualpath_router.credentials"),
+    ],
+)
+def test_each_rule_finds_its_violation(module, dep):
+    """Negative control: an edge against each rule is reported, and the allowed ones beside it are not."""
+    allowed = {"dualpath_router.app": {CONTRACT}, "dualpath_dev.engines": {"dualpath_connector.protocol"}}
+    assert _violations({**allowed, module: {dep}}) == [(module, dep)]
