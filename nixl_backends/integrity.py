@@ -103,7 +103,11 @@ class ChunkIntegrity:
 
     def layer_digest(self, chunk_hash: str, layer: int, data) -> bytes:
         """The digest of ``data``, the bytes of layer ``layer`` of chunk ``chunk_hash``."""
-        tag = bytes.fromhex(chunk_hash) + layer.to_bytes(4, "little")
+        return self._digest(bytes.fromhex(chunk_hash), layer, data)
+
+    def _digest(self, hash_bytes: bytes, layer: int, data) -> bytes:
+        # The chunk hash as bytes is decoded once per chunk by the callers that loop over layers.
+        tag = hash_bytes + layer.to_bytes(4, "little")
         if self._key is None:
             hasher = xxhash.xxh3_128(tag)
             hasher.update(data)
@@ -115,22 +119,28 @@ class ChunkIntegrity:
     def seal(self, chunk_hash: str, obj: np.ndarray) -> None:
         """Write the trailer of the Full Block in ``obj`` (``object_bytes`` uint8, writable)."""
         s, full = self.layout.layer_block_bytes, self.layout.full_block_bytes
+        hash_bytes = bytes.fromhex(chunk_hash)
         view = memoryview(obj)
         for layer in range(self.layout.num_layers):
             start = full + layer * DIGEST_BYTES
-            view[start : start + DIGEST_BYTES] = self.layer_digest(chunk_hash, layer, view[layer * s : (layer + 1) * s])
+            view[start : start + DIGEST_BYTES] = self._digest(hash_bytes, layer, view[layer * s : (layer + 1) * s])
 
     def verify_layer(self, chunk_hash: str, layer: int, data, digest) -> bool:
         """Whether ``data`` (one Layer Block) matches its stored ``digest``; constant-time compare."""
-        return hmac.compare_digest(self.layer_digest(chunk_hash, layer, data), bytes(digest))
+        return self._matches(bytes.fromhex(chunk_hash), layer, data, digest)
+
+    def _matches(self, hash_bytes: bytes, layer: int, data, digest) -> bool:
+        # compare_digest takes the stored digest's buffer as it is: no copy.
+        return hmac.compare_digest(self._digest(hash_bytes, layer, data), memoryview(digest).cast("B"))
 
     def verify(self, chunk_hash: str, obj: np.ndarray) -> bool:
         """Whether every layer of the object in ``obj`` matches its trailer."""
         s, full = self.layout.layer_block_bytes, self.layout.full_block_bytes
+        hash_bytes = bytes.fromhex(chunk_hash)
         view = memoryview(obj)
         return all(
-            self.verify_layer(chunk_hash, layer, view[layer * s : (layer + 1) * s],
-                              view[full + layer * DIGEST_BYTES : full + (layer + 1) * DIGEST_BYTES])
+            self._matches(hash_bytes, layer, view[layer * s : (layer + 1) * s],
+                          view[full + layer * DIGEST_BYTES : full + (layer + 1) * DIGEST_BYTES])
             for layer in range(self.layout.num_layers)
         )  # fmt: skip
 
