@@ -59,6 +59,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from nixl_backends.layout import HASH_HEX_CHARS
 from nixl_backends.posix import PosixStoreConfig
 
 logger = logging.getLogger(__name__)
@@ -172,7 +173,8 @@ class KeyPattern:
         self.namespaces = list(namespaces) if namespaces is not None else None
         head = re.escape(self.prefix + "/") if self.prefix else ""
         self._pattern = re.compile(
-            rf"{head}(?P<ns>[0-9a-f]+)/(?P<hh>[0-9a-f]{{2}})/(?P<hash>[0-9a-f]{{64}})(?P<tmp>\.[0-9a-f]+\.tmp)?"
+            rf"{head}(?P<ns>[0-9a-f]+)/(?P<hh>[0-9a-f]{{2}})/(?P<hash>[0-9a-f]{{{HASH_HEX_CHARS}}})"
+            r"(?P<tmp>\.[0-9a-f]+\.tmp)?"
         )
 
     def parse(self, key: str) -> tuple[str, bool] | None:

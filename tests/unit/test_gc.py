@@ -142,6 +142,8 @@ def test_key_pattern_takes_only_chunk_keys_of_the_chosen_namespaces():
     assert keys.parse(f"dualpath/{other}/5f/{chunk_hash}") is None  # not asked for
     assert keys.parse(f"dualpath/{NS}/00/{chunk_hash}") is None  # fan-out does not match the hash
     assert keys.parse(f"dualpath/{NS}/5f/{chunk_hash}.bak") is None
+    assert keys.parse(f"dualpath/{NS}/5f/{chunk_hash[:-1]}") is None  # not a chunk hash's length
+    assert keys.parse(f"dualpath/{NS}/5f/{chunk_hash}0") is None
     assert keys.parse(f"other/{NS}/5f/{chunk_hash}") is None
     assert keys.list_prefixes() == [f"dualpath/{NS}/"]
     everything = KeyPattern("", None)
