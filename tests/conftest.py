@@ -1,4 +1,5 @@
-"""Shared fixtures: a real SeaweedFS on 127.0.0.1, the tiny test Llama, NIXL agents.
+"""Shared fixtures: a real SeaweedFS on 127.0.0.1, the tiny test Llama, NIXL agents; and the helpers
+test modules import from here (the checkout's root, an example as a module, a POST, a poll).
 
 Everything a fixture starts it stops in its finalizer, by the PID it holds.
 """
@@ -7,8 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import json
 import os
+import time
+import urllib.error
+import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,6 +32,35 @@ def load_example(name: str):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def post(url: str, body: dict, headers: dict[str, str] | None = None,
+         timeout_s: float = 300.0) -> tuple[int, dict, dict[str, str]]:  # fmt: skip
+    """POST JSON: (status, JSON answer, x-dualpath-* headers), whatever the status."""
+    request = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json", **(headers or {})})  # fmt: skip
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            status, raw, got = response.status, response.read(), response.headers
+    except urllib.error.HTTPError as exc:
+        status, raw, got = exc.code, exc.read(), exc.headers
+    dualpath = {k.lower(): v for k, v in got.items() if k.lower().startswith("x-dualpath")}
+    return status, json.loads(raw), dualpath
+
+
+def poll(read: Callable[[], object], done: Callable[[object], bool], timeout_s: float, what: str) -> object:
+    """Read until ``done(value)``; AssertionError naming ``what`` and the last value after ``timeout_s``.
+
+    Every 0.2 s: what is read here is a server's /metrics or state, each read a request to a busy process.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = read()
+        if done(value):
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: still {value!r} after {timeout_s:.0f}s")
+        time.sleep(0.2)
 
 
 @pytest.fixture(scope="session")

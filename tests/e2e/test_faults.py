@@ -39,9 +39,7 @@ import socket
 import subprocess
 import threading
 import time
-import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -58,6 +56,7 @@ from nixl_backends.integrity import ChunkIntegrity, chunk_hash_of
 from nixl_backends.layout import BlockLayout
 from nixl_backends.lookup import wait_stored
 from nixl_backends.registry import make_store, parse_store_config
+from tests.conftest import poll, post
 
 pytestmark = pytest.mark.engine
 
@@ -216,20 +215,6 @@ class RelayedStore:
 # -- requests, metrics, polling ----------------------------------------------------------
 
 
-def post(url: str, body: dict, headers: dict[str, str] | None = None,
-         timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[int, dict, dict[str, str]]:  # fmt: skip
-    """POST JSON: (status, JSON answer, x-dualpath-* headers), whatever the status."""
-    request = urllib.request.Request(url, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json", **(headers or {})})  # fmt: skip
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as response:
-            status, raw, got = response.status, response.read(), response.headers
-    except urllib.error.HTTPError as exc:
-        status, raw, got = exc.code, exc.read(), exc.headers
-    dualpath = {k.lower(): v for k, v in got.items() if k.lower().startswith("x-dualpath")}
-    return status, json.loads(raw), dualpath
-
-
 def completion(model: Path, tokens: list[int], max_tokens: int = OUTPUT_TOKENS, **extra: object) -> dict:
     return {"model": str(model), "prompt": tokens, "max_tokens": max_tokens, "temperature": 0.0,
             "ignore_eos": True, "return_token_ids": True, **extra}  # fmt: skip
@@ -237,7 +222,8 @@ def completion(model: Path, tokens: list[int], max_tokens: int = OUTPUT_TOKENS, 
 
 def ask(router: RouterProcess, model: Path, tokens: list[int]) -> tuple[list[int], dict[str, str]]:
     """A greedy completion through the router that must succeed: (output token ids, x-dualpath-* headers)."""
-    status, answer, headers = post(f"{router.url}/v1/completions", completion(model, tokens))
+    status, answer, headers = post(f"{router.url}/v1/completions", completion(model, tokens),
+                                   timeout_s=REQUEST_TIMEOUT_S)  # fmt: skip
     assert status == 200, f"router answered {status}: {answer}"
     return answer["choices"][0]["token_ids"], headers
 
@@ -249,18 +235,6 @@ def totals(service: VLLMServer | RouterProcess) -> dict[str, float]:
 
 def counter(service: VLLMServer, name: str) -> float:
     return totals(service).get(counter_total_name(name), 0.0)
-
-
-def poll(read: Callable[[], object], done: Callable[[object], bool], timeout_s: float, what: str) -> object:
-    """Read until ``done(value)``; AssertionError naming ``what`` and the last value after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = read()
-        if done(value):
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: still {value!r} after {timeout_s:.0f}s")
-        time.sleep(0.2)
 
 
 def idle(engine: VLLMServer, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
@@ -732,7 +706,8 @@ def test_router_restarted_with_requests_in_flight(stack):
 
     def client(tokens: list[int], max_tokens: int) -> None:
         try:
-            outcomes.append(post(f"{stack.router.url}/v1/completions", completion(stack.model, tokens, max_tokens)))
+            outcomes.append(post(f"{stack.router.url}/v1/completions", completion(stack.model, tokens, max_tokens),
+                                 timeout_s=REQUEST_TIMEOUT_S))  # fmt: skip
         except (OSError, ValueError) as exc:  # the connection broke: what a client of a dead router sees
             outcomes.append(exc)
 
@@ -775,7 +750,7 @@ def test_de_killed_during_de_side_read_then_the_pe_frees_the_prefill_it_held(sta
 
     def prefill() -> None:
         answer.update(zip(("status", "body"), post(f"{stack.pe.base_url}/v1/completions", body,
-                                                   stack.pe.keys.auth_headers())[:2]))  # fmt: skip
+                                                   stack.pe.keys.auth_headers(), REQUEST_TIMEOUT_S)[:2]))  # fmt: skip
 
     asker = threading.Thread(target=prefill)
     os.killpg(stack.de.proc.pid, signal.SIGSTOP)
@@ -800,6 +775,6 @@ def test_de_killed_during_de_side_read_then_the_pe_frees_the_prefill_it_held(sta
     # The PE alone still answers right (a plain request: it decodes itself).
     assert healthy(stack.pe)
     status, answer_body, _ = post(f"{stack.pe.base_url}/v1/completions", completion(stack.model, tokens),
-                                  stack.pe.keys.auth_headers())  # fmt: skip
+                                  stack.pe.keys.auth_headers(), REQUEST_TIMEOUT_S)  # fmt: skip
     assert status == 200 and answer_body["choices"][0]["token_ids"] == expected
     idle(stack.pe)

@@ -29,13 +29,13 @@ import secrets
 import signal
 import threading
 import time
-import urllib.error
 import urllib.request
 
 import pytest
 
 from dualpath_connector.protocol import PrefillRequest, counter_total_name
 from dualpath_dev.engines import ClusterKeys, RouterProcess, VLLMServer
+from tests.conftest import poll, post
 from tests.vllm_engine import Engine
 
 pytestmark = pytest.mark.engine
@@ -174,16 +174,6 @@ def _settled(read, timeout_s: float = 30.0) -> float:
     return value
 
 
-def _post_status(url: str, body: dict, headers: dict[str, str]) -> tuple[int, dict]:
-    """POST ``body``; (status, JSON answer) whatever the status."""
-    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json", **headers})
-    try:
-        with urllib.request.urlopen(request, timeout=300) as response:
-            return response.status, json.loads(response.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 def test_engines_answer_only_requests_with_the_api_key(cluster):
     """No client past the router: without the key (or with another) an engine refuses, kv_transfer_params and all."""
     pe, de = cluster
@@ -191,7 +181,7 @@ def test_engines_answer_only_requests_with_the_api_key(cluster):
             "kv_transfer_params": PrefillRequest("pe").to_dict()}
     for server in (pe, de):
         for headers in ({}, {"Authorization": f"Bearer {secrets.token_hex(16)}"}):
-            status, _ = _post_status(f"{server.base_url}/v1/completions", body, headers)
+            status, _, _ = post(f"{server.base_url}/v1/completions", body, headers)
             assert status == 401
     # Negative control: the same engine answers the key (a plain request: nothing held for a DE).
     answer = pe.post("/v1/completions", {"model": str(pe.model), "prompt": [1, 2, 3], "max_tokens": 1,
@@ -205,10 +195,10 @@ def test_engines_answer_only_requests_with_the_api_key(cluster):
 def test_no_engine_path_serves_a_completion_without_the_api_key(cluster):
     pe, _ = cluster
     body = {"model": str(pe.model), "prompt": [1, 2, 3], "max_tokens": 1}
-    status, _ = _post_status(f"{pe.base_url}/invocations", body, {})
+    status, _, _ = post(f"{pe.base_url}/invocations", body)
     assert status == 401
     # Negative control: with the key the same route serves the completion.
-    status, _ = _post_status(f"{pe.base_url}/invocations", body, {"Authorization": f"Bearer {pe.keys.api_key}"})
+    status, _, _ = post(f"{pe.base_url}/invocations", body, pe.keys.auth_headers())
     assert status == 200
 
 
@@ -222,8 +212,8 @@ def test_bad_token_id_through_router_is_refused_and_the_pe_stays_healthy(cluster
                               ([5, 1024], "bad token id 1024 at prompt[1]"),
                               ([-3, 5], "bad token id -3 at prompt[0]"),
                               ([5, 6.0], "bad token id 6.0 at prompt[1]")):
-            status, answer = _post_status(f"{router.url}/v1/completions",
-                                          {"model": model, "prompt": prompt, "max_tokens": 2}, {})
+            body = {"model": model, "prompt": prompt, "max_tokens": 2}
+            status, answer, _ = post(f"{router.url}/v1/completions", body)
             assert status == 400 and named in answer["error"]["message"]
         assert urllib.request.urlopen(pe.health_url, timeout=30).status == 200
         answer, _, _ = router.complete({"model": model, "prompt": [5, 6, 7, 1023], "max_tokens": 2,
@@ -258,11 +248,9 @@ def test_de_killed_during_de_side_read_falls_back(cluster, baseline):
     asker = threading.Thread(target=ask)
     asker.start()
     try:
-        deadline = time.monotonic() + 60
         # The request is in the PE, waiting for the DE's read.
-        while pe.metric_total("vllm:num_requests_waiting") + pe.metric_total("vllm:num_requests_running") < 1:
-            assert time.monotonic() < deadline, "the request never reached the PE"
-            time.sleep(0.1)
+        poll(lambda: pe.metric_total("vllm:num_requests_waiting") + pe.metric_total("vllm:num_requests_running"),
+             lambda n: n >= 1, 60, "the request in the PE")  # fmt: skip
     finally:
         os.killpg(de.proc.pid, signal.SIGKILL)
         asker.join(timeout=300)
