@@ -238,8 +238,11 @@ def counter(service: VLLMServer, name: str) -> float:
 
 
 def idle(engine: VLLMServer, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
-    """Nothing left in the engine: no request running or waiting, no KV block in use, no store read queued."""
-    poll(lambda: {name: totals(engine).get(name, 0.0) for name in IDLE_GAUGES},
+    """Nothing left in the engine: no request running or waiting, no KV block in use, no store read queued.
+
+    Each gauge must be exported (KeyError otherwise): one missing would read as idle.
+    """
+    poll(lambda: {name: totals(engine)[name] for name in IDLE_GAUGES},
          lambda gauges: not any(gauges.values()), timeout_s, f"{engine.log_path.stem} not idle")  # fmt: skip
 
 
@@ -458,7 +461,7 @@ def test_client_disconnecting_mid_stream_aborts_the_request(stack):
     idle(stack.pe)
     generated = totals(stack.de)["vllm:generation_tokens_total"] - generated_before
     assert generated < LONG_OUTPUT_TOKENS / 2, f"the DE went on decoding ({generated} tokens)"
-    poll(lambda: totals(stack.router).get("dualpath_router_engine_unfinished_requests"), lambda n: not n, 30,
+    poll(lambda: totals(stack.router).get("dualpath_router_engine_unfinished_requests"), lambda n: n == 0, 30,
          "requests the router counts against its engines")  # fmt: skip
     stack.assert_healthy()
 
