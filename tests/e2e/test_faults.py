@@ -233,8 +233,8 @@ def totals(service: VLLMServer | RouterProcess) -> dict[str, float]:
     return metric_totals(urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode())
 
 
-def counter(service: VLLMServer, name: str) -> float:
-    return totals(service).get(counter_total_name(name), 0.0)
+def counter(engine: VLLMServer, name: str) -> float:
+    return engine.metric_total(counter_total_name(name))
 
 
 def idle(engine: VLLMServer, timeout_s: float = SETTLE_TIMEOUT_S) -> None:
