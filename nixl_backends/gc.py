@@ -276,12 +276,9 @@ class S3Chunks:
                     yield StoredObject(item["Key"], parsed[0], item["Size"], _epoch_ns(item["LastModified"]))
 
     def delete(self, batch: Sequence[StoredObject]) -> list[StoredObject]:
-        if not batch:
-            return []
-        response = self._client.delete_objects(
-            Bucket=self.bucket, Delete={"Objects": [{"Key": obj.key} for obj in batch], "Quiet": True}
-        )
-        errors = {error["Key"]: error.get("Code", "?") for error in response.get("Errors", ())}
+        from nixl_backends.s3_endpoint import delete_objects  # loaded already: open_chunks imported it
+
+        errors = delete_objects(self._client, self.bucket, [obj.key for obj in batch])
         for key, code in errors.items():
             logger.warning("gc: could not delete s3://%s/%s: %s", self.bucket, key, code)
         return [obj for obj in batch if obj.key not in errors]

@@ -19,7 +19,14 @@ import numpy as np
 from nixl_backends.layout import BlockLayout
 from nixl_backends.nixl_io import descriptors, run_nixl_transfers
 from nixl_backends.obj_backend import OBJ, add_obj_backend, obj_device_ids
-from nixl_backends.s3_endpoint import S3StoreConfig, ensure_bucket, object_size, s3_client, s3_session
+from nixl_backends.s3_endpoint import (
+    S3StoreConfig,
+    delete_objects,
+    ensure_bucket,
+    object_size,
+    s3_client,
+    s3_session,
+)
 from nixl_backends.store import KVStore
 
 __all__ = ["S3Store", "S3StoreConfig"]
@@ -98,10 +105,8 @@ class S3Store(KVStore):
         return results
 
     def delete(self, keys: Sequence[str]) -> None:
-        # DeleteObjects takes at most 1000 keys per call.
-        for start in range(0, len(keys), 1000):
-            batch = [{"Key": key} for key in keys[start : start + 1000]]
-            self._client.delete_objects(Bucket=self.config.bucket, Delete={"Objects": batch, "Quiet": True})
+        for key, code in delete_objects(self._client, self.config.bucket, keys).items():
+            logger.warning("s3 store: could not delete %s: %s", key, code)
 
     def close(self) -> None:
         self._lookup_pool.shutdown(wait=False)

@@ -11,6 +11,7 @@ a repr.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -21,6 +22,8 @@ from botocore.exceptions import BotoCoreError, ClientError
 from nixl_backends.configuration import ConfigError
 
 _NOT_FOUND = ("404", "NoSuchKey", "NotFound")
+# DeleteObjects takes at most 1000 keys per request.
+_DELETE_BATCH = 1000
 # A HEAD answers with the bare status code (no body to name the error); other calls name it.
 _REFUSED = ("401", "403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
             "ExpiredToken", "InvalidClientTokenId")
@@ -129,3 +132,13 @@ def object_size(client: Any, bucket: str, key: str) -> int | None:
             return None
         raise
     return head["ContentLength"]
+
+
+def delete_objects(client: Any, bucket: str, keys: Sequence[str]) -> dict[str, str]:
+    """Delete ``keys`` with DeleteObjects (absent keys count as deleted); the refused ones, key -> error code."""
+    refused: dict[str, str] = {}
+    for start in range(0, len(keys), _DELETE_BATCH):
+        batch = [{"Key": key} for key in keys[start : start + _DELETE_BATCH]]
+        response = client.delete_objects(Bucket=bucket, Delete={"Objects": batch, "Quiet": True})
+        refused.update({error["Key"]: error.get("Code", "?") for error in response.get("Errors", ())})
+    return refused
