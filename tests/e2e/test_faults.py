@@ -471,10 +471,9 @@ def test_store_frozen_mid_load_then_resumed(stack):
     tokens = prompt("freeze")
     expected = stack.reference(tokens)
     # A first hit: the router and the PE remember the chunks as present, so
-    # with the store frozen the request goes straight to the load.
-    output, headers = ask(stack.router, stack.model, tokens)
-    assert output == expected and headers["x-dualpath-hit-tokens"] == str(HIT_TOKENS)
-    before = {name: counter(stack.pe, name) for name in ("loaded_tokens", "load_failed_tokens")}
+    # with the store frozen the request goes straight to the load. Its load
+    # counted first: what follows counts the frozen load alone.
+    before = _hit(stack, stack.router, tokens, expected)
     answer: dict = {}
     asker = threading.Thread(target=lambda: answer.update(zip(("output", "headers"), ask(stack.router, stack.model, tokens))))
     stack.store.signal(signal.SIGSTOP)
@@ -639,12 +638,11 @@ def test_wrong_credentials_mid_run_turn_hits_into_misses(stack, tmp_path):
     """
     stored, fresh = prompt("creds-stored"), prompt("creds-fresh")
     expected = stack.reference(stored)
-    output, headers = ask(stack.router, stack.model, stored)  # remembered as present from now on
-    assert output == expected and headers["x-dualpath-hit-tokens"] == str(HIT_TOKENS)
+    loads = _hit(stack, stack.router, stored, expected)  # remembered as present from now on
     impostor = SeaweedFS(tmp_path / "rotated")
     impostor.secret_key = f"rotated-{secrets.token_hex(8)}"
     impostor.start()
-    before = {"skipped": counter(stack.de, "save_skipped_chunks"), "failed": counter(stack.pe, "load_failed_tokens")}
+    before = {"skipped": counter(stack.de, "save_skipped_chunks"), "failed": loads["load_failed_tokens"]}
     stack.store.relay.point_to(impostor.endpoint)
     try:
         output, headers = ask(stack.router, stack.model, stored)
@@ -671,9 +669,7 @@ def test_store_killed_mid_run_turns_hits_into_misses(stack):
     tokens = prompt("kill-store")
     expected = stack.reference(tokens)
     # A first hit: the router and the PE remember the chunks as present, so the next request loads them.
-    output, headers = ask(stack.router, stack.model, tokens)
-    assert output == expected and headers["x-dualpath-hit-tokens"] == str(HIT_TOKENS)
-    failed_before = counter(stack.pe, "load_failed_tokens")
+    before = _hit(stack, stack.router, tokens, expected)
     answer: dict = {}
     asker = threading.Thread(target=lambda: answer.update(zip(("output", "headers"), ask(stack.router, stack.model, tokens))))
     stack.store.signal(signal.SIGSTOP)
@@ -685,7 +681,7 @@ def test_store_killed_mid_run_turns_hits_into_misses(stack):
         stack.store.signal(signal.SIGKILL)
     asker.join(REQUEST_TIMEOUT_S)
     assert answer["output"] == expected
-    counted([stack.pe], "load_failed_tokens", failed_before + HIT_TOKENS)
+    counted([stack.pe], "load_failed_tokens", before["load_failed_tokens"] + HIT_TOKENS)
     # The store stays dead: hits are misses, answers right, engines alive.
     for again in (tokens, stack.probe):
         assert ask(stack.router, stack.model, again)[0] == stack.reference(again)
