@@ -24,9 +24,9 @@ from nixl_backends.configuration import ConfigError
 _NOT_FOUND = ("404", "NoSuchKey", "NotFound")
 # DeleteObjects takes at most 1000 keys per request.
 _DELETE_BATCH = 1000
-# A HEAD answers with the bare status code (no body to name the error); other calls name it.
-_REFUSED = ("401", "403", "AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "InvalidToken",
-            "ExpiredToken", "InvalidClientTokenId")
+# Credentials refused, as ensure_bucket's HEAD reports it: a HEAD response has no body to name
+# the error (InvalidAccessKeyId, SignatureDoesNotMatch, ...), so botocore gives the bare status.
+_REFUSED = ("401", "403")
 
 
 @dataclass
