@@ -40,6 +40,8 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -250,6 +252,20 @@ def counted(engines: list[VLLMServer], name: str, at_least: float, timeout_s: fl
     """Poll a counter summed over ``engines`` until it reaches ``at_least`` (stats travel with engine steps)."""
     return poll(lambda: sum(counter(e, name) for e in engines), lambda v: v >= at_least, timeout_s,
                 f"{name} on {[e.log_path.stem for e in engines]} below {at_least}")  # fmt: skip
+
+
+def store_read_queued(engine: VLLMServer) -> None:
+    """Wait until a store read is queued or in flight in ``engine`` (a load under way)."""
+    poll(lambda: totals(engine)["dualpath_kv:read_queue_tokens"], lambda queued: queued > 0, 60,
+         f"{engine.log_path.stem}'s store read queue")  # fmt: skip
+
+
+def in_background(call: Callable[..., object], *args: object) -> Future:
+    """``call(*args)`` in a thread of its own: its Future (what it returned, or what it raised)."""
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(call, *args)
+    pool.shutdown(wait=False)
+    return future
 
 
 def healthy(service: ServiceProcess) -> bool:
@@ -474,20 +490,15 @@ def test_store_frozen_mid_load_then_resumed(stack):
     # with the store frozen the request goes straight to the load. Its load
     # counted first: what follows counts the frozen load alone.
     before = _hit(stack, stack.router, tokens, expected)
-    answer: dict = {}
-    asker = threading.Thread(target=lambda: answer.update(zip(("output", "headers"), ask(stack.router, stack.model, tokens))))
     stack.store.signal(signal.SIGSTOP)
     try:
-        asker.start()
-        poll(lambda: totals(stack.pe).get("dualpath_kv:read_queue_tokens", 0.0), lambda queued: queued > 0, 60,
-             "the PE's store read queue")  # fmt: skip
+        answer = in_background(ask, stack.router, stack.model, tokens)
+        store_read_queued(stack.pe)
         # The fault's length, not a synchronisation: the request must not be answered while the store is frozen.
-        asker.join(FREEZE_S)
-        assert asker.is_alive(), "answered while the store was frozen"
+        assert not wait([answer], FREEZE_S).done, "answered while the store was frozen"
     finally:
         stack.store.signal(signal.SIGCONT)
-    asker.join(REQUEST_TIMEOUT_S)
-    assert answer["output"] == expected
+    assert answer.result(REQUEST_TIMEOUT_S)[0] == expected
     loaded = counted([stack.pe], "loaded_tokens", before["loaded_tokens"] + HIT_TOKENS) - before["loaded_tokens"]
     assert loaded == HIT_TOKENS and counter(stack.pe, "load_failed_tokens") == before["load_failed_tokens"]
     stack.assert_healthy()
@@ -670,17 +681,13 @@ def test_store_killed_mid_run_turns_hits_into_misses(stack):
     expected = stack.reference(tokens)
     # A first hit: the router and the PE remember the chunks as present, so the next request loads them.
     before = _hit(stack, stack.router, tokens, expected)
-    answer: dict = {}
-    asker = threading.Thread(target=lambda: answer.update(zip(("output", "headers"), ask(stack.router, stack.model, tokens))))
     stack.store.signal(signal.SIGSTOP)
-    asker.start()
     try:
-        poll(lambda: totals(stack.pe).get("dualpath_kv:read_queue_tokens", 0.0), lambda queued: queued > 0, 60,
-             "the PE's store read queue")  # fmt: skip
+        answer = in_background(ask, stack.router, stack.model, tokens)
+        store_read_queued(stack.pe)
     finally:
         stack.store.signal(signal.SIGKILL)
-    asker.join(REQUEST_TIMEOUT_S)
-    assert answer["output"] == expected
+    assert answer.result(REQUEST_TIMEOUT_S)[0] == expected
     counted([stack.pe], "load_failed_tokens", before["load_failed_tokens"] + HIT_TOKENS)
     # The store stays dead: hits are misses, answers right, engines alive.
     for again in (tokens, stack.probe):
@@ -701,33 +708,25 @@ def test_router_restarted_with_requests_in_flight(stack):
     stuck = prompt("router-stuck")
     stuck_expected = stack.reference(stuck)
     assert ask(stack.router, stack.model, stuck)[0] == stuck_expected  # remembered as present: a load, not a lookup
-    outcomes: list[object] = []
 
-    def client(tokens: list[int], max_tokens: int) -> None:
-        try:
-            outcomes.append(post(f"{stack.router.url}/v1/completions", completion(stack.model, tokens, max_tokens),
-                                 timeout_s=REQUEST_TIMEOUT_S))  # fmt: skip
-        except (OSError, ValueError) as exc:  # the connection broke: what a client of a dead router sees
-            outcomes.append(exc)
+    def client(tokens: list[int], max_tokens: int) -> tuple[int, dict, dict[str, str]]:
+        return post(f"{stack.router.url}/v1/completions", completion(stack.model, tokens, max_tokens),
+                    timeout_s=REQUEST_TIMEOUT_S)  # fmt: skip
 
-    clients = [threading.Thread(target=client, args=(prompt(f"router-long-{i}"), LONG_OUTPUT_TOKENS)) for i in range(2)]
-    for thread in clients:
-        thread.start()
+    clients = [in_background(client, prompt(f"router-long-{i}"), LONG_OUTPUT_TOKENS) for i in range(2)]
     poll(lambda: totals(stack.de).get("vllm:num_requests_running", 0.0), lambda n: n >= 2, 120,
          "requests decoding on the DE")  # fmt: skip
     stack.store.signal(signal.SIGSTOP)
     try:
-        clients.append(threading.Thread(target=client, args=(stuck, OUTPUT_TOKENS)))
-        clients[-1].start()
-        poll(lambda: totals(stack.pe).get("dualpath_kv:read_queue_tokens", 0.0), lambda queued: queued > 0, 60,
-             "the PE's store read queue")  # fmt: skip
+        clients.append(in_background(client, stuck, OUTPUT_TOKENS))
+        store_read_queued(stack.pe)
         os.killpg(stack.router.proc.pid, signal.SIGKILL)
         stack.router.stop()
     finally:
         stack.store.signal(signal.SIGCONT)
-    for thread in clients:
-        thread.join(REQUEST_TIMEOUT_S)
-    assert len(outcomes) == 3 and all(isinstance(o, Exception) for o in outcomes), outcomes
+    # Not an answer (an HTTP status) but a broken connection: what a client of a dead router sees.
+    outcomes = [c.exception(REQUEST_TIMEOUT_S) for c in clients]
+    assert all(isinstance(o, (OSError, ValueError)) for o in outcomes), [c.exception() or c.result() for c in clients]
     idle(stack.de)
     idle(stack.pe)
     stack.router = stack.start_router(read_side="pe")
@@ -744,27 +743,20 @@ def test_de_killed_during_de_side_read_then_the_pe_frees_the_prefill_it_held(sta
     """
     tokens = prompt("de-killed")
     expected = stack.reference(tokens)
-    answer: dict = {}
     body = completion(stack.model, tokens, 1, kv_transfer_params=PrefillRequest("de", stack.de.side_channel).to_dict())
-
-    def prefill() -> None:
-        answer.update(zip(("status", "body"), post(f"{stack.pe.base_url}/v1/completions", body,
-                                                   stack.pe.keys.auth_headers(), REQUEST_TIMEOUT_S)[:2]))  # fmt: skip
-
-    asker = threading.Thread(target=prefill)
     os.killpg(stack.de.proc.pid, signal.SIGSTOP)
     try:
-        asker.start()
+        answer = in_background(post, f"{stack.pe.base_url}/v1/completions", body, stack.pe.keys.auth_headers(),
+                               REQUEST_TIMEOUT_S)  # fmt: skip
         poll(lambda: sum(totals(stack.pe).get(g, 0.0) for g in ("vllm:num_requests_running", "vllm:num_requests_waiting")),
              lambda n: n >= 1, 60, "the request in the PE")  # fmt: skip
     finally:
         os.killpg(stack.de.proc.pid, signal.SIGKILL)
-    asker.join(REQUEST_TIMEOUT_S)
+    status, prefilled, _ = answer.result(REQUEST_TIMEOUT_S)
     handed_off = time.monotonic()
-    assert answer["status"] == 200, answer
-    choice = answer["body"]["choices"][0]
-    assert choice["token_ids"] == expected[:1]
-    assert answer["body"]["kv_transfer_params"]["do_remote_prefill"]
+    assert status == 200, prefilled
+    assert prefilled["choices"][0]["token_ids"] == expected[:1]
+    assert prefilled["kv_transfer_params"]["do_remote_prefill"]
     # Held for the DE's pull...
     poll(lambda: totals(stack.pe)["vllm:kv_cache_usage_perc"], lambda used: used > 0, 10, "the PE's held blocks")
     # ...which never comes: freed when the lease ends.
