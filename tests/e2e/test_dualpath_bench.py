@@ -15,7 +15,6 @@ import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
@@ -34,8 +33,8 @@ from dualpath_dev.cluster import (
 from dualpath_dev.compare import compare_runs, nic_balance, ttft_breakdown
 from dualpath_bench.replay import ReplayConfig, ReplayError, replay
 from dualpath_bench.trace import TraceConfig, TraceError, generate, read_jsonl, summarize, write_jsonl
+from tests.conftest import REPO_ROOT
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
 _NETNS_OK, _NETNS_WHY = netns_supported()
 needs_netns = pytest.mark.skipif(not _NETNS_OK, reason=f"network namespaces not allowed here: {_NETNS_WHY}")
 

@@ -11,11 +11,11 @@ import json
 import os
 import re
 import subprocess
-from pathlib import Path
 
 import pytest
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO_ROOT
+
 MMA = REPO_ROOT / "mma_preload"
 BUILD = MMA / "build"
 LIB = BUILD / "libmma_preload.so"

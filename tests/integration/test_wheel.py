@@ -25,7 +25,8 @@ import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from tests.conftest import REPO_ROOT
+
 PACKAGES = {"nixl_backends", "dualpath_connector", "dualpath_router", "s3agg_gateway_ext", "dualpath_bench"}
 REQUIRED_FILES = [
     "dualpath_connector/connector.py",
