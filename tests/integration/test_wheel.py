@@ -179,6 +179,10 @@ MODULE_LEVEL_DEV_IMPORT = re.compile(r"^(from|import)\s+dualpath_dev\b", re.M)
 
 def test_no_shipped_module_imports_dualpath_dev_at_module_level(wheel, names):
     """A lazy import inside a function (indented) is allowed: only that command needs the checkout."""
+    # The pattern can fail: it flags a module-level import and passes an indented one.
+    assert MODULE_LEVEL_DEV_IMPORT.search("import os\nfrom dualpath_dev.cluster import ClusterConfig\n")
+    assert MODULE_LEVEL_DEV_IMPORT.search("import dualpath_dev\n")
+    assert not MODULE_LEVEL_DEV_IMPORT.search("def main():\n    from dualpath_dev.cluster import ClusterConfig\n")
     offenders = []
     for name in names:
         if name.endswith(".py"):
