@@ -12,7 +12,7 @@ import json
 import httpx
 import pytest
 
-from tests.integration.test_router_http import MODEL, RouterProcess, StandInEngine, router_config
+from tests.integration.test_router_http import MODEL, standin_stack
 
 WORDS = ["hello", "world", "how", "are", "you", "user", "assistant", "fine", "thanks", ":"]
 
@@ -45,15 +45,9 @@ ANSWER = "fine thanks"
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tokenizer_dir):
     """One router for the module: loading transformers makes its start slow."""
-    pe, de = StandInEngine("pe0", "prefill"), StandInEngine("de0", "decode")
-    de.decode_tokens = lambda body: ids(ANSWER)
-    router = RouterProcess(router_config([pe], [de], tokenizer=str(tokenizer_dir)), tmp_path_factory.mktemp("router"))
-    try:
-        yield pe, de, router.start()
-    finally:
-        router.stop()
-        pe.stop()
-        de.stop()
+    with standin_stack(tmp_path_factory.mktemp("router"), tokenizer=str(tokenizer_dir)) as (pe, de, router):
+        de.decode_tokens = lambda body: ids(ANSWER)
+        yield pe, de, router
 
 
 def test_text_prompt_is_tokenized_for_the_engines(stack):

@@ -10,6 +10,7 @@ are covered by the 1P1D end-to-end test (tests/e2e/test_pd_e2e.py).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -228,6 +229,26 @@ def router_config(pes: list[StandInEngine], des: list[StandInEngine], **override
     }
     config.update(overrides)
     return config
+
+
+@contextlib.contextmanager
+def standin_stack(workdir: Path, without: tuple[str, ...] = (), **overrides):
+    """Stand-in ``pe0`` and ``de0`` behind one router process, yielded as ``(pe, de, router)``; all stopped after.
+
+    For a module-scoped fixture: a router start is slow. ``overrides`` go to
+    :func:`router_config`; ``without`` names its keys to leave out.
+    """
+    with contextlib.ExitStack() as stack:
+        pe = StandInEngine("pe0", "prefill")
+        stack.callback(pe.stop)
+        de = StandInEngine("de0", "decode")
+        stack.callback(de.stop)
+        config = router_config([pe], [de], **overrides)
+        for key in without:
+            del config[key]
+        router = RouterProcess(config, workdir)
+        stack.callback(router.stop)
+        yield pe, de, router.start()
 
 
 @pytest.fixture
