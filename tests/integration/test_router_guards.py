@@ -19,35 +19,36 @@ import httpx
 import pytest
 import yaml
 
+from dualpath_connector.protocol import metric_samples
+from dualpath_dev.tiny_model import TINY_LLAMA
 from tests.integration.test_router_chat import tokenizer_dir  # noqa: F401 (fixture)
 from tests.integration.test_router_http import (  # noqa: F401 (fixtures)
     API_KEY,
     MODEL,
     PROMPT,
-    RouterProcess,
-    StandInEngine,
     complete,
     engines,
     router_config,
+    standin_stack,
     start_router,
 )
 
-VOCAB = 1024  # the tiny test Llama's
+VOCAB = TINY_LLAMA["vocab_size"]  # what the router reads from the tiny Llama's config.json
+MAX_POSITIONS = TINY_LLAMA["max_position_embeddings"]
+
+
+def rejected(router, reason: str) -> float:
+    """The router's count of requests refused for ``reason`` (0 before the first one)."""
+    return sum(value for name, labels, value in metric_samples(httpx.get(f"{router.url}/metrics").text)
+               if name == "dualpath_router_rejected_requests_total" and labels.get("reason") == reason)
 
 
 @pytest.fixture(scope="module")
 def guarded(tmp_path_factory, tiny_model):
     """One router whose vocabulary comes from the tiny Llama's config.json, in front of two stand-ins."""
-    pe, de = StandInEngine("pe0", "prefill"), StandInEngine("de0", "decode")
-    config = router_config([pe], [de], model_config=str(tiny_model))
-    del config["vocab_size"]
-    router = RouterProcess(config, tmp_path_factory.mktemp("router"))
-    try:
-        yield pe, de, router.start()
-    finally:
-        router.stop()
-        pe.stop()
-        de.stop()
+    with standin_stack(tmp_path_factory.mktemp("router"), without=("vocab_size",),
+                       model_config=str(tiny_model)) as stack:  # fmt: skip
+        yield stack
 
 
 @pytest.mark.parametrize(
@@ -75,32 +76,41 @@ def guarded(tmp_path_factory, tiny_model):
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_token_ids_get_400_and_reach_no_engine(guarded, prompt, message, stream):
     pe, de, router = guarded
+    reason = "bad_token_ids" if message.startswith("bad token id") else "bad_prompt"
+    before = rejected(router, reason)
     response = complete(router, prompt=prompt, max_tokens=2, stream=stream)
     assert response.status_code == 400
     error = response.json()["error"]
     assert message in error["message"]
     assert error["type"] == "BadRequestError" and error["param"] == "prompt" and error["code"] == 400
     assert pe.received == [] and de.received == []
+    assert rejected(router, reason) == before + 1
 
 
 def test_ids_at_the_vocabulary_edges_pass(guarded):
     """Negative control: the check refuses what is out of range, nothing else."""
     pe, de, router = guarded
+    before = rejected(router, "bad_token_ids")
     response = complete(router, prompt=[0, *PROMPT, VOCAB - 1], max_tokens=2)
     assert response.status_code == 200, response.text
     assert pe.received[-1]["prompt"] == [0, *PROMPT, VOCAB - 1]
     pe.received.clear()
     de.received.clear()
-    metrics = httpx.get(f"{router.url}/metrics").text
-    assert 'dualpath_router_rejected_requests_total{reason="bad_token_ids"}' in metrics
+    assert rejected(router, "bad_token_ids") == before
 
 
 def test_max_prompt_tokens_defaults_to_the_model_config(guarded):
     pe, de, router = guarded
-    response = complete(router, prompt=[1] * 32769, max_tokens=2)  # max_position_embeddings + 1
+    response = complete(router, prompt=[1] * (MAX_POSITIONS + 1), max_tokens=2)
     assert response.status_code == 400
-    assert "the prompt has 32769 tokens, more than the model's 32768" in response.json()["error"]["message"]
+    assert (f"the prompt has {MAX_POSITIONS + 1} tokens, more than the model's {MAX_POSITIONS}"
+            in response.json()["error"]["message"])  # fmt: skip
     assert pe.received == []
+    # Negative control: exactly max_position_embeddings tokens pass.
+    assert complete(router, prompt=[1] * MAX_POSITIONS, max_tokens=2).status_code == 200
+    assert len(pe.received[-1]["prompt"]) == MAX_POSITIONS
+    pe.received.clear()
+    de.received.clear()
 
 
 def test_explicit_vocab_size_and_prompt_limit(engines, start_router):
