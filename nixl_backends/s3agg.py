@@ -133,7 +133,8 @@ class LayerwiseRead:
     mode: str  # "layerwise" or "chunkwise" (the gateway's choice), or "fallback"
     # The gateway's error that caused the fallback, if any.
     error: str | None = None
-    # Notification tokens in arrival order (layer numbers, or "all"); empty for HTTP.
+    # What the gateway delivered, in arrival order: layer numbers, or "all" (NIXL notifications or
+    # HTTP frames alike); layers read by the fallback are not among them.
     notifications: list[str] = field(default_factory=list)
     # The gateway's summary (mode, rate, per-phase timings), when it finished.
     summary: dict[str, Any] | None = None

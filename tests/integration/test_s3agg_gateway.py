@@ -136,9 +136,8 @@ def test_assembled_layers_equal_the_chunks_layer_slices(seaweedfs, s3agg_bucket,
     assert handed == list(range(num_layers))
     assert_delivered(layout, keys, objects, buffers)
     assert result.summary["payload_bytes"] == payload
-    if delivery == "nixl":
-        # One notification per layer, in order (chunkwise: one for everything).
-        assert result.notifications == ([str(l) for l in range(num_layers)] if result.mode == "layerwise" else ["all"])
+    # One notification (or frame) per layer, in order (chunkwise: one for everything).
+    assert result.notifications == ([str(l) for l in range(num_layers)] if result.mode == "layerwise" else ["all"])
 
 
 @pytest.mark.parametrize("delivery", DELIVERIES)
@@ -411,6 +410,7 @@ def test_gateway_stopped_mid_request_falls_back_to_plain_s3(seaweedfs, s3agg_buc
         result = store.read_layerwise(keys, buffers.addrs, on_layer)
     assert result.mode == "fallback"
     assert result.error
+    assert result.notifications[:1] == ["0"]  # the stop came mid-request, after the gateway's first layer
     assert handed == list(range(layout.num_layers))
     # Layer 0 came from the gateway, the rest from plain ranged GETs: the same layout, digests included.
     assert_delivered(layout, keys, objects, buffers)
