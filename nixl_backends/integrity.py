@@ -101,12 +101,11 @@ class ChunkIntegrity:
         self.algorithm = ALGORITHMS["keyed" if key is not None else "checksum"]
         self.tag = integrity_tag(key)
 
-    def layer_digest(self, chunk_hash: str, layer: int, data) -> bytes:
-        """The digest of ``data``, the bytes of layer ``layer`` of chunk ``chunk_hash``."""
-        return self._digest(bytes.fromhex(chunk_hash), layer, data)
-
     def _digest(self, hash_bytes: bytes, layer: int, data) -> bytes:
-        # The chunk hash as bytes is decoded once per chunk by the callers that loop over layers.
+        """The digest of ``data``, layer ``layer`` of the chunk whose hash is ``hash_bytes``.
+
+        Callers decode the hex chunk hash once per chunk, not once per layer.
+        """
         tag = hash_bytes + layer.to_bytes(4, "little")
         if self._key is None:
             hasher = xxhash.xxh3_128(tag)
