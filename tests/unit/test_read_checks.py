@@ -100,10 +100,12 @@ def test_a_flipped_byte_ends_the_hit_counts_and_deletes_the_chunk(reader):
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
-def test_non_finite_kv_under_valid_digests_is_refused(reader, bad):
+# In the first layer, and the very last value of the Full Block (the last layer's): the whole chunk is checked.
+@pytest.mark.parametrize("position", [3, LAYOUT.full_block_bytes // 2 - 1], ids=["first-layer", "last-value"])
+def test_non_finite_kv_under_valid_digests_is_refused(reader, bad, position):
     hit_reader, store, integrity = reader
     values = _kv_values(9)
-    values[3] = bad
+    values[position] = bad
     _forge(store, integrity, 1, values)
     ok = hit_reader._store_read(HASHES, list(range(len(HASHES))))
     assert HitReader._leading_ok(ok) == 1 and store.deleted == [KEY_SPACE.key(HASHES[1])]
