@@ -22,6 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal
 
 from nixl_backends.layout import BlockLayout, KVNamespace, chunk_hashes, chunk_key
@@ -292,8 +293,9 @@ class StoreKeySpace:
         return cls(namespace.digest(), key_prefix, namespace.chunk_tokens, namespace.num_layers,
                    namespace.layer_block_bytes)  # fmt: skip
 
-    @property
+    @cached_property
     def layout(self) -> BlockLayout:
+        # Once: the read and save paths ask per chunk (the key space is frozen).
         return BlockLayout(self.num_layers, self.layer_block_bytes)
 
     def key(self, chunk_hash: str) -> str:
