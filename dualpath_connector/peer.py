@@ -19,6 +19,7 @@ a PD engine does not start, and a peer without it is served nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -181,9 +182,9 @@ class PeerLink:
         answer = request(address, hello_message(), timeout_s, self._key)
         check_version(answer, f"the engine at {address}")
         # Validated before NIXL sees the peer: a bad answer adds no remote agent.
-        KVRegions.from_wire(answer.get("kv"), "")
+        regions = KVRegions.from_wire(answer.get("kv"), "")
         name = self.agent.add_remote_agent(decode_bytes(answer["metadata"]))
-        peer = KVRegions.from_wire(answer["kv"], name if isinstance(name, str) else name.decode())
+        peer = dataclasses.replace(regions, agent=name if isinstance(name, str) else name.decode())
         with self._lock:
             self._peers[address] = peer
         return peer
