@@ -37,7 +37,6 @@ class Injector:
         *,
         view: KVCacheView,
         pool: HostBufferPool,
-        layout: BlockLayout,
         blocks_per_chunk: int,
         agent,
         stats: StatsRecorder,
@@ -46,7 +45,8 @@ class Injector:
         transfer_timeout_s: float,
     ) -> None:
         self.view = view
-        self.layout = layout
+        # The cache's own geometry (the worker checked it against the namespace's).
+        self.layout = BlockLayout(view.num_layers, view.layer_block_bytes(blocks_per_chunk))
         self.agent = agent
         self.stats = stats
         self.repair = repair

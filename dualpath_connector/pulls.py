@@ -12,7 +12,6 @@ import time
 
 import numpy as np
 
-from nixl_backends.layout import BlockLayout
 from nixl_backends.transport import post_read
 
 from dualpath_connector.kv_cache_view import KVCacheView
@@ -31,20 +30,18 @@ class PromptPuller:
         agent,
         view: KVCacheView,
         peers: PeerLink,
-        layout: BlockLayout,
         block_size: int,
-        blocks_per_chunk: int,
         stats: StatsRecorder,
         transfer_timeout_s: float,
     ) -> None:
         self.agent = agent
         self.view = view
         self.peers = peers
-        self.layout = layout
         self.block_size = block_size
-        self.blocks_per_chunk = blocks_per_chunk
         self.stats = stats
         self.transfer_timeout_s = transfer_timeout_s
+        # A pulled block: its bytes in every layer, as the cache holds them.
+        self._bytes_per_block = view.num_layers * view.outer * view.block_bytes
 
     def pull(self, spec: PullSpec) -> bool:
         """Copy ``spec``'s blocks from the PE; False if they did not all arrive (vLLM recomputes them)."""
@@ -60,7 +57,7 @@ class PromptPuller:
                 return True
             local = self.view.regions
             if len(spec.remote_block_ids) == len(spec.block_ids) and self._same_block_geometry(local, peer):
-                layers = list(range(self.layout.num_layers))
+                layers = list(range(self.view.num_layers))
                 read = post_read(
                     self.agent,
                     peer.agent,
@@ -77,7 +74,7 @@ class PromptPuller:
             return True
         if ok:
             self.stats.add(
-                bytes_pulled_from_peer=len(spec.block_ids) * self.layout.full_block_bytes // self.blocks_per_chunk,
+                bytes_pulled_from_peer=len(spec.block_ids) * self._bytes_per_block,
                 pulled_tokens=len(spec.block_ids) * self.block_size,
             )
         else:

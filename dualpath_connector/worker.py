@@ -147,7 +147,7 @@ class DualPathWorker:
             de_read_timeout_s=self.config.de_read_timeout_s, cores=self._transfer_cores,
         )  # fmt: skip
         self.injector = Injector(
-            view=view, pool=self.load_pool, layout=self.layout, blocks_per_chunk=self.geometry.blocks_per_chunk,
+            view=view, pool=self.load_pool, blocks_per_chunk=self.geometry.blocks_per_chunk,
             agent=self.agent, stats=self.stats, repair=self.reader.repair, release=self._release_hits,
             transfer_timeout_s=self.config.pd_transfer_timeout_s,
         )  # fmt: skip
@@ -157,8 +157,7 @@ class DualPathWorker:
         )  # fmt: skip
         if self.peers is not None:
             self.puller = PromptPuller(
-                agent=self.agent, view=view, peers=self.peers, layout=self.layout, block_size=self.geometry.block_size,
-                blocks_per_chunk=self.geometry.blocks_per_chunk, stats=self.stats,
+                agent=self.agent, view=view, peers=self.peers, block_size=self.geometry.block_size, stats=self.stats,
                 transfer_timeout_s=self.config.pd_transfer_timeout_s,
             )  # fmt: skip
         logger.info(
