@@ -91,7 +91,6 @@ class DualPathWorker:
         self.stats = StatsRecorder()
         self._lanes = {name: IOLane(f"dualpath-{name}", self._transfer_cores) for name in ("read", "save", "pull")}
         # Built with the KV cache (register_kv_caches).
-        self.view: KVCacheView | None = None
         self.peers: PeerLink | None = None
         self.reader: HitReader | None = None
         self.injector: Injector | None = None
@@ -120,7 +119,7 @@ class DualPathWorker:
         names = sorted(kv_caches, key=extract_layer_index)
         if len(names) != self.layout.num_layers:
             raise ValueError(f"expected {self.layout.num_layers} KV cache layers, got {len(names)}")
-        self.view = view = KVCacheView([kv_caches[name] for name in names], num_blocks)
+        view = KVCacheView([kv_caches[name] for name in names], num_blocks)
         self._layer_index = {name: i for i, name in enumerate(names)}
         layer_block_bytes = view.layer_block_bytes(self.geometry.blocks_per_chunk)
         if layer_block_bytes != self.layout.layer_block_bytes:
