@@ -18,11 +18,12 @@ from dualpath_connector.config import ChunkGeometry, parse_config
 from dualpath_connector.metadata import ChunkLoad, PullSpec, SaveSpec
 from dualpath_connector.protocol import VERSION_KEY, PrefillHandoff, PrefillRequest
 from dualpath_connector.scheduler import MAX_LOAD_ATTEMPTS, DualPathScheduler
-from nixl_backends.layout import KVNamespace, chunk_hashes
+from nixl_backends.layout import KVNamespace, chunk_hashes, chunk_key
 
 BLOCK = 16
 CHUNK = 32
 PORT = 5601
+KEY_PREFIX = "kv-test"  # not the default ("dualpath"): the configured prefix must reach the keys
 
 NAMESPACE = KVNamespace(
     model="test-model",
@@ -63,7 +64,7 @@ class FakeStore:
 
 
 def make_scheduler(tmp_path, kv_role="kv_both", **extra) -> tuple[DualPathScheduler, FakeStore]:
-    raw = {"store": {"backend": "posix", "root": str(tmp_path)}, **extra}
+    raw = {"store": {"backend": "posix", "root": str(tmp_path)}, "key_prefix": KEY_PREFIX, **extra}
     if kv_role != "kv_both":
         raw.setdefault("side_channel_port", PORT)
     store = FakeStore()
@@ -81,13 +82,15 @@ def hashes_of(tokens: list[int]) -> list[str]:
     return chunk_hashes(NAMESPACE.digest(), tokens, CHUNK)
 
 
-def keys_of(scheduler: DualPathScheduler, tokens: list[int]) -> list[str]:
-    return [scheduler.key_space.key(h) for h in hashes_of(tokens)]
+def keys_of(tokens: list[int]) -> list[str]:
+    """The store keys, computed here rather than by the scheduler: a scheduler keying under another prefix or
+    namespace than the configured one (where the worker writes) finds nothing."""
+    return [chunk_key(KEY_PREFIX, NAMESPACE.digest(), h) for h in hashes_of(tokens)]
 
 
-def store_chunks(scheduler, store, tokens, num_chunks) -> None:
+def store_chunks(store, tokens, num_chunks) -> None:
     """Put the first ``num_chunks`` chunks of ``tokens`` into the fake store."""
-    store.present.update(keys_of(scheduler, tokens)[:num_chunks])
+    store.present.update(keys_of(tokens)[:num_chunks])
 
 
 def make_request(req_id, prompt, kv_transfer_params=None, **overrides) -> SimpleNamespace:
@@ -156,7 +159,7 @@ def empty_step() -> SimpleNamespace:
 def test_partial_prefix_hit_claims_the_stored_run_and_plans_its_load(tmp_path):
     scheduler, store = make_scheduler(tmp_path)
     prompt = prompt_of(5 * CHUNK + 7)
-    store_chunks(scheduler, store, prompt, 3)
+    store_chunks(store, prompt, 3)
     request = make_request("r1", prompt)
 
     assert scheduler.get_num_new_matched_tokens(request, 0) == (3 * CHUNK, True)
@@ -182,7 +185,7 @@ def test_partial_prefix_hit_claims_the_stored_run_and_plans_its_load(tmp_path):
 def test_a_local_prefix_hit_skips_its_blocks_in_the_first_chunk(tmp_path):
     scheduler, store = make_scheduler(tmp_path)
     prompt = prompt_of(5 * CHUNK + 7)
-    store_chunks(scheduler, store, prompt, 3)
+    store_chunks(store, prompt, 3)
     request = make_request("r1", prompt)
 
     # vLLM's own prefix cache already holds the first block.
@@ -201,7 +204,7 @@ def test_a_local_prefix_hit_skips_its_blocks_in_the_first_chunk(tmp_path):
 def test_a_local_hit_covering_whole_chunks_loads_only_the_rest(tmp_path):
     scheduler, store = make_scheduler(tmp_path)
     prompt = prompt_of(5 * CHUNK + 7)
-    store_chunks(scheduler, store, prompt, 3)
+    store_chunks(store, prompt, 3)
     request = make_request("r1", prompt)
 
     assert scheduler.get_num_new_matched_tokens(request, CHUNK) == (2 * CHUNK, True)
@@ -214,7 +217,7 @@ def test_a_local_hit_covering_whole_chunks_loads_only_the_rest(tmp_path):
 def test_a_local_hit_beyond_the_stored_run_claims_nothing(tmp_path):
     scheduler, store = make_scheduler(tmp_path)
     prompt = prompt_of(5 * CHUNK + 7)
-    store_chunks(scheduler, store, prompt, 2)
+    store_chunks(store, prompt, 2)
     request = make_request("r1", prompt)
 
     assert scheduler.get_num_new_matched_tokens(request, 3 * CHUNK) == (0, False)
@@ -225,7 +228,7 @@ def test_a_local_hit_beyond_the_stored_run_claims_nothing(tmp_path):
 def test_one_hit_is_capped_by_the_load_buffer(tmp_path):
     scheduler, store = make_scheduler(tmp_path, load_buffer_chunks=2)
     prompt = prompt_of(6 * CHUNK + 1)
-    store_chunks(scheduler, store, prompt, 6)
+    store_chunks(store, prompt, 6)
     request = make_request("r1", prompt)
 
     assert scheduler.get_num_new_matched_tokens(request, 0) == (2 * CHUNK, True)
@@ -239,18 +242,18 @@ def test_one_hit_is_capped_by_the_load_buffer(tmp_path):
 def test_a_fully_stored_prompt_of_whole_chunks_leaves_the_last_chunk_to_compute(tmp_path):
     scheduler, store = make_scheduler(tmp_path)
     prompt = prompt_of(4 * CHUNK)
-    store_chunks(scheduler, store, prompt, 4)
+    store_chunks(store, prompt, 4)
     request = make_request("r1", prompt)
 
     assert scheduler.get_num_new_matched_tokens(request, 0) == (3 * CHUNK, True)
     # Only the 3 claimable chunks were looked up.
-    assert store.calls == [keys_of(scheduler, prompt)[:3]]
+    assert store.calls == [keys_of(prompt)[:3]]
 
 
 def test_a_one_chunk_prompt_is_not_looked_up(tmp_path):
     scheduler, store = make_scheduler(tmp_path)
     prompt = prompt_of(CHUNK)
-    store_chunks(scheduler, store, prompt, 1)
+    store_chunks(store, prompt, 1)
 
     assert scheduler.get_num_new_matched_tokens(make_request("r1", prompt), 0) == (0, False)
     assert store.calls == []
@@ -262,7 +265,7 @@ def test_a_one_chunk_prompt_is_not_looked_up(tmp_path):
 def test_saves_cover_chunks_completed_by_each_step_and_skip_stored_ones(tmp_path):
     scheduler, store = make_scheduler(tmp_path)
     prompt = prompt_of(4 * CHUNK + 22)  # 150 tokens: 4 full chunks
-    store_chunks(scheduler, store, prompt, 1)
+    store_chunks(store, prompt, 1)
     request = make_request("r1", prompt)
     hashes = hashes_of(prompt)
 
@@ -444,7 +447,7 @@ def test_de_saves_the_chunks_the_pe_did_not_find_stored(tmp_path):
 def test_pe_hands_its_prefill_to_the_de(tmp_path):
     scheduler, store = make_scheduler(tmp_path, "kv_producer")
     prompt = prompt_of(100)
-    store_chunks(scheduler, store, prompt, 2)
+    store_chunks(store, prompt, 2)
     request = make_request("p1", prompt, PrefillRequest(read_side="de", de_side_channel="h:1").to_dict())
 
     assert scheduler.get_num_new_matched_tokens(request, 0) == (2 * CHUNK, True)
@@ -510,7 +513,7 @@ def test_pe_request_without_remote_decode_saves_itself(tmp_path):
 def test_pe_ignores_unusable_prefill_requests(tmp_path, params):
     scheduler, store = make_scheduler(tmp_path, "kv_producer")
     prompt = prompt_of(100)
-    store_chunks(scheduler, store, prompt, 1)
+    store_chunks(store, prompt, 1)
     request = make_request("p1", prompt, params)
 
     assert scheduler.get_num_new_matched_tokens(request, 0) == (CHUNK, True)
@@ -538,11 +541,11 @@ def test_pe_ignores_unusable_prefill_requests(tmp_path, params):
 def test_de_ignores_unusable_handoffs_and_looks_up_the_store(tmp_path, params):
     scheduler, store = make_scheduler(tmp_path, "kv_consumer")
     prompt = prompt_of(100)
-    store_chunks(scheduler, store, prompt, 2)
+    store_chunks(store, prompt, 2)
     request = make_request("d1", prompt, params)
 
     assert scheduler.get_num_new_matched_tokens(request, 0) == (2 * CHUNK, True)
-    assert store.calls == [keys_of(scheduler, prompt)[:3]]
+    assert store.calls == [keys_of(prompt)[:3]]
     scheduler.update_state_after_alloc(request, Blocks(range(4)), 2 * CHUNK)
     meta = scheduler.build_connector_meta(empty_step())
     assert meta.pulls == []
@@ -555,8 +558,8 @@ def test_de_ignores_unusable_handoffs_and_looks_up_the_store(tmp_path, params):
 def test_failed_loads_are_retried_from_the_store_then_given_up(tmp_path):
     scheduler, store = make_scheduler(tmp_path)
     prompt = prompt_of(100)
-    keys = keys_of(scheduler, prompt)[:3]
-    store_chunks(scheduler, store, prompt, 3)
+    keys = keys_of(prompt)[:3]
+    store_chunks(store, prompt, 3)
     request = make_request("r1", prompt)
 
     for attempt in range(MAX_LOAD_ATTEMPTS):
@@ -576,7 +579,7 @@ def test_failed_loads_are_retried_from_the_store_then_given_up(tmp_path):
 def test_an_unallocated_hit_is_no_load_attempt(tmp_path):
     scheduler, store = make_scheduler(tmp_path)
     prompt = prompt_of(100)
-    store_chunks(scheduler, store, prompt, 3)
+    store_chunks(store, prompt, 3)
     request = make_request("r1", prompt)
 
     # vLLM could not allocate blocks: it asks again next step, many times.
@@ -588,8 +591,8 @@ def test_an_unallocated_hit_is_no_load_attempt(tmp_path):
 def test_chunks_missing_on_a_retry_are_saved_again(tmp_path):
     scheduler, store = make_scheduler(tmp_path)
     prompt = prompt_of(100)
-    keys = keys_of(scheduler, prompt)
-    store_chunks(scheduler, store, prompt, 3)
+    keys = keys_of(prompt)
+    store_chunks(store, prompt, 3)
     request = make_request("r1", prompt)
 
     assert scheduler.get_num_new_matched_tokens(request, 0) == (3 * CHUNK, True)
@@ -623,7 +626,7 @@ def test_chunks_missing_on_a_retry_are_saved_again(tmp_path):
 def test_uncacheable_requests_neither_hit_nor_save(tmp_path, override):
     scheduler, store = make_scheduler(tmp_path)
     prompt = prompt_of(100)
-    store_chunks(scheduler, store, prompt, 3)
+    store_chunks(store, prompt, 3)
     request = make_request("r1", prompt, **override)
 
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
@@ -657,7 +660,7 @@ def test_pe_hands_off_an_uncacheable_prefill_without_touching_the_store(tmp_path
 def test_a_store_outage_is_a_miss_not_an_error(tmp_path):
     scheduler, store = make_scheduler(tmp_path)
     prompt = prompt_of(100)
-    store_chunks(scheduler, store, prompt, 3)
+    store_chunks(store, prompt, 3)
     store.down = True
     request = make_request("r1", prompt)
 
@@ -677,21 +680,21 @@ def test_a_store_outage_is_a_miss_not_an_error(tmp_path):
 def test_chunks_known_present_are_not_looked_up_again(tmp_path):
     scheduler, store = make_scheduler(tmp_path)
     prompt = prompt_of(100)
-    keys = keys_of(scheduler, prompt)
-    store_chunks(scheduler, store, prompt, 2)
+    keys = keys_of(prompt)
+    store_chunks(store, prompt, 2)
 
     assert scheduler.get_num_new_matched_tokens(make_request("r1", prompt), 0) == (2 * CHUNK, True)
     assert store.calls == [keys[:3]]
 
     # Same prefix, longer prompt: only the keys past the known run go to the store.
     longer = prompt + prompt_of(64, seed=2)
-    longer_keys = keys_of(scheduler, longer)
+    longer_keys = keys_of(longer)
     assert longer_keys[:3] == keys[:3]
     assert scheduler.get_num_new_matched_tokens(make_request("r2", longer), 0) == (2 * CHUNK, True)
     assert store.calls[1] == longer_keys[2:5]
 
     # Everything claimable known present: no store round trip at all.
-    store_chunks(scheduler, store, prompt, 3)
+    store_chunks(store, prompt, 3)
     scheduler.get_num_new_matched_tokens(make_request("r3", prompt), 0)
     assert store.calls[2] == keys[2:3]
     assert scheduler.get_num_new_matched_tokens(make_request("r4", prompt), 0) == (3 * CHUNK, True)
@@ -702,7 +705,7 @@ def test_misses_are_not_remembered(tmp_path):
     scheduler, store = make_scheduler(tmp_path)
     prompt = prompt_of(100)
     assert scheduler.get_num_new_matched_tokens(make_request("r1", prompt), 0) == (0, False)
-    store_chunks(scheduler, store, prompt, 3)
+    store_chunks(store, prompt, 3)
     assert scheduler.get_num_new_matched_tokens(make_request("r2", prompt), 0) == (3 * CHUNK, True)
 
 
