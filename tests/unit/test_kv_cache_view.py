@@ -7,6 +7,8 @@ tensor views hold (what a peer READs is what the cache holds).
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -136,6 +138,9 @@ def test_regions_wire_form_round_trips_and_hostile_forms_are_refused():
     parsed = KVRegions.from_wire(regions.to_wire(), "peer-agent")
     assert parsed.agent == "peer-agent" and parsed.rows([0], np.asarray([3])).tolist() == regions.rows([0], np.asarray([3])).tolist()
     assert parsed.same_block_geometry(regions)
+    # Negative control: another block size, K/V split or layer count is another geometry.
+    for other in ({"block_bytes": regions.block_bytes * 2}, {"outer": 2}, {"layer_addrs": regions.layer_addrs[:-1]}):
+        assert not parsed.same_block_geometry(dataclasses.replace(regions, **other))
     wire = regions.to_wire()
     for bad in ({"layer_addrs": []}, {"layer_addrs": ["0x10"]}, {"outer": 0}, {"block_bytes": True},
                 {"mem_type": "DISK"}, {"device_id": -1}):  # fmt: skip
