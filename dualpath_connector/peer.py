@@ -42,7 +42,8 @@ from dualpath_connector.protocol import (
     check_version,
     hello_message,
 )
-from dualpath_connector.side_channel import SideChannelServer, decode_bytes, encode_bytes, request
+from dualpath_connector.side_channel import SideChannelServer, decode_bytes, encode_bytes
+from dualpath_connector.side_channel import request as side_channel_request
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +180,7 @@ class PeerLink:
             return self._peers.get(address)
 
     def _handshake(self, address: str, timeout_s: float) -> KVRegions:
-        answer = request(address, hello_message(), timeout_s, self._key)
+        answer = self.request(address, hello_message(), timeout_s)
         check_version(answer, f"the engine at {address}")
         # Validated before NIXL sees the peer: a bad answer adds no remote agent.
         regions = KVRegions.from_wire(answer.get("kv"), "")
@@ -188,6 +189,10 @@ class PeerLink:
         with self._lock:
             self._peers[address] = peer
         return peer
+
+    def request(self, address: str, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        """One side-channel request to the peer at ``address``, signed with this engine's cluster key."""
+        return side_channel_request(address, message, timeout_s, self._key)
 
     def forget(self, address: str) -> None:
         """Drop a peer after a failure; the next use handshakes again (it may have restarted)."""

@@ -37,7 +37,7 @@ from dualpath_connector.metadata import ChunkLoad, LoadSpec
 from dualpath_connector.peer import PeerLink
 from dualpath_connector.protocol import RELEASE, ReadAnswer, ReadRequest, StoreKeySpace
 from dualpath_connector.read_queue import StoreReadQueue
-from dualpath_connector.side_channel import PeerBusy, request as side_channel_request
+from dualpath_connector.side_channel import PeerBusy
 from dualpath_connector.stats import StatsRecorder
 
 logger = logging.getLogger(__name__)
@@ -227,7 +227,7 @@ class HitReader:
         request = ReadRequest(self.key_space.digest, [c.chunk_hash for c in spec.chunks], timeout_s)
         try:
             peer = self.peers.peer(address, timeout_s)
-            message = side_channel_request(address, request.to_message(), timeout_s)
+            message = self.peers.request(address, request.to_message(), timeout_s)
             answer = ReadAnswer.from_message(message, len(spec.chunks))
         except PeerBusy as exc:
             # Declined at once (the DE counts it): no time lost, and the peer is healthy.
