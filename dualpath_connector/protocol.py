@@ -229,7 +229,7 @@ COUNTERS = {
 TIMINGS = {
     "load_seconds": "Time from a load's start to its hit being readable (bulk: in the KV cache)",
     "save_seconds": "Time to write one step's completed chunks to the store",
-    "verify_seconds": "Time to check the integrity digests of one store read's chunks",
+    "verify_seconds": "Time to check one store read's chunks: integrity digests, then NaN/inf in the KV values",
     "pull_seconds": "Time for a DE to pull a prefilled prompt's KV from its PE",
 }
 GAUGES = {
