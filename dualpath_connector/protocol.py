@@ -222,7 +222,8 @@ COUNTERS = {
     "de_read_fallbacks": "DE-side reads that failed or timed out, read from the store by the PE instead",
     "de_reads_declined": "PE read requests this DE declined (its read queue would miss the PE's deadline); "
     "the PE read those hits itself",
-    "corrupt_chunks": "Chunks read from the store whose bytes failed their integrity digest (treated as misses)",
+    "corrupt_chunks": "Chunks read from the store that failed their integrity digest or held NaN/inf (treated as "
+    "misses and deleted)",
     "side_channel_rejected_messages": "Side-channel messages dropped unanswered: unsigned, wrong key, stale, "
     "replayed or malformed",
 }
