@@ -17,6 +17,12 @@ from nixl_backends.registry import parse_store_config
 
 _WHERE = "kv_connector_extra_config."
 LOAD_MODES = ("layerwise", "bulk")
+# vLLM's physical KV cache layouts (vllm.v1.kv_cache_layout.KVCacheLayout) whose
+# blocks this connector copies: each layer's block is one run of bytes (or, for
+# LHBNC, one run per head). BHLNC interleaves layers inside a head and is not.
+KV_CACHE_LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC")
+# vLLM's legacy names (VLLM_KV_CACHE_LAYOUT accepts them).
+_LAYOUT_ALIASES = {"HND": "LBHNC", "NHD": "LBNHC"}
 # kv_producer: prefill engine (PE); kv_consumer: decode engine (DE).
 KV_ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
@@ -64,6 +70,12 @@ class DualPathConfig:
     # (a BLAKE3 MAC under $DUALPATH_INTEGRITY_KEY, shared by the deployment's
     # engines: a writer without the key cannot poison the cache).
     integrity: str = "checksum"
+    # The physical KV cache layout this connector asks vLLM for (one of
+    # KV_CACHE_LAYOUTS); VLLM_KV_CACHE_LAYOUT overrides it, as it overrides any
+    # connector's wish. It is part of the namespace, so engines whose blocks
+    # order their bytes differently never share chunks. An attention backend
+    # that cannot use it fails start-up, naming the layouts it can.
+    kv_cache_layout: str = "LBHNC"
     # Parsed from `store` by validate(); not a user key.
     store_config: Any = field(default=None, init=False, repr=False)
     # Derived from `integrity` and the environment by validate(); never logged.
@@ -98,6 +110,10 @@ class DualPathConfig:
             raise ConfigError(
                 f"{_WHERE}benchmark_oracle skips every KV read, so outputs are wrong; it is for "
                 "benchmarks only and needs DUALPATH_BENCHMARK=1 in the environment"
+            )
+        if self.kv_cache_layout not in KV_CACHE_LAYOUTS:
+            raise ConfigError(
+                f"bad value for {_WHERE}'kv_cache_layout': {self.kv_cache_layout!r}; supported: {KV_CACHE_LAYOUTS}"
             )
         if self.side_channel_port is not None and not 0 < self.side_channel_port < 65536:
             raise ConfigError(f"{_WHERE}side_channel_port must be a TCP port, got {self.side_channel_port}")
@@ -143,16 +159,44 @@ class ChunkGeometry:
         return self.chunk_tokens // self.block_size
 
 
+def expected_kv_cache_layout(config: DualPathConfig) -> str:
+    """The layout vLLM resolves when it honours this connector: ``VLLM_KV_CACHE_LAYOUT`` first, as vLLM does.
+
+    Every process computes it from configuration alone (the API server never
+    sees the resolved one), so all name the same namespace.
+    """
+    requested = os.environ.get("VLLM_KV_CACHE_LAYOUT")
+    if not requested:
+        return config.kv_cache_layout
+    layout = _LAYOUT_ALIASES.get(requested, requested)
+    if layout not in KV_CACHE_LAYOUTS:
+        raise ConfigError(f"VLLM_KV_CACHE_LAYOUT={requested} is not a layout DualPathConnector copies; supported: {KV_CACHE_LAYOUTS}")
+    return layout
+
+
+def check_resolved_layout(vllm_config: Any, config: DualPathConfig) -> None:
+    """Fail start-up if vLLM resolved another layout than the namespace names (it drops a connector's
+    wish its attention backend cannot use, with only a warning)."""
+    resolved = vllm_config.cache_config.kv_cache_layout
+    expected = expected_kv_cache_layout(config)
+    if resolved is not None and resolved != expected:
+        raise ConfigError(
+            f"vLLM resolved KV cache layout {resolved}, DualPathConnector expects {expected}: the attention "
+            f"backend cannot use {expected}; set {_WHERE}kv_cache_layout (or VLLM_KV_CACHE_LAYOUT) to a layout "
+            f"it supports, one of {KV_CACHE_LAYOUTS}"
+        )
+
+
 def namespace_for(
     vllm_config: Any, config: DualPathConfig, chunk_tokens: int, tp_rank: int, pp_rank: int
 ) -> KVNamespace:
-    """The namespace of this engine's KV bytes; scheduler and worker derive the same one.
+    """The namespace of this engine's KV bytes; scheduler, worker and API server derive the same one.
 
     A Layer Block is ``chunk_tokens`` tokens of one layer: K and V for every
-    KV head of this TP rank, in the engine's cache dtype.
+    KV head of this TP rank, or for MLA models one latent vector per token
+    (vLLM reports one KV head of the latent size), in the engine's cache dtype.
     """
     import torch
-    from vllm.distributed.kv_transfer.kv_connector.utils import get_kv_connector_cache_layout
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE
 
@@ -163,6 +207,7 @@ def namespace_for(
     num_kv_heads = model.get_num_kv_heads(parallel)
     head_size = model.get_head_size()
     element_bytes = torch.empty((), dtype=cache_dtype).element_size()
+    kv_vectors = 1 if model.use_mla else 2
     return KVNamespace(
         model=config.model_id or model.model,
         # fp8 formats share torch.uint8 storage: name the format itself.
@@ -172,8 +217,8 @@ def namespace_for(
         num_layers=model.get_num_layers(parallel),
         num_kv_heads=num_kv_heads,
         head_size=head_size,
-        kv_layout=str(get_kv_connector_cache_layout(vllm_config)),
-        layer_block_bytes=2 * num_kv_heads * head_size * chunk_tokens * element_bytes,
+        kv_layout=f"{expected_kv_cache_layout(config)}/{'mla' if model.use_mla else 'kv'}",
+        layer_block_bytes=kv_vectors * num_kv_heads * head_size * chunk_tokens * element_bytes,
         tp_size=parallel.tensor_parallel_size,
         tp_rank=tp_rank,
         pp_size=parallel.pipeline_parallel_size,

@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from dualpath_connector.config import parse_config
+from dualpath_connector.config import expected_kv_cache_layout, parse_config
 from dualpath_connector.metadata import DualPathMetadata
 from dualpath_connector.stats import DualPathPromMetrics, DualPathStats
 
@@ -116,6 +116,13 @@ class DualPathConnector(KVConnectorBase_V1):
         return self._scheduler.request_finished(request, block_ids)
 
     # -- class-level hooks ----------------------------------------------------
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
+        # The layout is part of the store namespace, which every process must
+        # derive alike, so it is fixed by configuration rather than left to the backend.
+        kv_transfer = vllm_config.kv_transfer_config
+        return expected_kv_cache_layout(parse_config(kv_transfer.kv_connector_extra_config, kv_transfer.kv_role))
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> DualPathStats:

@@ -25,17 +25,36 @@ from dualpath_connector.kv_regions import KVRegions
 
 
 def physical_block_view(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """A uint8 view ``[outer, num_blocks, block_bytes]`` of one layer's KV cache tensor."""
+    """A uint8 view ``[outer, num_blocks, block_bytes]`` of one layer's KV cache tensor.
+
+    The dimensions after the block dimension (in memory order) must be dense: a
+    block's bytes are one run per outer index. The block dimension may stride
+    further than that run: with vLLM's cross-layer layouts (``BLHNC``,
+    ``BLNHC``) each layer's tensor is a slice of one allocation whose blocks
+    hold every layer's page.
+    """
     order = sorted(range(kv.dim()), key=lambda d: kv.stride(d), reverse=True)
-    physical = kv.permute(order)
-    if not physical.is_contiguous():
-        raise ValueError(f"KV cache tensor with strides {kv.stride()} is not a permutation of a dense layout")
-    block_dims = [d for d, size in enumerate(physical.shape) if size == num_blocks]
+    sizes = [kv.shape[d] for d in order]
+    strides = [kv.stride(d) for d in order]
+    block_dims = [i for i, size in enumerate(sizes) if size == num_blocks]
     if not block_dims:
         raise ValueError(f"no dimension of size num_blocks={num_blocks} in KV cache shape {tuple(kv.shape)}")
     dim = block_dims[0]
-    outer = math.prod(physical.shape[:dim])
-    return physical.reshape(outer, num_blocks, -1).view(torch.uint8)
+    inner = math.prod(sizes[dim + 1 :])
+    outer = math.prod(sizes[:dim])
+    dense_inner = all(strides[i] == math.prod(sizes[i + 1 :]) for i in range(dim + 1, len(sizes)))
+    # Dimensions before the block's merge into one: each steps over the next whole.
+    mergeable = all(strides[i] == strides[i + 1] * sizes[i + 1] for i in range(dim - 1))
+    outer_stride = strides[dim - 1] if dim else num_blocks * strides[dim]
+    if not (dense_inner and mergeable and strides[dim] >= inner and (dim == 0 or outer_stride >= num_blocks * strides[dim])):
+        raise ValueError(f"KV cache tensor with strides {kv.stride()} is not a permutation of a dense layout")
+    element = kv.element_size()
+    raw = torch.empty(0, dtype=torch.uint8, device=kv.device).set_(kv.untyped_storage())
+    return raw.as_strided(
+        (outer, num_blocks, inner * element),
+        (outer_stride * element, strides[dim] * element, 1),
+        kv.storage_offset() * element,
+    )
 
 
 def _long(values: Sequence[int]) -> torch.Tensor:
@@ -85,6 +104,8 @@ class KVCacheView:
             layer_addrs=tuple(view.data_ptr() for view in self.layers),
             outer=self.outer,
             outer_stride=first.stride(0),
+            num_blocks=self.num_blocks,
+            block_stride=first.stride(1),
             block_bytes=self.block_bytes,
             mem_type=mem_type(self.device.type),
             device_id=self.device.index or 0,

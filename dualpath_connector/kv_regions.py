@@ -1,7 +1,9 @@
 """Where a KV cache lives, as NIXL sees it: one type for this engine's cache and a peer's.
 
-Layer ``l``, outer index ``o`` (K/V for split layouts, else 0) and block ``b``
-are at ``layer_addrs[l] + o * outer_stride + b * block_bytes``. Engines send the
+Layer ``l``, outer index ``o`` (K/V for split layouts, the head for ``LHBNC``,
+else 0) and block ``b`` are ``block_bytes`` at ``layer_addrs[l] + o * outer_stride
++ b * block_stride``; ``block_stride`` exceeds ``block_bytes`` in vLLM's
+cross-layer layouts, where a block holds every layer's page. Engines send the
 wire form in the side channel's ``hello`` answer; a peer's parsed form names
 its NIXL agent. Descriptor rows are built with numpy, never a Python loop over
 bytes.
@@ -28,6 +30,8 @@ class KVRegions:
     layer_addrs: tuple[int, ...]
     outer: int
     outer_stride: int
+    num_blocks: int
+    block_stride: int
     block_bytes: int
     mem_type: str
     device_id: int
@@ -38,13 +42,21 @@ class KVRegions:
         """NIXL rows of ``block_ids`` in ``layers``, ordered layer, block, outer."""
         bases = np.asarray(self.layer_addrs, dtype=np.uint64)[list(layers)]
         outer = np.arange(self.outer, dtype=np.uint64) * np.uint64(self.outer_stride)
-        blocks = np.asarray(block_ids, dtype=np.uint64) * np.uint64(self.block_bytes)
+        blocks = np.asarray(block_ids, dtype=np.uint64) * np.uint64(self.block_stride)
         addrs = bases[:, None, None] + blocks[None, :, None] + outer
         return descriptors(addrs, self.block_bytes, self.device_id)
 
     def registration(self) -> list[tuple[int, int, int, str]]:
-        """One region per layer, as ``nixl_agent.register_memory`` takes them."""
-        return [(addr, self.outer * self.outer_stride, self.device_id, "") for addr in self.layer_addrs]
+        """The cache's memory as ``nixl_agent.register_memory`` takes it: each layer's span, overlapping
+        spans (cross-layer layouts interleave layers block by block) merged into one."""
+        span = (self.outer - 1) * self.outer_stride + (self.num_blocks - 1) * self.block_stride + self.block_bytes
+        merged: list[list[int]] = []
+        for start in sorted(self.layer_addrs):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], start + span)
+            else:
+                merged.append([start, start + span])
+        return [(start, end - start, self.device_id, "") for start, end in merged]
 
     def same_block_geometry(self, other: KVRegions) -> bool:
         """Blocks of ``other`` can be copied one to one into blocks of this cache."""
@@ -59,6 +71,8 @@ class KVRegions:
             "layer_addrs": list(self.layer_addrs),
             "outer": self.outer,
             "outer_stride": self.outer_stride,
+            "num_blocks": self.num_blocks,
+            "block_stride": self.block_stride,
             "block_bytes": self.block_bytes,
             "mem_type": self.mem_type,
             "device_id": self.device_id,
@@ -81,11 +95,14 @@ class KVRegions:
             raise ProtocolError("kv.layer_addrs must be a non-empty list of addresses")
         if data.get("mem_type") not in _MEM_TYPES:
             raise ProtocolError(f"kv.mem_type must be one of {_MEM_TYPES}, got {data.get('mem_type')!r}")
+        block_bytes = count("block_bytes", 1)
         return cls(
             layer_addrs=tuple(addrs),
             outer=count("outer", 1),
             outer_stride=count("outer_stride", 0),
-            block_bytes=count("block_bytes", 1),
+            num_blocks=count("num_blocks", 1),
+            block_stride=count("block_stride", block_bytes),
+            block_bytes=block_bytes,
             mem_type=data["mem_type"],
             device_id=count("device_id", 0),
             agent=agent,

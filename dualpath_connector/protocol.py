@@ -29,7 +29,8 @@ from nixl_backends.layout import BlockLayout, KVNamespace, chunk_hashes, chunk_k
 
 # Bumped on any incompatible change of a message, a key or a label below.
 # 2: side-channel messages are signed (cluster_auth); stored chunks carry integrity trailers.
-PROTOCOL_VERSION = 2
+# 3: the hello answer's KV regions carry num_blocks and block_stride (cross-layer layouts).
+PROTOCOL_VERSION = 3
 VERSION_KEY = "dualpath_version"
 
 

@@ -36,7 +36,7 @@ from nixl_backends.registry import make_store
 from nixl_backends.transport import UCX, add_ucx_backend
 
 from dualpath_connector.affinity import kv_transfer_cores, threads_started_on
-from dualpath_connector.config import ChunkGeometry, DualPathConfig, namespace_for
+from dualpath_connector.config import ChunkGeometry, DualPathConfig, check_resolved_layout, namespace_for
 from dualpath_connector.injection import Injector, LayerwiseInjection
 from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.kv_cache_view import KVCacheView
@@ -62,6 +62,7 @@ class DualPathWorker:
         self.config = config
         self.kv_role = kv_role
         self.geometry = ChunkGeometry.of(config, vllm_config)
+        check_resolved_layout(vllm_config, config)
         namespace = namespace_for(
             vllm_config, config, self.geometry.chunk_tokens, get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
         )

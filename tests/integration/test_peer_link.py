@@ -84,6 +84,8 @@ class Side:
             layer_addrs=tuple(layer.ctypes.data for layer in self.layers),
             outer=1,
             outer_stride=NUM_BLOCKS * BLOCK_BYTES,
+            num_blocks=NUM_BLOCKS,
+            block_stride=BLOCK_BYTES,
             block_bytes=BLOCK_BYTES,
             mem_type="DRAM",
             device_id=0,

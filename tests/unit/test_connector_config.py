@@ -7,7 +7,18 @@ from pathlib import Path
 
 import pytest
 
-from dualpath_connector.config import DualPathConfig, parse_config, resolve_chunk_tokens
+from types import SimpleNamespace
+
+import torch
+
+from dualpath_connector.config import (
+    DualPathConfig,
+    check_resolved_layout,
+    expected_kv_cache_layout,
+    namespace_for,
+    parse_config,
+    resolve_chunk_tokens,
+)
 from nixl_backends.configuration import ConfigError
 from nixl_backends.posix import PosixStoreConfig
 from nixl_backends.s3 import S3StoreConfig
@@ -59,6 +70,9 @@ def test_bad_pd_settings_name_the_key(kv_role, extra, named):
         ({"store": POSIX, "chunk_tokens": 0}, "chunk_tokens"),
         ({"store": POSIX, "load_buffer_chunks": -1}, "load_buffer_chunks"),
         ({"store": POSIX, "load_mode": "sideways"}, "'load_mode'"),
+        # Layers interleaved inside a head: a block is not one run per layer.
+        ({"store": POSIX, "kv_cache_layout": "BHLNC"}, "'kv_cache_layout'"),
+        ({"store": POSIX, "kv_cache_layout": "NHD"}, "'kv_cache_layout'"),
         ({"store": {"backend": "posix"}}, "store.'root'"),
         ({"store": {"backend": "posix", "root": "/x", "rot": 1}}, "store.'rot'"),
         ({"store": {"backend": "tape"}}, "store.'backend'"),
@@ -103,3 +117,54 @@ def test_import_is_cheap_and_lazy():
     code = "import sys, dualpath_connector; print('vllm' in sys.modules, 'torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["False", "False"]
+
+
+def test_the_expected_layout_is_the_connectors_unless_vllm_is_told_another(monkeypatch):
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    assert expected_kv_cache_layout(parse_config({"store": POSIX})) == "LBHNC"
+    assert expected_kv_cache_layout(parse_config({"store": POSIX, "kv_cache_layout": "BLNHC"})) == "BLNHC"
+    # vLLM honours its environment variable over any connector's wish, and so do we (with its legacy names).
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "NHD")
+    assert expected_kv_cache_layout(parse_config({"store": POSIX})) == "LBNHC"
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "BHLNC")
+    with pytest.raises(ConfigError, match="VLLM_KV_CACHE_LAYOUT=BHLNC is not a layout DualPathConnector copies"):
+        expected_kv_cache_layout(parse_config({"store": POSIX}))
+
+
+def test_a_layout_vllm_resolved_otherwise_fails_start_up_naming_the_key(monkeypatch):
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    config = parse_config({"store": POSIX})
+
+    def resolved(name):
+        return SimpleNamespace(cache_config=SimpleNamespace(kv_cache_layout=name))
+
+    check_resolved_layout(resolved("LBHNC"), config)
+    check_resolved_layout(resolved(None), config)  # the API server: not resolved there, nothing to check
+    with pytest.raises(ConfigError, match="resolved KV cache layout LBNHC.*kv_connector_extra_config.kv_cache_layout"):
+        check_resolved_layout(resolved("LBNHC"), config)
+
+
+def _vllm_config(*, use_mla: bool, heads: int, head_size: int):
+    model = SimpleNamespace(
+        model="m", dtype=torch.bfloat16, use_mla=use_mla, get_num_kv_heads=lambda parallel: heads,
+        get_head_size=lambda: head_size, get_num_layers=lambda parallel: 4,
+    )  # fmt: skip
+    return SimpleNamespace(
+        model_config=model,
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=16, kv_cache_layout=None),
+        attention_config=SimpleNamespace(backend=None),
+    )
+
+
+def test_namespace_sizes_mla_as_one_latent_vector_and_records_the_layout(monkeypatch):
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    config = parse_config({"store": POSIX})
+    mla = namespace_for(_vllm_config(use_mla=True, heads=1, head_size=576), config, 32, 0, 0)
+    assert mla.layer_block_bytes == 576 * 32 * 2 and mla.kv_layout == "LBHNC/mla"
+    mha = namespace_for(_vllm_config(use_mla=False, heads=2, head_size=64), config, 32, 0, 0)
+    assert mha.layer_block_bytes == 2 * 2 * 64 * 32 * 2 and mha.kv_layout == "LBHNC/kv"
+    # Another byte order of the same blocks is another namespace: they never share chunks.
+    monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "LBNHC")
+    other = namespace_for(_vllm_config(use_mla=False, heads=2, head_size=64), config, 32, 0, 0)
+    assert other.kv_layout == "LBNHC/kv" and other.digest() != mha.digest()

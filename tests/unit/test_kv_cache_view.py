@@ -41,13 +41,47 @@ def _cpu():  # vLLM's CPU backend: [2, blocks, heads, block, dim]
     return torch.empty(2, NUM_BLOCKS, HEADS, BLOCK, DIM, dtype=torch.float32)
 
 
+# vLLM 0.32 hands each layer a logical [blocks, heads, block, content] view (K and V
+# packed in the content); its KVCacheLayout names the physical order over [L, B, H, N, C].
+def _lbhnc():
+    return torch.empty(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM, dtype=torch.bfloat16)
+
+
+def _lbnhc():
+    return torch.empty(NUM_BLOCKS, BLOCK, HEADS, 2 * DIM, dtype=torch.bfloat16).permute(0, 2, 1, 3)
+
+
+def _lhbnc():  # heads outside blocks: a block is one run per head
+    return torch.empty(HEADS, NUM_BLOCKS, BLOCK, 2 * DIM, dtype=torch.bfloat16).permute(1, 0, 2, 3)
+
+
+def _cross_layer(order: str):
+    """Every layer's logical view into one allocation whose blocks hold all layers' pages (BLHNC / BLNHC)."""
+
+    def make_all() -> list[torch.Tensor]:
+        if order == "HN":
+            shared = torch.empty(NUM_BLOCKS, LAYERS, HEADS, BLOCK, 2 * DIM, dtype=torch.bfloat16)
+            return [shared[:, layer] for layer in range(LAYERS)]
+        shared = torch.empty(NUM_BLOCKS, LAYERS, BLOCK, HEADS, 2 * DIM, dtype=torch.bfloat16)
+        return [shared[:, layer].permute(0, 2, 1, 3) for layer in range(LAYERS)]
+
+    return make_all
+
+
 LAYOUTS = {"flash_attention": (_flash_attention, 2), "flash_infer": (_flash_infer, 1), "hnd": (_hnd, 2),
-           "mla": (_mla, 1), "cpu": (_cpu, 2)}  # fmt: skip
+           "mla": (_mla, 1), "cpu": (_cpu, 2), "LBHNC": (_lbhnc, 1), "LBNHC": (_lbnhc, 1), "LHBNC": (_lhbnc, HEADS),
+           "BLHNC": (_cross_layer("HN"), 1), "BLNHC": (_cross_layer("NH"), 1)}  # fmt: skip
+# Layouts built all layers at once (one shared allocation) rather than layer by layer.
+_SHARED = {"BLHNC", "BLNHC"}
+
+
+def _make_layers(make) -> list[torch.Tensor]:
+    return make() if make.__name__ == "make_all" else [make() for _ in range(LAYERS)]
 
 
 def _caches(make, seed: int) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    layers = [make() for _ in range(LAYERS)]
+    layers = _make_layers(make)
     for kv in layers:
         physical_block_view(kv, NUM_BLOCKS).copy_(
             torch.randint(0, 256, physical_block_view(kv, NUM_BLOCKS).shape, generator=generator, dtype=torch.uint8)
@@ -118,6 +152,10 @@ def test_nixl_rows_name_the_bytes_the_views_hold(layout):
     assert rows.tolist() == expected
     assert regions.mem_type == "DRAM"
     assert sum(length for _, length, _, _ in regions.registration()) == sum(v.numel() for v in view.layers)
+    # Every row lies inside a registered region (a peer READs only registered memory).
+    spans = [(start, start + length) for start, length, _, _ in regions.registration()]
+    every = regions.rows(range(LAYERS), np.arange(NUM_BLOCKS))
+    assert all(any(lo <= a and a + n <= hi for lo, hi in spans) for a, n, _ in every.tolist())
 
 
 def test_full_block_rows_match_the_host_buffer_layout():
@@ -152,6 +190,7 @@ def test_regions_wire_form_round_trips_and_hostile_forms_are_refused():
 
 def test_layouts_that_are_not_a_dense_permutation_are_refused():
     with pytest.raises(ValueError, match="not a permutation"):
-        KVCacheView([torch.empty(2, NUM_BLOCKS * 2, BLOCK)[:, ::2]], NUM_BLOCKS)
+        # Within a block, every other element: a block is not one run of bytes.
+        KVCacheView([torch.empty(2, NUM_BLOCKS, BLOCK * 2)[:, :, ::2]], NUM_BLOCKS)
     with pytest.raises(ValueError, match="num_blocks"):
         KVCacheView([torch.empty(2, NUM_BLOCKS + 1, BLOCK)], NUM_BLOCKS)
