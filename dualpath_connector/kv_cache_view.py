@@ -67,7 +67,7 @@ class CopyPlan:
 
     slots: torch.Tensor
     sub_blocks: torch.Tensor
-    block_ids: torch.Tensor  # on the cache's device
+    block_ids: torch.Tensor  # on the cache's device, or the host's for DeviceCopier
 
     def __len__(self) -> int:
         return int(self.block_ids.numel())
@@ -121,9 +121,12 @@ class KVCacheView:
         slots = torch.from_numpy(buffer).view(num_slots, -1)[:, :full_block_bytes]
         return slots.unflatten(1, (self.num_layers, blocks_per_chunk, self.outer, self.block_bytes))
 
-    def plan(self, slots: Sequence[int], sub_blocks: Sequence[int], block_ids: Sequence[int]) -> CopyPlan:
+    def plan(
+        self, slots: Sequence[int], sub_blocks: Sequence[int], block_ids: Sequence[int], *, on_device: bool = True
+    ) -> CopyPlan:
         """Block ``block_ids[i]`` of the cache <-> sub-block ``sub_blocks[i]`` of host slot ``slots[i]``."""
-        return CopyPlan(_long(slots), _long(sub_blocks), _long(block_ids).to(self.device))
+        block_ids = _long(block_ids)
+        return CopyPlan(_long(slots), _long(sub_blocks), block_ids.to(self.device) if on_device else block_ids)
 
     def copy_in(self, host: torch.Tensor, plan: CopyPlan, layers: Sequence[int]) -> None:
         """Copy ``layers`` of the planned blocks from the host buffer into the cache."""
