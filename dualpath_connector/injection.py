@@ -3,9 +3,16 @@
 - ``bulk`` (:meth:`Injector.inject_whole`): every layer at once, on the thread
   that read the hit, before the load is reported;
 - ``layerwise`` (:class:`LayerwiseInjection`): the next forward injects layer
-  ``l`` of every loaded hit right before attention layer ``l``: a local indexed
-  copy, or a NIXL READ from the DE's buffer posted for all layers at the first
-  one, so later layers move while earlier ones compute.
+  ``l`` of every loaded hit right before attention layer ``l``: a NIXL READ from
+  the DE's buffer, or a copy from this engine's pool. READs, and on a GPU the
+  pool copies too (:mod:`~dualpath_connector.device_copies`, on their own
+  stream), are posted for all layers at the first one, so later layers move
+  while earlier ones compute; on a CPU the pool copy of layer ``l`` runs right
+  before it.
+
+On a GPU the pool's slots of a hit return to the pool only once its copies
+have run (:meth:`Injector.release_retired`), and the forward's stall is read
+from CUDA events then (:mod:`~dualpath_connector.load_timing`).
 
 A READ from a DE that fails after the hit was reported is *repaired*: the
 hit is read from the store here (a callable the read path provides) and the
@@ -15,7 +22,8 @@ remaining layers come from that copy; earlier layers are already right.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -23,8 +31,11 @@ from nixl_backends.buffers import HostBufferPool
 from nixl_backends.layout import BlockLayout
 from nixl_backends.transport import PeerRead, post_read
 
+from dualpath_connector.copy_stream import CopyStream, Mark
+from dualpath_connector.device_copies import DeviceCopier
 from dualpath_connector.kv_cache_view import CopyPlan, KVCacheView
 from dualpath_connector.kv_regions import full_block_rows
+from dualpath_connector.load_timing import StepLoadTiming
 from dualpath_connector.read_path import LoadedHit
 from dualpath_connector.stats import StatsRecorder
 
@@ -43,6 +54,7 @@ class Injector:
         repair: Callable[[LoadedHit], None],
         release: Callable[[list[LoadedHit]], None],
         transfer_timeout_s: float,
+        load_stream: CopyStream | None = None,
     ) -> None:
         self.view = view
         # The cache's own geometry (the worker checked it against the namespace's).
@@ -53,6 +65,10 @@ class Injector:
         self.release = release
         self.transfer_timeout_s = transfer_timeout_s
         self._host = view.host_blocks(pool.array, pool.num_slots, blocks_per_chunk)
+        # On an accelerator (given a stream): pool copies are queued on it.
+        self.device = DeviceCopier(view, self._host, load_stream) if load_stream is not None else None
+        # Hits whose device copies were queued: released, and their timing read, once the copies ran.
+        self._retiring: list[tuple[list[LoadedHit], StepLoadTiming | None]] = []
 
     def inject_whole(self, hit: LoadedHit) -> None:
         """Bulk mode: every layer now, then the buffer is free."""
@@ -63,11 +79,41 @@ class Injector:
                 return
             self.repair(hit)
         try:
-            self.copy_in([hit], list(range(self.layout.num_layers)))
+            layers = list(range(self.layout.num_layers))
+            if self.device is not None:
+                # On the read lane: the host waits here, the forward never does.
+                self.post_device([hit], layers)[1][-1].wait()
+            else:
+                self.copy_in([hit], layers)
         finally:
             self.release([hit])
 
-    def plan(self, hits: list[LoadedHit]) -> CopyPlan:
+    def post_device(self, hits: list[LoadedHit], layers: Sequence[int]) -> tuple[Mark, list[Mark]]:
+        """Queue ``layers`` of hits held in the pool on the copy stream; its start mark and one mark per layer."""
+        return self.device.post_loads(self.plan(hits, on_device=False), layers)
+
+    def retire(self, hits: list[LoadedHit], timing: StepLoadTiming | None) -> None:
+        """Release ``hits`` (and report ``timing``) once every device copy queued so far has run."""
+        self._retiring.append((hits, timing))
+        self.release_retired()
+
+    def release_retired(self, wait: bool = False) -> None:
+        """Release what :meth:`retire` holds whose copies ran (all of it, waiting, if ``wait``)."""
+        still = []
+        for hits, timing in self._retiring:
+            marks = timing.all_marks() if timing is not None else []
+            if wait:
+                for mark in marks:
+                    mark.wait()
+            if still or not all(mark.reached() for mark in marks):
+                still.append((hits, timing))  # in order: a later step's copies queue behind this one's
+                continue
+            if timing is not None:
+                timing.report(self.stats)
+            self.release(hits)
+        self._retiring = still
+
+    def plan(self, hits: list[LoadedHit], *, on_device: bool = True) -> CopyPlan:
         """Pool slot, sub-block and KV block of every block of hits held in this engine's pool."""
         slots, subs, blocks = [], [], []
         for hit in hits:
@@ -76,7 +122,7 @@ class Injector:
                 slots += [slot] * n
                 subs += range(chunk.first_sub_block, chunk.first_sub_block + n)
                 blocks += chunk.block_ids
-        return self.view.plan(slots, subs, blocks)
+        return self.view.plan(slots, subs, blocks, on_device=on_device)
 
     def copy_in(self, hits: list[LoadedHit], layers: list[int], plan: CopyPlan | None = None) -> None:
         self.view.copy_in(self._host, plan if plan is not None else self.plan(hits), layers)
@@ -114,12 +160,31 @@ class LayerwiseInjection:
 
     def __init__(self, injector: Injector, hits: list[LoadedHit]) -> None:
         self.injector = injector
+        self.num_layers = injector.layout.num_layers
         self.local = [h for h in hits if h.remote is None]
         self.remote = [h for h in hits if h.remote is not None]
+        self.started = time.perf_counter()
         self.reads = {id(h): injector.post_remote_reads(h) for h in self.remote}
-        self.plan = injector.plan(self.local)
+        self.timing = StepLoadTiming()
+        self._local_copy_s = 0.0
+        self._remote_span_s = 0.0
+        if injector.device is not None:
+            # Every layer of every pool-held hit now; the forward waits per layer on marks.
+            self._ready: list[list[Mark]] = [[] for _ in range(self.num_layers)]
+            self._post(self.local, 0)
+        else:
+            self.plan = injector.plan(self.local)
+
+    def _post(self, hits: list[LoadedHit], first_layer: int) -> None:
+        if not hits:
+            return
+        start, marks = self.injector.post_device(hits, range(first_layer, self.num_layers))
+        self.timing.device_loads.append((start, marks[-1]))
+        for layer, mark in zip(range(first_layer, self.num_layers), marks):
+            self._ready[layer].append(mark)
 
     def layer(self, layer: int) -> None:
+        entered = time.perf_counter()
         for hit in list(self.remote):
             reads = self.reads[id(hit)]
             if reads is None or not reads[layer].wait(self.injector.transfer_timeout_s):
@@ -127,11 +192,27 @@ class LayerwiseInjection:
                 self.injector.repair(hit)
                 self.remote.remove(hit)
                 self.local.append(hit)
-                self.plan = self.injector.plan(self.local)
-        self.injector.copy_in(self.local, [layer], self.plan)
+                if self.injector.device is not None:
+                    self._post([hit], layer)
+                else:
+                    self.plan = self.injector.plan(self.local)
+        if self.remote:
+            self._remote_span_s = time.perf_counter() - self.started
+        if self.injector.device is not None:
+            if self._ready[layer]:
+                stream = self.injector.device.stream
+                self.timing.device_waits.append((stream.compute_mark(), list(self._ready[layer])))
+                for mark in self._ready[layer]:
+                    stream.compute_waits(mark)
+        else:
+            copy_started = time.perf_counter()
+            self.injector.copy_in(self.local, [layer], self.plan)
+            self._local_copy_s += time.perf_counter() - copy_started
+        self.timing.host_wait_s += time.perf_counter() - entered
 
     def finish(self) -> None:
         for hit in self.remote:
             self.injector.end_remote(hit)
-        self.injector.release(self.local)
-
+        self.timing.host_load_s = max(self._local_copy_s, self._remote_span_s)
+        # The remote hits' buffers were handed back above; the local ones wait for their copies.
+        self.injector.retire(self.local, self.timing)

@@ -233,9 +233,14 @@ TIMINGS = {
     "save_seconds": "Time to write one step's completed chunks to the store",
     "verify_seconds": "Time to check one store read's chunks: integrity digests, then NaN/inf in the KV values",
     "pull_seconds": "Time for a DE to pull a prefilled prompt's KV from its PE",
+    "layer_wait_seconds": "Layerwise loads: time one forward waited in wait_for_layer_load, summed over layers "
+    "(on a GPU, the compute stream's stall)",
+    "layer_load_seconds": "Layerwise loads: time one forward's loads took on their own (copies from first to last)",
 }
 GAUGES = {
     "read_queue_tokens": "Tokens queued or in flight in this engine's store reads, including reads served for a PE",
+    "layer_load_hidden_fraction": "Layerwise loads: 1 - layer_wait_seconds / layer_load_seconds of the latest "
+    "forward (1: every byte moved behind compute)",
 }
 
 

@@ -19,6 +19,8 @@ from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.store import KVStore, TransferAbandoned
 
+from dualpath_connector.copy_stream import CopyStream, Mark
+from dualpath_connector.device_copies import DeviceCopier
 from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import SaveSpec
@@ -40,6 +42,7 @@ class ChunkSaver:
         blocks_per_chunk: int,
         lane: IOLane,
         stats: StatsRecorder,
+        save_stream: CopyStream | None = None,
     ) -> None:
         self.view = view
         self.pool = pool
@@ -50,6 +53,7 @@ class ChunkSaver:
         self.lane = lane
         self.stats = stats
         self._host = view.host_blocks(pool.array, pool.num_slots, blocks_per_chunk)
+        self.device = DeviceCopier(view, self._host, save_stream) if save_stream is not None else None
 
     def save(self, specs: list[SaveSpec]) -> None:
         """Copy each spec's chunks out now; write them to the store on the save lane."""
@@ -61,12 +65,21 @@ class ChunkSaver:
                 self.stats.add(save_skipped_chunks=len(spec.chunk_hashes))
                 continue
             bpc = self.blocks_per_chunk
-            plan = self.view.plan(np.repeat(slots, bpc), np.tile(np.arange(bpc), len(slots)), np.ravel(spec.block_ids))
-            self.view.copy_out(self._host, plan)
-            self.lane.submit(lambda spec=spec, slots=slots: self._write(spec, slots))
+            plan = self.view.plan(
+                np.repeat(slots, bpc), np.tile(np.arange(bpc), len(slots)), np.ravel(spec.block_ids),
+                on_device=self.device is None,
+            )  # fmt: skip
+            copied = None
+            if self.device is not None:
+                copied = self.device.post_saves(plan)
+            else:
+                self.view.copy_out(self._host, plan)
+            self.lane.submit(lambda spec=spec, slots=slots, copied=copied: self._write(spec, slots, copied))
 
-    def _write(self, spec: SaveSpec, slots: list[int]) -> None:
+    def _write(self, spec: SaveSpec, slots: list[int], copied: Mark | None) -> None:
         started = time.perf_counter()
+        if copied is not None:
+            copied.wait()  # the device's copies into these slots (on this lane, never the forward)
         keys = [self.key_space.key(h) for h in spec.chunk_hashes]
         for chunk_hash, slot in zip(spec.chunk_hashes, slots):
             self.integrity.seal(chunk_hash, self.pool.slot_view(slot))

@@ -66,7 +66,7 @@ class StatsRecorder:
             for name, value in counters.items():
                 self._stats.data[name] += value
 
-    def gauge(self, **values: int) -> None:
+    def gauge(self, **values: float) -> None:
         with self._lock:
             self._stats.data["gauges"].update(values)
 

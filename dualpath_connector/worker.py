@@ -21,6 +21,7 @@ request that ends before that forward has its injection dropped.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -36,6 +37,7 @@ from nixl_backends.registry import make_store
 from nixl_backends.transport import UCX, add_ucx_backend
 
 from dualpath_connector.affinity import kv_transfer_cores, threads_started_on
+from dualpath_connector.copy_stream import CudaCopyStream, pinned
 from dualpath_connector.config import ChunkGeometry, DualPathConfig, check_resolved_layout, namespace_for
 from dualpath_connector.injection import Injector, LayerwiseInjection
 from dualpath_connector.io_lanes import IOLane
@@ -88,6 +90,11 @@ class DualPathWorker:
             # A slot holds a whole stored object: the Full Block and its integrity trailer.
             self.load_pool = HostBufferPool(self.agent, self.layout.object_bytes, config.load_buffer_chunks)
             self.save_pool = HostBufferPool(self.agent, self.layout.object_bytes, config.save_buffer_chunks)
+        # On a GPU both pools are page-locked once, here: copies from and to them are then asynchronous.
+        self._device = torch.device(vllm_config.device_config.device)
+        self._pins = contextlib.ExitStack()
+        for pool in (self.load_pool, self.save_pool):
+            self._pins.enter_context(pinned(pool.base_addr, pool.array.nbytes, self._device))
         self.integrity = ChunkIntegrity(self.layout, config.integrity_key)
         self.stats = StatsRecorder()
         self._lanes = {name: IOLane(f"dualpath-{name}", self._transfer_cores) for name in ("read", "save", "pull")}
@@ -146,14 +153,18 @@ class DualPathWorker:
             integrity=self.integrity, kv_dtype=kv_caches[names[0]].dtype, peers=self.peers, lane=self._lanes["read"], stats=self.stats,
             de_read_timeout_s=self.config.de_read_timeout_s, cores=self._transfer_cores,
         )  # fmt: skip
+        # On a GPU, loads and saves each get a copy stream beside the forward's (the CPU path copies inline).
+        on_cuda = view.device.type == "cuda"
         self.injector = Injector(
             view=view, pool=self.load_pool, blocks_per_chunk=self.geometry.blocks_per_chunk,
             agent=self.agent, stats=self.stats, repair=self.reader.repair, release=self._release_hits,
             transfer_timeout_s=self.config.pd_transfer_timeout_s,
+            load_stream=CudaCopyStream(view.device) if on_cuda else None,
         )  # fmt: skip
         self.saver = ChunkSaver(
             view=view, pool=self.save_pool, store=self.store, key_space=self.key_space, integrity=self.integrity,
             blocks_per_chunk=self.geometry.blocks_per_chunk, lane=self._lanes["save"], stats=self.stats,
+            save_stream=CudaCopyStream(view.device) if on_cuda else None,
         )  # fmt: skip
         if self.peers is not None:
             self.puller = PromptPuller(
@@ -250,6 +261,7 @@ class DualPathWorker:
             return
         layer = self._layer_index[layer_name]
         if layer == 0:
+            self.injector.release_retired()
             # Only here: a hit that turns up later in this forward would miss
             # the layers already run, so it waits for the next forward (vLLM
             # cannot schedule it before it is reported after this one).
@@ -283,6 +295,8 @@ class DualPathWorker:
     # -- what vLLM asks back ----------------------------------------------------------
 
     def get_finished(self) -> tuple[set[str] | None, set[str] | None]:
+        if self.injector is not None:
+            self.injector.release_retired()
         sending = self.peers.take_released_holds() if self.peers is not None else set()
         with self._lock:
             done, self._done_loads = self._done_loads, set()
@@ -315,6 +329,8 @@ class DualPathWorker:
             self.reader.shutdown()
         if self.peers is not None:
             self.peers.close()
+        if self.injector is not None:
+            self.injector.release_retired(wait=True)
         busy = [lane.name for lane in self._lanes.values() if not lane.stop(timeout_s=60.0)]
         if busy:
             # A transfer is still running: its memory stays registered.
@@ -322,6 +338,7 @@ class DualPathWorker:
             return
         if self._kv_registration is not None:
             self.agent.deregister_memory(self._kv_registration, backends=[UCX])
+        self._pins.close()
         self.load_pool.close()
         self.save_pool.close()
         self.store.close()
