@@ -22,10 +22,9 @@ OUT_BLOCKS, IN_BLOCKS = [5, 2, 7, 0, 3], [1, 6, 3, 4, 0]
 
 
 @pytest.mark.parametrize("staging_slots", [1, 3])  # one slot per batch, and all at once
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_saves_then_loads_move_the_planned_blocks_byte_exact(layout, staging_slots):
-    make, _ = LAYOUTS[layout]
-    source, target = KVCacheView(_caches(make, 11), NUM_BLOCKS), KVCacheView(_caches(make, 12), NUM_BLOCKS)
+    source, target = KVCacheView(_caches(layout, 11), NUM_BLOCKS), KVCacheView(_caches(layout, 12), NUM_BLOCKS)
     before = [view.clone() for view in target.layers]
     buffer, host = _host(source, 3, BPC)
     layer_block = host[0, 0].numel()
@@ -45,12 +44,11 @@ def test_saves_then_loads_move_the_planned_blocks_byte_exact(layout, staging_slo
     assert not torch.equal(target.layers[0][:, 6], source.layers[0][:, 5])
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_device_and_host_paths_write_the_same_bytes(layout):
     """The device path and KVCacheView's CPU path agree: either may serve the same stored chunk."""
-    make, _ = LAYOUTS[layout]
-    source = KVCacheView(_caches(make, 13), NUM_BLOCKS)
-    by_view, by_copier = KVCacheView(_caches(make, 14), NUM_BLOCKS), KVCacheView(_caches(make, 14), NUM_BLOCKS)
+    source = KVCacheView(_caches(layout, 13), NUM_BLOCKS)
+    by_view, by_copier = KVCacheView(_caches(layout, 14), NUM_BLOCKS), KVCacheView(_caches(layout, 14), NUM_BLOCKS)
     _, host = _host(source, 3, BPC)
     source.copy_out(host, source.plan(SLOTS, SUBS, OUT_BLOCKS))
     by_view.copy_in(host, by_view.plan(SLOTS, SUBS, IN_BLOCKS), [0, 2])
@@ -60,7 +58,7 @@ def test_device_and_host_paths_write_the_same_bytes(layout):
 
 
 def test_an_empty_plan_queues_nothing_and_still_marks_every_layer():
-    view = KVCacheView(_caches(LAYOUTS["cpu"][0], 15), NUM_BLOCKS)
+    view = KVCacheView(_caches("cpu", 15), NUM_BLOCKS)
     before = [v.clone() for v in view.layers]
     _, host = _host(view, 1, BPC)
     _, marks = DeviceCopier(view, host, InlineCopyStream()).post_loads(view.plan([], [], [], on_device=False), range(LAYERS))

@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from dualpath_connector.kv_cache_view import KVCacheView, physical_block_view
+from dualpath_connector.kv_cache_view import KVCacheView
+from dualpath_dev import kv_layouts
+from dualpath_dev.kv_layouts import CacheShape
 from dualpath_connector.kv_regions import KVRegions, full_block_rows
 from dualpath_connector.protocol import ProtocolError
 from nixl_backends.layout import BlockLayout
@@ -21,72 +23,12 @@ from nixl_backends.layout import BlockLayout
 NUM_BLOCKS, BLOCK, HEADS, DIM, LAYERS = 8, 4, 2, 8, 3
 
 
-def _flash_attention():  # [2, blocks, block, heads, dim]: K and V apart
-    return torch.empty(2, NUM_BLOCKS, BLOCK, HEADS, DIM, dtype=torch.bfloat16)
+SHAPE = CacheShape(LAYERS, NUM_BLOCKS, BLOCK, HEADS, DIM)
+LAYOUTS = sorted(kv_layouts.LAYOUTS)
 
 
-def _flash_infer():  # [blocks, 2, block, heads, dim]: block-major
-    return torch.empty(NUM_BLOCKS, 2, BLOCK, HEADS, DIM, dtype=torch.bfloat16)
-
-
-def _hnd():  # FlashAttention shape, allocated heads-before-tokens (a stride permutation)
-    return torch.empty(2, NUM_BLOCKS, HEADS, BLOCK, DIM, dtype=torch.bfloat16).permute(0, 1, 3, 2, 4)
-
-
-def _mla():  # [blocks, block, latent dim]: one tensor per layer, no K/V split
-    return torch.empty(NUM_BLOCKS, BLOCK, 576, dtype=torch.bfloat16)
-
-
-def _cpu():  # vLLM's CPU backend: [2, blocks, heads, block, dim]
-    return torch.empty(2, NUM_BLOCKS, HEADS, BLOCK, DIM, dtype=torch.float32)
-
-
-# vLLM 0.32 hands each layer a logical [blocks, heads, block, content] view (K and V
-# packed in the content); its KVCacheLayout names the physical order over [L, B, H, N, C].
-def _lbhnc():
-    return torch.empty(NUM_BLOCKS, HEADS, BLOCK, 2 * DIM, dtype=torch.bfloat16)
-
-
-def _lbnhc():
-    return torch.empty(NUM_BLOCKS, BLOCK, HEADS, 2 * DIM, dtype=torch.bfloat16).permute(0, 2, 1, 3)
-
-
-def _lhbnc():  # heads outside blocks: a block is one run per head
-    return torch.empty(HEADS, NUM_BLOCKS, BLOCK, 2 * DIM, dtype=torch.bfloat16).permute(1, 0, 2, 3)
-
-
-def _cross_layer(order: str):
-    """Every layer's logical view into one allocation whose blocks hold all layers' pages (BLHNC / BLNHC)."""
-
-    def make_all() -> list[torch.Tensor]:
-        if order == "HN":
-            shared = torch.empty(NUM_BLOCKS, LAYERS, HEADS, BLOCK, 2 * DIM, dtype=torch.bfloat16)
-            return [shared[:, layer] for layer in range(LAYERS)]
-        shared = torch.empty(NUM_BLOCKS, LAYERS, BLOCK, HEADS, 2 * DIM, dtype=torch.bfloat16)
-        return [shared[:, layer].permute(0, 2, 1, 3) for layer in range(LAYERS)]
-
-    return make_all
-
-
-LAYOUTS = {"flash_attention": (_flash_attention, 2), "flash_infer": (_flash_infer, 1), "hnd": (_hnd, 2),
-           "mla": (_mla, 1), "cpu": (_cpu, 2), "LBHNC": (_lbhnc, 1), "LBNHC": (_lbnhc, 1), "LHBNC": (_lhbnc, HEADS),
-           "BLHNC": (_cross_layer("HN"), 1), "BLNHC": (_cross_layer("NH"), 1)}  # fmt: skip
-# Layouts built all layers at once (one shared allocation) rather than layer by layer.
-_SHARED = {"BLHNC", "BLNHC"}
-
-
-def _make_layers(make) -> list[torch.Tensor]:
-    return make() if make.__name__ == "make_all" else [make() for _ in range(LAYERS)]
-
-
-def _caches(make, seed: int) -> list[torch.Tensor]:
-    generator = torch.Generator().manual_seed(seed)
-    layers = _make_layers(make)
-    for kv in layers:
-        physical_block_view(kv, NUM_BLOCKS).copy_(
-            torch.randint(0, 256, physical_block_view(kv, NUM_BLOCKS).shape, generator=generator, dtype=torch.uint8)
-        )
-    return layers
+def _caches(layout: str, seed: int) -> list[torch.Tensor]:
+    return kv_layouts.make_caches(layout, SHAPE, seed)
 
 
 _TRAILER_SENTINEL = 0xA5
@@ -105,11 +47,10 @@ def _trailers_untouched(buffer: np.ndarray, slots: int, bpc: int, view: KVCacheV
     return bool((buffer.reshape(slots, -1)[:, layout.full_block_bytes :] == _TRAILER_SENTINEL).all())
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_blocks_round_trip_through_a_host_buffer_into_another_cache(layout):
-    make, outer = LAYOUTS[layout]
-    source, target = KVCacheView(_caches(make, 1), NUM_BLOCKS), KVCacheView(_caches(make, 2), NUM_BLOCKS)
-    assert source.outer == outer and source.num_layers == LAYERS
+    source, target = KVCacheView(_caches(layout, 1), NUM_BLOCKS), KVCacheView(_caches(layout, 2), NUM_BLOCKS)
+    assert source.outer == kv_layouts.LAYOUTS[layout][1](SHAPE) and source.num_layers == LAYERS
     before = [view.clone() for view in target.layers]
     bpc = 2
     buffer, host = _host(source, 2, bpc)
@@ -128,10 +69,9 @@ def test_blocks_round_trip_through_a_host_buffer_into_another_cache(layout):
     assert not torch.equal(target.layers[0][:, 1], source.layers[0][:, 2])
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_a_layer_subset_copies_only_those_layers(layout):
-    make, _ = LAYOUTS[layout]
-    source, target = KVCacheView(_caches(make, 3), NUM_BLOCKS), KVCacheView(_caches(make, 4), NUM_BLOCKS)
+    source, target = KVCacheView(_caches(layout, 3), NUM_BLOCKS), KVCacheView(_caches(layout, 4), NUM_BLOCKS)
     before = [view.clone() for view in target.layers]
     _, host = _host(source, 1, 1)
     source.copy_out(host, source.plan([0], [0], [3]))
@@ -140,10 +80,9 @@ def test_a_layer_subset_copies_only_those_layers(layout):
     assert torch.equal(target.layers[0], before[0]) and torch.equal(target.layers[2], before[2])
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_nixl_rows_name_the_bytes_the_views_hold(layout):
-    make, _ = LAYOUTS[layout]
-    view = KVCacheView(_caches(make, 5), NUM_BLOCKS)
+    view = KVCacheView(_caches(layout, 5), NUM_BLOCKS)
     regions = view.regions
     blocks = np.asarray([6, 1])
     rows = regions.rows([2, 0], blocks)
@@ -159,7 +98,7 @@ def test_nixl_rows_name_the_bytes_the_views_hold(layout):
 
 
 def test_full_block_rows_match_the_host_buffer_layout():
-    view = KVCacheView(_caches(_flash_attention, 6), NUM_BLOCKS)
+    view = KVCacheView(_caches("flash_attention", 6), NUM_BLOCKS)
     bpc = 2
     buffer, host = _host(view, 3, bpc)
     layout = BlockLayout(LAYERS, view.layer_block_bytes(bpc))
@@ -172,7 +111,7 @@ def test_full_block_rows_match_the_host_buffer_layout():
 
 
 def test_regions_wire_form_round_trips_and_hostile_forms_are_refused():
-    regions = KVCacheView(_caches(_flash_infer, 7), NUM_BLOCKS).regions
+    regions = KVCacheView(_caches("flash_infer", 7), NUM_BLOCKS).regions
     parsed = KVRegions.from_wire(regions.to_wire(), "peer-agent")
     assert parsed.agent == "peer-agent" and parsed.rows([0], np.asarray([3])).tolist() == regions.rows([0], np.asarray([3])).tolist()
     assert parsed.same_block_geometry(regions)
