@@ -1,36 +1,49 @@
-"""TTFT with ``bulk`` vs ``layerwise`` injection of a 90% store hit, per prompt length, side by side.
+"""TTFT of a 90%-hit prompt served by ``bulk`` and ``layerwise`` store loads and all-local, side by side.
 
-One SeaweedFS (S3 on 127.0.0.1) and two vLLM OpenAI servers with DualPathConnector
-(``configs/single.json``, the tiny random Llama, vLLM's local prefix cache off), one
-with ``load_mode: bulk`` and one with ``load_mode: layerwise``, run at the same time
-and share the store: the same bucket and key prefix, hence one namespace. For each
-prompt length L and repetition, with fresh random token ids:
+One SeaweedFS (S3 on 127.0.0.1) and three vLLM OpenAI servers with DualPathConnector
+(``configs/single.json``, the tiny random Llama), started together and sharing the store
+(the same bucket and key prefix, hence one namespace):
 
+- ``bulk`` and ``layerwise``: ``load_mode`` bulk / layerwise, vLLM's local prefix cache
+  off, so every hit is a connector load from the store;
+- ``all-local``: vLLM's local prefix cache on (the connector too, so it makes the same store
+  lookups and saves as the others): its hit comes from its own KV cache, no connector load.
+
+For each prompt length L and repetition, with fresh random token ids:
+
+- recompute (0% hit, for scale): a fresh prompt of L tokens on bulk or layerwise (alternating);
 - a context C (the first 90% of L, whole chunks) is sent once, as its own request, to
-  one of the servers (alternating), which computes it and saves its chunks; the script
-  waits until they have landed in the bucket;
-- C + S_bulk goes to the bulk server and C + S_layerwise to the layerwise server
-  (order alternating), S_* being two different fresh suffixes of L - |C| tokens: both
-  load exactly the same stored chunks of C, and neither finds the other's suffix
-  chunks (a chunk key hashes every token before it);
-- recompute (0% hit, for scale): a fresh prompt of L tokens on one server.
+  all-local, which computes it, keeps it in its prefix cache and saves its chunks; the
+  script waits until they have landed in the bucket;
+- C + S_mode goes to each of the three servers (order reversed every other repetition), the
+  S_* being different fresh suffixes of L - |C| tokens: bulk and layerwise load exactly the
+  same stored chunks of C, all-local finds C in its prefix cache, and no server finds
+  another's suffix chunks (a chunk key hashes every token before it).
 
 TTFT is the time from sending the request to the first streamed chunk carrying token
-ids (``max_tokens=1``). Medians go to a markdown table and
-``benchmarks/results/injection.json`` (and ``injection.png`` when matplotlib is
-importable).
+ids (``max_tokens=1``). The per-layer stall metric is read from each server's /metrics
+as deltas over each request: ``dualpath_kv:layer_wait_seconds`` (time the forward waited
+in ``wait_for_layer_load``, per step summed over layers) and ``dualpath_kv:layer_load_seconds``
+(per step, the time its layerwise loads took on their own, first copy to last); the table
+gives layerwise's median wait per request and the hidden fraction 1 - sum(wait) / sum(load),
+"n/a" where the connector does not export them. Medians go to a
+markdown table and ``benchmarks/results/injection.json`` (and ``injection.png`` when
+matplotlib is importable).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
 from _common import (  # noqa: E402
+    PROBE_TOKENS,
     VOCAB,
     SaveWaiter,
     add_server_args,
@@ -43,15 +56,28 @@ from _common import (  # noqa: E402
     run_and_report,
     size_label,
     store_traffic,
-    ttft_caption,
     vllm_stack,
 )
 
+from dualpath_connector.protocol import metric_totals  # noqa: E402
 from dualpath_dev.engines import VLLMServer, cached_tokens  # noqa: E402
 
-MODES = ("bulk", "layerwise")
-LOAD_SECONDS = "dualpath_kv:load_seconds_sum"
+MODES = ("bulk", "layerwise")  # the connector loads the hit from the store
+LOCAL = "all-local"  # vLLM's own prefix cache holds the hit
+SERVERS = (*MODES, LOCAL)
 WARMUP_TOKENS = 2048
+# Each sample's delta of these series over its request; None where the server does not export one.
+DELTAS = {
+    "load_s": "dualpath_kv:load_seconds_sum",
+    "loads": "dualpath_kv:load_seconds_count",
+    "layer_wait_s": "dualpath_kv:layer_wait_seconds_sum",
+    "layer_load_s": "dualpath_kv:layer_load_seconds_sum",
+    "layer_steps": "dualpath_kv:layer_load_seconds_count",
+}
+
+
+def delta(before: dict[str, float], after: dict[str, float], name: str) -> float | None:
+    return after[name] - before.get(name, 0.0) if name in after else None
 
 
 class Bench:
@@ -73,32 +99,54 @@ class Bench:
         return self.chunks(int(length * self.args.hit_fraction)) * self.chunk_tokens
 
     def send(self, mode: str, prompt: list[int], stored_before: int) -> dict:
-        """One timed request on ``mode``'s server; then waits for the saves it caused.
+        """One timed request on ``mode``'s server; then waits for the saves it caused and its load's timings.
 
         ``stored_before``: tokens of ``prompt`` whose chunks are in the store already.
         """
         server = self.servers[mode]
-        load_before = server.metric_total(LOAD_SECONDS)
+        before = metric_totals(server.metrics_text())
         ttft, _, usage = server.complete(prompt, 1, self.args.request_timeout)
         save = self.waiters[mode].wait(self.chunks(len(prompt)) - self.chunks(stored_before))
-        # The load's timing reaches /metrics with a later engine step: the save wait made some.
+        watched = [DELTAS["loads"], DELTAS["layer_steps"]] if mode == "layerwise" else [DELTAS["loads"]]
+        after = self.settled(server, before, watched if stored_before and mode in MODES else [])
         return {
             "server": mode,
             "ttft_s": ttft,
             "cached_tokens": cached_tokens(usage),
             "prompt_tokens": len(prompt),
-            "load_s": server.metric_total(LOAD_SECONDS) - load_before,
+            **{key: delta(before, after, name) for key, name in DELTAS.items()},
             "save": save,
         }
 
+    def settled(self, server: VLLMServer, before: dict[str, float], watched: list[str]) -> dict[str, float]:
+        """The server's metric totals once every exported series in ``watched`` moved past ``before``.
+
+        Connector timings reach /metrics with an engine step's output, so while
+        one lags a probe (shorter than a chunk: no lookup, no load, no save)
+        makes a step. A load that failed moves nothing: after ``--save-settle``
+        seconds the totals are taken as they are.
+        """
+        deadline = time.monotonic() + self.args.save_settle
+        while True:
+            totals = metric_totals(server.metrics_text())
+            lagging = [name for name in watched if name in totals and totals[name] <= before.get(name, 0.0)]
+            if not lagging:
+                return totals
+            if time.monotonic() > deadline:
+                print(f"  warning: {', '.join(lagging)} did not move within {self.args.save_settle}s", file=sys.stderr)
+                return totals
+            time.sleep(0.2)
+            server.complete(self.fresh(PROBE_TOKENS), 1, self.args.request_timeout)
+
     def rep(self, length: int, rep: int, recompute: bool) -> dict[str, dict]:
-        """One repetition at ``length``: {"recompute"?, "prime", "bulk", "layerwise"} samples."""
+        """One repetition at ``length``: {"recompute"?, "prime", "bulk", "layerwise", "all-local"} samples."""
         samples = {}
-        order = MODES if rep % 2 == 0 else MODES[::-1]
+        order = SERVERS if rep % 2 == 0 else SERVERS[::-1]
         if recompute:
-            samples["recompute"] = self.send(order[1], self.fresh(length), 0)
+            samples["recompute"] = self.send(MODES[rep % 2], self.fresh(length), 0)
         context = self.fresh(self.context_tokens(length))
-        samples["prime"] = self.send(order[1], context, 0)
+        # Computed once, on all-local: its prefix cache keeps it, and the store gets its chunks.
+        samples["prime"] = self.send(LOCAL, context, 0)
         for mode in order:
             samples[mode] = self.send(mode, context + self.fresh(length - len(context)), len(context))
             samples[mode]["expected_hit_tokens"] = len(context)
@@ -109,39 +157,48 @@ class Bench:
 
 
 def summarize(length: int, stored: int, samples: dict[str, list[dict]]) -> dict:
-    """One table row; bulk and layerwise medians only over samples that got the whole stored hit.
+    """One table row; medians of the three servers only over samples that got the whole hit.
 
     A load that failed (e.g. a store read past ``io_timeout_s``) makes vLLM
     recompute the hit: that sample measures recompute, not injection, and is
-    kept in ``samples`` but left out of the medians (``*_full_hits`` counts the rest).
+    kept in ``samples`` but left out of the medians (``full_hits`` counts the rest).
     """
-    row = {
+    full = {mode: [s for s in samples[mode] if s["cached_tokens"] == stored] for mode in SERVERS}
+    ttft = {mode: median([s["ttft_s"] for s in full[mode]]) * 1000 for mode in SERVERS}
+    # The stall metric: layerwise samples whose server exported it.
+    stalls = [s for s in full["layerwise"] if s["layer_wait_s"] is not None and s["layer_load_s"] is not None]
+    load_total = sum(s["layer_load_s"] for s in stalls)
+    # Floored at 0 as the connector's gauge is: on the CPU path the wait is the copy itself, plus timer noise.
+    hidden = max(0.0, 1 - sum(s["layer_wait_s"] for s in stalls) / load_total) if load_total else None
+    return {
         "prompt_tokens": length,
         "stored_tokens": stored,
         "recompute_ttft_ms_median": median([s["ttft_s"] for s in samples.get("recompute", [])]) * 1000,
+        "ttft_ms_median": ttft,
+        "vs_all_local": {mode: ttft[mode] / ttft[LOCAL] for mode in MODES},
+        "load_ms_median": {mode: median([s["load_s"] for s in full[mode]]) * 1000 for mode in MODES},
+        "after_load_ms_median": {
+            mode: median([s["ttft_s"] - s["load_s"] for s in full[mode]]) * 1000 for mode in MODES
+        },
+        "layerwise_wait_ms_median": median([s["layer_wait_s"] for s in stalls]) * 1000 if stalls else None,
+        "layerwise_hidden_fraction": hidden,
+        "full_hits": {mode: f"{len(full[mode])}/{len(samples[mode])}" for mode in SERVERS},
+        "samples": samples,
     }
-    for mode in MODES:
-        full = [s for s in samples[mode] if s["cached_tokens"] == stored]
-        row[f"{mode}_ttft_ms_median"] = median([s["ttft_s"] for s in full]) * 1000
-        row[f"{mode}_load_ms_median"] = median([s["load_s"] for s in full]) * 1000
-        row[f"{mode}_after_load_ms_median"] = median([s["ttft_s"] - s["load_s"] for s in full]) * 1000
-        row[f"{mode}_full_hits"] = f"{len(full)}/{len(samples[mode])}"
-    row["layerwise_vs_bulk"] = row["layerwise_ttft_ms_median"] / row["bulk_ttft_ms_median"]
-    row["samples"] = samples
-    return row
 
 
 def run(args: argparse.Namespace) -> dict:
     rows = []
-    # Same bucket and key prefix (configs/single.json) for both: one store, one namespace.
+    # Same bucket and key prefix (configs/single.json) for all: one store, one namespace.
     stack = {mode: {"extra": {"load_mode": mode}} for mode in MODES}
+    stack[LOCAL] = {"vllm_args": ["--enable-prefix-caching"]}
     with vllm_stack(args, "bench-injection", stack, {"io_timeout_s": args.store_io_timeout}) as servers:
         bench = Bench(servers, chunk_tokens(servers["bulk"]), args)
 
         if args.warmup:
             # First requests pay one-time costs (kernels, NIXL OBJ connections): one repetition, discarded.
             length = min(WARMUP_TOKENS, *args.sizes)
-            print(f"warm-up ({length} tokens, both servers) ...", file=sys.stderr)
+            print(f"warm-up ({length} tokens, every server) ...", file=sys.stderr)
             bench.rep(length, 0, recompute=False)
             bench.rep(length, 1, recompute=False)
 
@@ -152,10 +209,15 @@ def run(args: argparse.Namespace) -> dict:
                     samples.setdefault(kind, []).append(sample)
                     print(f"{length:>6} tokens rep {rep + 1}/{args.reps} {kind:>9} on {sample['server']:>9}: TTFT "
                           f"{sample['ttft_s'] * 1000:8.1f} ms, cached {sample['cached_tokens']}, "
-                          f"load {sample['load_s'] * 1000:.0f} ms", file=sys.stderr)
+                          f"load {ms(sample['load_s'])} ms, layer wait {ms(sample['layer_wait_s'])} ms "
+                          f"of {ms(sample['layer_load_s'])} ms", file=sys.stderr)
             rows.append(summarize(length, bench.context_tokens(length), samples))
         traffic = {mode: store_traffic(server) for mode, server in servers.items()}
-    return result_payload(args, store_traffic=traffic, results=rows)
+    return result_payload(args, store_traffic=traffic, load_avg_at_end=list(os.getloadavg()), results=rows)
+
+
+def ms(seconds: float | None) -> str:
+    return "n/a" if seconds is None else f"{seconds * 1000:.0f}"
 
 
 def table(payload: dict) -> str:
@@ -164,41 +226,46 @@ def table(payload: dict) -> str:
             r["prompt_tokens"],
             r["stored_tokens"],
             f"{r['recompute_ttft_ms_median']:.0f}",
-            f"{r['bulk_ttft_ms_median']:.0f}",
-            f"{r['layerwise_ttft_ms_median']:.0f}",
-            f"{r['layerwise_vs_bulk']:.2f}x",
-            f"{r['bulk_load_ms_median']:.0f}",
-            f"{r['layerwise_load_ms_median']:.0f}",
-            f"{r['bulk_after_load_ms_median']:.0f}",
-            f"{r['layerwise_after_load_ms_median']:.0f}",
-            f"{r['bulk_full_hits']}, {r['layerwise_full_hits']}",
+            *(f"{r['ttft_ms_median'][mode]:.0f}" for mode in (LOCAL, *MODES)),
+            *(f"{r['vs_all_local'][mode]:.2f}x" for mode in MODES),
+            *(f"{r['load_ms_median'][mode]:.0f}" for mode in MODES),
+            "n/a" if r["layerwise_wait_ms_median"] is None else f"{r['layerwise_wait_ms_median']:.0f}",
+            "n/a" if r["layerwise_hidden_fraction"] is None else f"{r['layerwise_hidden_fraction']:.0%}",
+            ", ".join(r["full_hits"][mode] for mode in (LOCAL, *MODES)),
         ]
         for r in payload["results"]
     ]
+    env, config = payload["environment"], payload["config"]
     caption = (
-        f"{ttft_caption(payload)} bulk / layerwise: the prompt's first {payload['config']['hit_fraction']:.0%} "
-        f"(whole chunks) was stored by an earlier request, the same stored chunks for both servers; recompute: "
-        f"a never-seen prompt of the same length (0% hit). "
-        f"layerwise/bulk: ratio of the median TTFTs. load ms: the connector's load_seconds (store read, plus "
-        f"the KV cache copy in bulk mode); TTFT-load: the rest of the TTFT, per sample (lookup, scheduling, the "
-        f"forward of the new tokens, with the layerwise copies in it). full hits: samples that got the whole "
-        f"stored hit, the only ones in the bulk and layerwise medians (a failed load is recomputed)."
+        f"TTFT (max_tokens=1) on vLLM's CPU build, tiny random Llama (4 layers, bf16), median of "
+        f"{config['reps']} repetition(s) with fresh random prompts each. What limits these figures: "
+        f"{env['cpu_count']} CPU cores, shared by the three engines, SeaweedFS, this script and other work on the "
+        f"machine (load average {env['load_avg_at_start'][0]:.1f} at the start, {payload['load_avg_at_end'][0]:.1f} "
+        f"at the end), and attention on the CPU: the KV copies run on the same cores as the forward, with no copy "
+        f"engine to overlap them with compute, so this measures the CPU data path, not a GPU's overlap. "
+        f"all-local: vLLM's prefix cache held the prompt's first {config['hit_fraction']:.0%} (whole chunks), "
+        f"computed by an earlier request on that server; bulk / layerwise: the same chunks, saved by that request, "
+        f"loaded from S3 (SeaweedFS on 127.0.0.1) with that load_mode, local prefix cache off; every server makes "
+        f"the connector's store lookups. recompute: a never-seen prompt of the same length (0% hit). x / all-local: "
+        f"ratio of the median TTFTs. load ms: the connector's load_seconds (store read, plus the KV cache copy in "
+        f"bulk mode). layerwise wait: the forward's time in wait_for_layer_load per request "
+        f"(dualpath_kv:layer_wait_seconds); hidden: 1 - sum(wait) / sum(layerwise load time) "
+        f"(dualpath_kv:layer_load_seconds), n/a where the connector does not export them. full hits: samples that "
+        f"got the whole hit, the only ones in the medians (a failed load is recomputed)."
     )
-    headers = ["prompt tokens", "stored tokens", "recompute TTFT ms", "bulk TTFT ms", "layerwise TTFT ms",
-               "layerwise/bulk", "bulk load ms", "layerwise load ms", "bulk TTFT-load ms", "layerwise TTFT-load ms",
-               "full hits (bulk, layerwise)"]
+    headers = ["prompt tokens", "stored tokens", "recompute TTFT ms", "all-local TTFT ms", "bulk TTFT ms",
+               "layerwise TTFT ms", "bulk / all-local", "layerwise / all-local", "bulk load ms",
+               "layerwise load ms", "layerwise wait ms", "layerwise hidden", "full hits (all-local, bulk, layerwise)"]
     return markdown_table(headers, rows, caption)
 
 
 def chart(payload: dict, path: Path) -> Path | None:
     rows = payload["results"]
-    series = {
-        f"bulk ({payload['config']['hit_fraction']:.0%} hit)": [r["bulk_ttft_ms_median"] for r in rows],
-        f"layerwise ({payload['config']['hit_fraction']:.0%} hit)": [r["layerwise_ttft_ms_median"] for r in rows],
-    }
+    hit = f"{payload['config']['hit_fraction']:.0%} hit"
+    series = {f"{mode} ({hit})": [r["ttft_ms_median"][mode] for r in rows] for mode in (LOCAL, *MODES)}
     if payload["config"]["recompute"]:
         series = {"recompute (0% hit)": [r["recompute_ttft_ms_median"] for r in rows], **series}
-    title = f"TTFT, bulk vs layerwise injection (vLLM CPU, median of {payload['config']['reps']})"
+    title = f"TTFT: all-local vs bulk vs layerwise (vLLM CPU, 2 cores, median of {payload['config']['reps']})"
     return bar_chart(path, [size_label(r["prompt_tokens"]) for r in rows], series, "prompt tokens", title)
 
 
