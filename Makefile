@@ -56,7 +56,7 @@ bench-s3agg: setup
 bench-integrity: setup
 	$(PY) benchmarks/bench_integrity.py
 
-# TTFT with bulk vs layerwise injection of a 90% store hit at 8k/16k/32k-token prompts.
+# TTFT of a 90%-hit prompt at 8k/16k/32k tokens: bulk vs layerwise store loads vs all-local (vLLM's prefix cache), plus layerwise's per-layer stall.
 bench-injection: setup
 	$(PY) benchmarks/bench_injection.py
 
