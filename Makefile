@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
-.PHONY: setup test test-unit test-integration test-e2e demo demo-single bench clean mma bench-s3agg bench-injection bench-integrity bench-dualpath soak
+.PHONY: setup test test-unit test-integration test-e2e demo demo-single bench clean mma bench-s3agg bench-injection bench-integrity bench-dualpath soak gpu-connector-check
 
 setup: $(STAMP) mma
 
@@ -70,6 +70,12 @@ bench-dualpath: setup
 # Results: benchmarks/results/soak.*
 soak: setup
 	$(PY) benchmarks/soak.py $(SOAK_ARGS)
+
+# On a machine with an NVIDIA GPU (torch, no vLLM needed): the connector's device copies in every KV layout,
+# and bulk vs layerwise vs no-load forwards with the stall metric, also under mma_preload.
+# Results: benchmarks/results/gpu_connector.*; `make test` runs its CPU self-test.
+gpu-connector-check: setup
+	$(PY) scripts/gpu_connector_check.py --mma
 
 clean:
 	rm -rf $(VENV) build *.egg-info
