@@ -101,11 +101,10 @@ class Injector:
         """Release what :meth:`retire` holds whose copies ran (all of it, waiting, if ``wait``)."""
         still = []
         for hits, timing in self._retiring:
-            marks = timing.all_marks() if timing is not None else []
-            if wait:
-                for mark in marks:
+            if wait and timing is not None:
+                for mark in timing.all_marks():
                     mark.wait()
-            if still or not all(mark.reached() for mark in marks):
+            if still or (timing is not None and not timing.resolved()):
                 still.append((hits, timing))  # in order: a later step's copies queue behind this one's
                 continue
             if timing is not None:
