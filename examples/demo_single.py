@@ -17,7 +17,7 @@ import signal
 import sys
 from pathlib import Path
 
-from dualpath_connector.protocol import counter_total_name
+from dualpath_connector.protocol import METRIC_PREFIX, counter_total_name
 from dualpath_dev.engines import VLLMServer, cached_tokens
 from dualpath_dev.seaweedfs import SeaweedFS
 from dualpath_dev.tiny_model import make_tiny_llama
@@ -53,7 +53,13 @@ def run(workdir: Path, turns: int, first_prompt_tokens: int, tokens_per_turn: in
             read = server.metric_total(counter_total_name("bytes_read"))
             written = server.metric_total(counter_total_name("bytes_written"))
             print(f"\nstore traffic reported so far: {read / 2**20:.1f} MiB read, {written / 2**20:.1f} MiB written")
-    return {"turns": rows, "bytes_read": read, "bytes_written": written, "log": server.log_path}
+            stall = {part: server.metric_total(f"{METRIC_PREFIX}layer_{part}") for part in
+                     ("wait_seconds_count", "wait_seconds_sum", "load_seconds_sum")}  # fmt: skip
+            hidden = 1 - stall["wait_seconds_sum"] / stall["load_seconds_sum"] if stall["load_seconds_sum"] else 0.0
+            print(f"layerwise loads: {stall['wait_seconds_count']:.0f} forwards waited "
+                  f"{stall['wait_seconds_sum'] * 1000:.1f} ms of {stall['load_seconds_sum'] * 1000:.1f} ms loading "
+                  f"({max(0.0, hidden):.0%} hidden behind compute)")  # fmt: skip
+    return {"turns": rows, "bytes_read": read, "bytes_written": written, "layer_stall": stall, "log": server.log_path}
 
 
 def main() -> None:

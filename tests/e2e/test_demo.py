@@ -28,5 +28,8 @@ def test_demo_hits_grow_and_metrics_and_logs_are_right(tmp_path, tiny_model):
         assert current["hit_tokens"] == computed // CHUNK * CHUNK
     # Connector counters reach vLLM's /metrics.
     assert result["bytes_read"] > 0 and result["bytes_written"] > 0
+    # Turns 2 and 3 each injected their hit layer by layer in (at least) one forward, and said how long it waited.
+    stall = result["layer_stall"]
+    assert stall["wait_seconds_count"] >= turns[-1]["turn"] - 1 and stall["load_seconds_sum"] > 0
     # Credentials went through the environment: the secret is in no log line.
     assert S3_SECRET_KEY not in result["log"].read_text()
