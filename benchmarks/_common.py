@@ -79,13 +79,18 @@ def run_and_report(run, table, args, json_name: str, chart=None, out_dir: Path =
     """Run a benchmark, print its table and write its JSON under ``out_dir``; Ctrl-C exits 130 after cleanup.
 
     ``chart(payload, path)``, if given, draws the PNG beside the JSON (and returns
-    None when it cannot, e.g. without matplotlib).
+    None when it cannot, e.g. without matplotlib). A payload's ``environment``
+    gets the load average from before and after the run.
     """
+    load_at_start = list(os.getloadavg())
     try:
         payload = run(args)
     except KeyboardInterrupt:
         print("interrupted; everything this run started has been stopped", file=sys.stderr)
         sys.exit(130)
+    if "environment" in payload:
+        # Most runs call environment() once they are done: the load they started under is known only here.
+        payload["environment"].update(load_avg_at_start=load_at_start, load_avg_at_end=list(os.getloadavg()))
     text = table(payload)
     payload["table"] = text
     path = write_json(json_name, payload, out_dir)

@@ -34,7 +34,6 @@ matplotlib is importable).
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import time
@@ -213,7 +212,7 @@ def run(args: argparse.Namespace) -> dict:
                           f"of {ms(sample['layer_load_s'])} ms", file=sys.stderr)
             rows.append(summarize(length, bench.context_tokens(length), samples))
         traffic = {mode: store_traffic(server) for mode, server in servers.items()}
-    return result_payload(args, store_traffic=traffic, load_avg_at_end=list(os.getloadavg()), results=rows)
+    return result_payload(args, store_traffic=traffic, results=rows)
 
 
 def ms(seconds: float | None) -> str:
@@ -240,7 +239,7 @@ def table(payload: dict) -> str:
         f"TTFT (max_tokens=1) on vLLM's CPU build, tiny random Llama (4 layers, bf16), median of "
         f"{config['reps']} repetition(s) with fresh random prompts each. What limits these figures: "
         f"{env['cpu_count']} CPU cores, shared by the three engines, SeaweedFS, this script and other work on the "
-        f"machine (load average {env['load_avg_at_start'][0]:.1f} at the start, {payload['load_avg_at_end'][0]:.1f} "
+        f"machine (load average {env['load_avg_at_start'][0]:.1f} at the start, {env['load_avg_at_end'][0]:.1f} "
         f"at the end), and attention on the CPU: the KV copies run on the same cores as the forward, with no copy "
         f"engine to overlap them with compute, so this measures the CPU data path, not a GPU's overlap. "
         f"all-local: vLLM's prefix cache held the prompt's first {config['hit_fraction']:.0%} (whole chunks), "
