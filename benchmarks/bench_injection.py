@@ -264,7 +264,8 @@ def chart(payload: dict, path: Path) -> Path | None:
     series = {f"{mode} ({hit})": [r["ttft_ms_median"][mode] for r in rows] for mode in (LOCAL, *MODES)}
     if payload["config"]["recompute"]:
         series = {"recompute (0% hit)": [r["recompute_ttft_ms_median"] for r in rows], **series}
-    title = f"TTFT: all-local vs bulk vs layerwise (vLLM CPU, 2 cores, median of {payload['config']['reps']})"
+    title = (f"TTFT: all-local vs bulk vs layerwise (vLLM CPU, {payload['environment']['cpu_count']} cores, "
+             f"median of {payload['config']['reps']})")
     return bar_chart(path, [size_label(r["prompt_tokens"]) for r in rows], series, "prompt tokens", title)
 
 
