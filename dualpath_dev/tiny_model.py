@@ -1,7 +1,8 @@
-"""The tiny test Llama: a random checkpoint made with a fixed seed and a large init scale.
+"""The tiny test models: random checkpoints made with a fixed seed and a large init scale.
 
-Its outputs depend on every token of the context, so a wrong KV cache changes
-tokens and logprobs (vLLM's dummy weights would not).
+Their outputs depend on every token of the context, so a wrong KV cache changes
+tokens and logprobs (vLLM's dummy weights would not). A Llama (separate K and V
+per layer) and a DeepSeek-V2-style MLA model (one latent vector per token per layer).
 """
 
 from __future__ import annotations
@@ -24,27 +25,56 @@ TINY_LLAMA = {
     "initializer_range": 0.2,
     "tie_word_embeddings": False,
 }
-_TINY_LLAMA_SEED = 0
+# vLLM's CPU MLA decode kernel is compiled for one latent size only:
+# kv_lora_rank + qk_rope_head_dim = 512 + 64 = 576 (DeepSeek V2/V3's own).
+# Everything else is as small as the Llama.
+TINY_DEEPSEEK_V2 = {
+    "vocab_size": 1024,
+    "hidden_size": 256,
+    "intermediate_size": 512,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "q_lora_rank": None,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 64,
+    # Every layer dense: no MoE, whose CPU kernels are not what is tested here.
+    "first_k_dense_replace": 4,
+    "max_position_embeddings": 32768,
+    "initializer_range": 0.2,
+    "tie_word_embeddings": False,
+}
+_SEED = 0
 
 
 def make_tiny_llama(target: str | os.PathLike[str]) -> Path:
     """Write the tiny test Llama to ``target`` (once; reused when already there)."""
-    target = Path(target)
-    marker = target / "dualpath-tiny-llama.json"
-    wanted = json.dumps({"config": TINY_LLAMA, "seed": _TINY_LLAMA_SEED}, sort_keys=True)
+    return _make("llama", TINY_LLAMA, "LlamaConfig", "LlamaForCausalLM", Path(target))
+
+
+def make_tiny_deepseek_v2(target: str | os.PathLike[str]) -> Path:
+    """Write the tiny DeepSeek-V2-style MLA model to ``target`` (once; reused when already there)."""
+    return _make("deepseek-v2", TINY_DEEPSEEK_V2, "DeepseekV2Config", "DeepseekV2ForCausalLM", Path(target))
+
+
+def _make(name: str, config: dict, config_class: str, model_class: str, target: Path) -> Path:
+    marker = target / f"dualpath-tiny-{name}.json"
+    wanted = json.dumps({"config": config, "seed": _SEED}, sort_keys=True)
     if marker.exists() and marker.read_text() == wanted:
         return target
+    # Imported here: a checkout that already has the model never pays for them.
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    torch.manual_seed(_TINY_LLAMA_SEED)
-    model = LlamaForCausalLM(LlamaConfig(**TINY_LLAMA))
+    torch.manual_seed(_SEED)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**config))
     target.parent.mkdir(parents=True, exist_ok=True)
     # Made beside the target and renamed into place: a reader never sees half a checkpoint.
-    staging = Path(tempfile.mkdtemp(prefix="tiny-llama-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f"tiny-{name}-", dir=target.parent))
     model.save_pretrained(staging, safe_serialization=True)
     (staging / marker.name).write_text(wanted)
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
     return target
-

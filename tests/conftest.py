@@ -1,4 +1,4 @@
-"""Shared fixtures: a real SeaweedFS on 127.0.0.1, the tiny test Llama, NIXL agents; and the helpers
+"""Shared fixtures: a real SeaweedFS on 127.0.0.1, the tiny test models, NIXL agents; and the helpers
 test modules import from here (the checkout's root, an example as a module, a POST, a poll).
 
 Everything a fixture starts it stops in its finalizer, by the PID it holds.
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from dualpath_dev.seaweedfs import SeaweedFS
-from dualpath_dev.tiny_model import make_tiny_llama
+from dualpath_dev.tiny_model import make_tiny_deepseek_v2, make_tiny_llama
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _agent_names = itertools.count()
@@ -80,6 +80,12 @@ def s3_bucket(seaweedfs) -> str:
 def tiny_model() -> Path:
     """The tiny random Llama, made once per checkout (seeded, so always the same weights)."""
     return make_tiny_llama(REPO_ROOT / ".cache" / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_mla_model() -> Path:
+    """The tiny random DeepSeek-V2-style MLA model, made once per checkout like ``tiny_model``."""
+    return make_tiny_deepseek_v2(REPO_ROOT / ".cache" / "tiny-deepseek-v2")
 
 
 @pytest.fixture
