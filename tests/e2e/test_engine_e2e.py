@@ -30,14 +30,14 @@ SHARED = [_rng.randrange(1024) for _ in range(700)]
 BATCH = [SHARED + [_rng.randrange(1024) for _ in range(50)] for _ in range(3)]
 
 
-def kv_config(seaweedfs, **extra) -> dict:
+def kv_config(seaweedfs, bucket: str = BUCKET, **extra) -> dict:
     return {
         "kv_connector": "DualPathConnector",
         "kv_connector_module_path": "dualpath_connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         # Credentials reach the engine through the AWS variables (Engine's env).
-        "kv_connector_extra_config": {"store": {"backend": "s3", "endpoint": seaweedfs.endpoint, "bucket": BUCKET}, **extra},
+        "kv_connector_extra_config": {"store": {"backend": "s3", "endpoint": seaweedfs.endpoint, "bucket": bucket}, **extra},
     }
 
 
@@ -111,20 +111,39 @@ def test_saving_does_not_change_outputs(baseline, populated, s3):
         s3.head_object(Bucket=BUCKET, Key=populated["key"](prompt_and_output, i))
 
 
+def assert_fresh_engine_hits_and_matches(engine: Engine, baseline: dict) -> None:
+    """A fresh engine serves A and the BATCH from the stored chunks of the populated bucket."""
+    # All full chunks of P are hit; the output equals the engine without
+    # the connector serving A after P from its own prefix cache.
+    out = engine.generate([A], MAX_TOKENS)[0]
+    assert out["num_cached_tokens"] == len(P) // CHUNK * CHUNK
+    assert same(out, baseline["A_after_P"])
+
+    # Several requests sharing a prefix, in one batch, each load it.
+    outs = engine.generate(BATCH, MAX_TOKENS)
+    for out, expected in zip(outs, baseline["BATCH_after_S0"]):
+        assert out["num_cached_tokens"] == expected["num_cached_tokens"] > 0
+        assert same(first_token(out), first_token(expected), BATCH_LOGPROB_TOLERANCE)
+
+
+def test_bulk_load_hits_stored_prefix_and_matches(tiny_model, seaweedfs, baseline, populated, s3):
+    """``load_mode: bulk`` (every layer lands before the load is reported) gives the same outputs."""
+    # On a copy of the populated bucket: serving A and the BATCH stores their
+    # chunks past the populated ones, which would lengthen the other tests' hits.
+    bucket = f"{BUCKET}-bulk"
+    s3.create_bucket(Bucket=bucket)
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
+        for stored in page.get("Contents", []):
+            s3.copy_object(Bucket=bucket, Key=stored["Key"], CopySource={"Bucket": BUCKET, "Key": stored["Key"]})
+    with Engine(tiny_model, kv_config(seaweedfs, bucket, load_mode="bulk"), s3=seaweedfs) as engine:
+        assert_fresh_engine_hits_and_matches(engine, baseline)
+
+
 def test_fresh_engine_hits_stored_prefix_and_matches(tiny_model, seaweedfs, baseline, populated, s3):
+    """The default ``load_mode: layerwise``; then the ways a stored chunk can be wrong."""
     key, chunk_hashes_of = populated["key"], populated["hashes"]
     with Engine(tiny_model, kv_config(seaweedfs), s3=seaweedfs) as engine:
-        # All full chunks of P are hit; the output equals the engine without
-        # the connector serving A after P from its own prefix cache.
-        out = engine.generate([A], MAX_TOKENS)[0]
-        assert out["num_cached_tokens"] == len(P) // CHUNK * CHUNK
-        assert same(out, baseline["A_after_P"])
-
-        # Several requests sharing a prefix, in one batch, each load it.
-        outs = engine.generate(BATCH, MAX_TOKENS)
-        for out, expected in zip(outs, baseline["BATCH_after_S0"]):
-            assert out["num_cached_tokens"] == expected["num_cached_tokens"] > 0
-            assert same(first_token(out), first_token(expected), BATCH_LOGPROB_TOLERANCE)
+        assert_fresh_engine_hits_and_matches(engine, baseline)
 
         # A chunk truncated after the scheduler has seen it present: the read
         # fails, its blocks are reported, vLLM recomputes, output unchanged.
@@ -149,7 +168,8 @@ def test_fresh_engine_hits_stored_prefix_and_matches(tiny_model, seaweedfs, base
         # stops a writer who means harm) is served as a hit, and the comparison must catch it.
         original = s3.get_object(Bucket=BUCKET, Key=key(SHARED, 5))["Body"].read()
         other = s3.get_object(Bucket=BUCKET, Key=key(SHARED, 4))["Body"].read()
-        s3.put_object(Bucket=BUCKET, Key=key(SHARED, 5), Body=_forged(other, chunk_hashes_of(SHARED)[5]))
+        bad = forged(other, chunk_hashes_of(SHARED)[5], TINY_LLAMA["num_hidden_layers"])
+        s3.put_object(Bucket=BUCKET, Key=key(SHARED, 5), Body=bad)
         try:
             out = engine.generate([BATCH[1]], MAX_TOKENS)[0]
         finally:
@@ -169,14 +189,13 @@ def _noise(size: int) -> bytes:
     return np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
-def _forged(stored: bytes, chunk_hash: str) -> bytes:
+def forged(stored: bytes, chunk_hash: str, layers: int) -> bytes:
     """A stored object's KV (finite, plausible values) under a trailer that verifies for ``chunk_hash``."""
-    layers = TINY_LLAMA["num_hidden_layers"]
     layout = BlockLayout(layers, len(stored) // layers - DIGEST_BYTES)
     assert layout.object_bytes == len(stored)
-    forged = np.frombuffer(bytearray(stored), dtype=np.uint8)
-    ChunkIntegrity(layout).seal(chunk_hash, forged)
-    return forged.tobytes()
+    sealed = np.frombuffer(bytearray(stored), dtype=np.uint8)
+    ChunkIntegrity(layout).seal(chunk_hash, sealed)
+    return sealed.tobytes()
 
 
 def test_missing_or_truncated_chunk_shortens_hit(tiny_model, seaweedfs, baseline, populated, s3):
