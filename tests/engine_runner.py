@@ -47,7 +47,8 @@ def main() -> None:
     )
     namespace = None
     key_prefix = None
-    if kv_config:
+    # Another connector (vLLM's ExampleConnector as a baseline) has no DualPath namespace.
+    if kv_config and kv_config["kv_connector"] == "DualPathConnector":
         from dualpath_connector.config import ChunkGeometry, namespace_for, parse_config
 
         vllm_config = llm.llm_engine.vllm_config
