@@ -195,7 +195,9 @@ def namespace_for(
     A Layer Block is ``chunk_tokens`` tokens of one layer: K and V for every
     KV head of this TP rank, or for MLA models one latent vector per token
     (vLLM reports one KV head of the latent size), in the engine's cache dtype.
+    Where vLLM has resolved the layout (scheduler, worker), it must be the one named.
     """
+    check_resolved_layout(vllm_config, config)
     import torch
     from vllm.platforms import current_platform
     from vllm.utils.torch_utils import STR_DTYPE_TO_TORCH_DTYPE

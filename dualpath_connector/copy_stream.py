@@ -113,12 +113,12 @@ class _CudaMark(Mark):
 
 
 class CudaCopyStream(CopyStream):
-    def __init__(self, device: torch.device, compute: torch.cuda.Stream | None = None) -> None:
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
         # Threads other than the forward's (bulk loads run on the read lane)
         # order against the stream the forward ran on when this was built.
-        self._default_compute = compute or torch.cuda.current_stream(device)
+        self._default_compute = torch.cuda.current_stream(device)
 
     def _compute(self) -> torch.cuda.Stream:
         current = torch.cuda.current_stream(self.device)

@@ -68,7 +68,7 @@ class Injector:
         # On an accelerator (given a stream): pool copies are queued on it.
         self.device = DeviceCopier(view, self._host, load_stream) if load_stream is not None else None
         # Hits whose device copies were queued: released, and their timing read, once the copies ran.
-        self._retiring: list[tuple[list[LoadedHit], StepLoadTiming | None]] = []
+        self._retiring: list[tuple[list[LoadedHit], StepLoadTiming]] = []
 
     def inject_whole(self, hit: LoadedHit) -> None:
         """Bulk mode: every layer now, then the buffer is free."""
@@ -92,7 +92,7 @@ class Injector:
         """Queue ``layers`` of hits held in the pool on the copy stream; its start mark and one mark per layer."""
         return self.device.post_loads(self.plan(hits, on_device=False), layers)
 
-    def retire(self, hits: list[LoadedHit], timing: StepLoadTiming | None) -> None:
+    def retire(self, hits: list[LoadedHit], timing: StepLoadTiming) -> None:
         """Release ``hits`` (and report ``timing``) once every device copy queued so far has run."""
         self._retiring.append((hits, timing))
         self.release_retired()
@@ -101,14 +101,13 @@ class Injector:
         """Release what :meth:`retire` holds whose copies ran (all of it, waiting, if ``wait``)."""
         still = []
         for hits, timing in self._retiring:
-            if wait and timing is not None:
+            if wait:
                 for mark in timing.all_marks():
                     mark.wait()
-            if still or (timing is not None and not timing.resolved()):
+            if still or not timing.resolved():
                 still.append((hits, timing))  # in order: a later step's copies queue behind this one's
                 continue
-            if timing is not None:
-                timing.report(self.stats)
+            timing.report(self.stats)
             self.release(hits)
         self._retiring = still
 

@@ -12,7 +12,7 @@ from nixl_backends.lookup import PresentChunks
 from nixl_backends.registry import make_store
 from nixl_backends.store import KVStore
 
-from dualpath_connector.config import ChunkGeometry, DualPathConfig, check_resolved_layout, namespace_for
+from dualpath_connector.config import ChunkGeometry, DualPathConfig, namespace_for
 from dualpath_connector.metadata import ChunkLoad, DualPathMetadata, LoadSpec, PullSpec, SaveSpec, SendSpec
 from dualpath_connector.protocol import PrefillHandoff, PrefillRequest, ProtocolError, StoreKeySpace
 
@@ -77,7 +77,6 @@ class DualPathScheduler:
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, config: DualPathConfig, kv_role: str) -> DualPathScheduler:
         geometry = ChunkGeometry.of(config, vllm_config)
-        check_resolved_layout(vllm_config, config)
         # The scheduler looks up rank 0's keys: every rank stores its own shard
         # of the same chunks at the same time.
         namespace = namespace_for(vllm_config, config, geometry.chunk_tokens, tp_rank=0, pp_rank=0)

@@ -38,7 +38,7 @@ from nixl_backends.transport import UCX, add_ucx_backend
 
 from dualpath_connector.affinity import kv_transfer_cores, threads_started_on
 from dualpath_connector.copy_stream import CudaCopyStream, pinned
-from dualpath_connector.config import ChunkGeometry, DualPathConfig, check_resolved_layout, namespace_for
+from dualpath_connector.config import ChunkGeometry, DualPathConfig, namespace_for
 from dualpath_connector.injection import Injector, LayerwiseInjection
 from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.kv_cache_view import KVCacheView
@@ -64,7 +64,6 @@ class DualPathWorker:
         self.config = config
         self.kv_role = kv_role
         self.geometry = ChunkGeometry.of(config, vllm_config)
-        check_resolved_layout(vllm_config, config)
         namespace = namespace_for(
             vllm_config, config, self.geometry.chunk_tokens, get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
         )
@@ -91,10 +90,10 @@ class DualPathWorker:
             self.load_pool = HostBufferPool(self.agent, self.layout.object_bytes, config.load_buffer_chunks)
             self.save_pool = HostBufferPool(self.agent, self.layout.object_bytes, config.save_buffer_chunks)
         # On a GPU both pools are page-locked once, here: copies from and to them are then asynchronous.
-        self._device = torch.device(vllm_config.device_config.device)
+        device = torch.device(vllm_config.device_config.device)
         self._pins = contextlib.ExitStack()
         for pool in (self.load_pool, self.save_pool):
-            self._pins.enter_context(pinned(pool.base_addr, pool.array.nbytes, self._device))
+            self._pins.enter_context(pinned(pool.base_addr, pool.array.nbytes, device))
         self.integrity = ChunkIntegrity(self.layout, config.integrity_key)
         self.stats = StatsRecorder()
         self._lanes = {name: IOLane(f"dualpath-{name}", self._transfer_cores) for name in ("read", "save", "pull")}

@@ -45,7 +45,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dualpath_connector.copy_stream import CopyStream, CudaCopyStream, InlineCopyStream, pinned  # noqa: E402
+from dualpath_connector.copy_stream import CopyStream, copy_stream_for, pinned  # noqa: E402
 from dualpath_connector.device_copies import DeviceCopier  # noqa: E402
 from dualpath_connector.kv_cache_view import KVCacheView  # noqa: E402
 from dualpath_connector.load_timing import StepLoadTiming  # noqa: E402
@@ -76,10 +76,6 @@ class PinnedPool:
         self._pin.__exit__(None, None, None)
 
 
-def stream_for(device: torch.device) -> CopyStream:
-    return CudaCopyStream(device) if device.type == "cuda" else InlineCopyStream()
-
-
 # -- 1. bytes -------------------------------------------------------------------------
 
 
@@ -93,7 +89,7 @@ def check_layout(layout: str, device: torch.device) -> dict:
     try:
         slots, subs = [2, 2, 0, 0, 1], [0, 1, 0, 1, 1]
         out_blocks, in_blocks = [5, 2, 11, 0, 3], [1, 14, 3, 4, 0]
-        saver = DeviceCopier(source, pool.host, stream_for(device), staging_bytes=pool.host[0, 0].numel() * 3)
+        saver = DeviceCopier(source, pool.host, copy_stream_for(device), staging_bytes=pool.host[0, 0].numel() * 3)
         saver.post_saves(source.plan(slots, subs, out_blocks, on_device=False)).wait()
         stored = all(
             torch.equal(pool.host[slot, layer, sub].to(device), source.layers[layer][:, block])
@@ -101,7 +97,7 @@ def check_layout(layout: str, device: torch.device) -> dict:
             for slot, sub, block in zip(slots, subs, out_blocks)
         )
         # Loads in batches of two slots: the staging area is reused within a layer.
-        loader = DeviceCopier(target, pool.host, stream_for(device), staging_bytes=pool.host[0, 0].numel() * 2)
+        loader = DeviceCopier(target, pool.host, copy_stream_for(device), staging_bytes=pool.host[0, 0].numel() * 2)
         _, marks = loader.post_loads(target.plan(slots, subs, in_blocks, on_device=False), range(shape.num_layers))
         marks[-1].wait()
         loaded = all(
@@ -199,7 +195,7 @@ MODES = ("no-load", "bulk", "layerwise", "layerwise-per-block")
 def measure(args: argparse.Namespace, device: torch.device) -> dict:
     model = Model(args, device)
     try:
-        stream = stream_for(device)
+        stream = copy_stream_for(device)
         copier = DeviceCopier(model.view, model.pool.host, stream)
         rows = {}
         for mode in MODES:

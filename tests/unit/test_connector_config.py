@@ -168,3 +168,8 @@ def test_namespace_sizes_mla_as_one_latent_vector_and_records_the_layout(monkeyp
     monkeypatch.setenv("VLLM_KV_CACHE_LAYOUT", "LBNHC")
     other = namespace_for(_vllm_config(use_mla=False, heads=2, head_size=64), config, 32, 0, 0)
     assert other.kv_layout == "LBNHC/kv" and other.digest() != mha.digest()
+    # Where vLLM resolved the layout (scheduler, worker), the namespace is refused unless it is that one.
+    resolved = _vllm_config(use_mla=False, heads=2, head_size=64)
+    resolved.cache_config.kv_cache_layout = "LBHNC"
+    with pytest.raises(ConfigError, match="resolved KV cache layout LBHNC, DualPathConnector expects LBNHC"):
+        namespace_for(resolved, config, 32, 0, 0)
