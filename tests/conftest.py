@@ -1,5 +1,6 @@
 """Shared fixtures: a real SeaweedFS on 127.0.0.1, the tiny test models, NIXL agents; and the helpers
-test modules import from here (the checkout's root, an example as a module, a POST, a poll).
+test modules import from here (the checkout's root, an example as a module, a POST, a poll, output
+comparison, a resealed stored chunk).
 
 Everything a fixture starts it stops in its finalizer, by the PID it holds.
 """
@@ -17,10 +18,13 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dualpath_dev.seaweedfs import SeaweedFS
 from dualpath_dev.tiny_model import make_tiny_deepseek_v2, make_tiny_llama
+from nixl_backends.integrity import ChunkIntegrity
+from nixl_backends.layout import DIGEST_BYTES, BlockLayout
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _agent_names = itertools.count()
@@ -94,3 +98,24 @@ def nixl_agent():
 
     agent = nixl_agent(f"test-{os.getpid()}-{next(_agent_names)}", nixl_agent_config(backends=[]))
     yield agent
+
+
+def same(a: dict, b: dict, tolerance: float = 0.0) -> bool:
+    """Two greedy outputs (``tokens``, ``logprobs``) agree: equal tokens, logprobs within ``tolerance``."""
+    if a["tokens"] != b["tokens"]:
+        return False
+    return max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0.0) <= tolerance
+
+
+def resealed(stored: bytes, chunk_hash: str, num_layers: int) -> bytes:
+    """A stored object's KV under a trailer that verifies as ``chunk_hash``'s in checksum mode.
+
+    Anyone who can write to the store can compute XXH3; only the keyed mode
+    stops this. Use another chunk's real KV, not noise: random bytes hold NaN
+    patterns, which the reader refuses on their own.
+    """
+    layout = BlockLayout(num_layers, len(stored) // num_layers - DIGEST_BYTES)
+    assert layout.object_bytes == len(stored)
+    sealed = np.frombuffer(bytearray(stored), dtype=np.uint8)
+    ChunkIntegrity(layout).seal(chunk_hash, sealed)
+    return sealed.tobytes()

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from dualpath_dev.tiny_model import TINY_LLAMA
-from nixl_backends.integrity import ChunkIntegrity
-from nixl_backends.layout import DIGEST_BYTES, BlockLayout, chunk_hashes, chunk_key
+from nixl_backends.layout import chunk_hashes, chunk_key
+from tests.conftest import resealed, same
 from tests.vllm_engine import Engine, start_engine_expecting_failure
 
 pytestmark = pytest.mark.engine
@@ -56,12 +56,6 @@ BOUNDARY_CHUNK = 512 // CHUNK
 # while later tokens also carry the batch's rounding, which can flip a near
 # tie further on (seen once in a full run after the loads moved to their own core).
 BATCH_LOGPROB_TOLERANCE = 1e-2
-
-
-def same(a: dict, b: dict, tolerance: float = 0.0) -> bool:
-    if a["tokens"] != b["tokens"]:
-        return False
-    return max(abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])) <= tolerance
 
 
 def first_token(out: dict) -> dict:
@@ -168,7 +162,7 @@ def test_fresh_engine_hits_stored_prefix_and_matches(tiny_model, seaweedfs, base
         # stops a writer who means harm) is served as a hit, and the comparison must catch it.
         original = s3.get_object(Bucket=BUCKET, Key=key(SHARED, 5))["Body"].read()
         other = s3.get_object(Bucket=BUCKET, Key=key(SHARED, 4))["Body"].read()
-        bad = forged(other, chunk_hashes_of(SHARED)[5], TINY_LLAMA["num_hidden_layers"])
+        bad = resealed(other, chunk_hashes_of(SHARED)[5], TINY_LLAMA["num_hidden_layers"])
         s3.put_object(Bucket=BUCKET, Key=key(SHARED, 5), Body=bad)
         try:
             out = engine.generate([BATCH[1]], MAX_TOKENS)[0]
@@ -187,15 +181,6 @@ def _stored_or_none(s3, key: str) -> bytes | None:
 
 def _noise(size: int) -> bytes:
     return np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes()
-
-
-def forged(stored: bytes, chunk_hash: str, layers: int) -> bytes:
-    """A stored object's KV (finite, plausible values) under a trailer that verifies for ``chunk_hash``."""
-    layout = BlockLayout(layers, len(stored) // layers - DIGEST_BYTES)
-    assert layout.object_bytes == len(stored)
-    sealed = np.frombuffer(bytearray(stored), dtype=np.uint8)
-    ChunkIntegrity(layout).seal(chunk_hash, sealed)
-    return sealed.tobytes()
 
 
 def test_missing_or_truncated_chunk_shortens_hit(tiny_model, seaweedfs, baseline, populated, s3):

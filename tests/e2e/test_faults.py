@@ -54,11 +54,11 @@ from dualpath_dev.processes import ServiceProcess
 from dualpath_dev.seaweedfs import SeaweedFS
 from dualpath_dev.tiny_model import TINY_LLAMA
 from nixl_backends.configuration import ConfigError
-from nixl_backends.integrity import ChunkIntegrity, chunk_hash_of
+from nixl_backends.integrity import chunk_hash_of
 from nixl_backends.layout import BlockLayout
 from nixl_backends.lookup import wait_stored
 from nixl_backends.registry import make_store, parse_store_config
-from tests.conftest import poll, post
+from tests.conftest import poll, post, resealed
 
 pytestmark = pytest.mark.engine
 
@@ -508,19 +508,6 @@ def _noise(size: int, seed: int) -> bytes:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8).tobytes()
 
 
-def _forged(stand_in: bytes, key: str, layout: BlockLayout) -> bytes:
-    """Another chunk's KV under a trailer that verifies as ``key``'s in checksum mode.
-
-    Anyone who can write to the bucket can compute XXH3; only the keyed mode
-    stops this. Real KV of other tokens, not noise: random bytes hold NaN
-    patterns, and NaN KV left in a freed block spoils the next request that
-    gets the block (seen: the probe after such a hit answered token 0 only).
-    """
-    forged = np.frombuffer(bytearray(stand_in), dtype=np.uint8)
-    ChunkIntegrity(layout).seal(chunk_hash_of(key), forged)
-    return forged.tobytes()
-
-
 def _hit(stack: Stack, router: RouterProcess, tokens: list[int], expected: list[int]) -> dict[str, float]:
     """A whole hit (so the PE remembers every chunk as present); the PE's load counters once it is counted."""
     before = counter(stack.pe, "loaded_tokens")
@@ -574,7 +561,7 @@ def test_corrupted_or_truncated_chunk_shortens_the_hit_on_either_read_side(stack
         # Negative control.
         before = _hit(stack, stack.router, tokens, expected)
         corrupt_before = sum(counter(e, "corrupt_chunks") for e in both)
-        forged = _forged(originals[keys[1]], keys[0], stack.pe.key_space().layout)
+        forged = resealed(originals[keys[1]], chunk_hash_of(keys[0]), stack.pe.key_space().num_layers)
         assert forged != originals[keys[0]] and len(forged) == len(originals[keys[0]])
         s3.put_object(Bucket=BUCKET, Key=keys[0], Body=forged)
         try:

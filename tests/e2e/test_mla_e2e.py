@@ -15,7 +15,7 @@ import pytest
 
 from dualpath_dev.tiny_model import TINY_DEEPSEEK_V2
 from nixl_backends.layout import DIGEST_BYTES, chunk_hashes, chunk_key
-from tests.e2e.test_engine_e2e import forged, same
+from tests.conftest import resealed, same
 from tests.vllm_engine import Engine
 
 pytestmark = pytest.mark.engine
@@ -83,10 +83,11 @@ def populated(tiny_mla_model, store_root, baseline):
         out = engine.generate([P], MAX_TOKENS)[0]
         namespace, prefix = engine.ready["namespace"], engine.ready["key_prefix"]
 
-    def path(tokens: list[int], i: int):
-        return store_root / chunk_key(prefix, namespace, chunk_hashes(namespace, tokens, CHUNK)[i])
+    def chunk_hash(tokens: list[int], i: int) -> str:
+        return chunk_hashes(namespace, tokens, CHUNK)[i]
 
-    return {"P": out, "path": path, "hash": lambda tokens, i: chunk_hashes(namespace, tokens, CHUNK)[i]}
+    return {"P": out, "path": lambda tokens, i: store_root / chunk_key(prefix, namespace, chunk_hash(tokens, i)),
+            "hash": chunk_hash}  # fmt: skip
 
 
 def test_saving_does_not_change_outputs_and_stores_one_latent_per_token(baseline, populated):
@@ -109,7 +110,7 @@ def test_fresh_engine_hits_stored_prefix_and_matches(tiny_mla_model, store_root,
         # checksum trailer for this one are served as a hit (the engine has no
         # prefix cache of its own, so A loads again), and the comparison must catch it.
         original = path(P, 5).read_bytes()
-        path(P, 5).write_bytes(forged(path(P, 4).read_bytes(), populated["hash"](P, 5), LAYERS))
+        path(P, 5).write_bytes(resealed(path(P, 4).read_bytes(), populated["hash"](P, 5), LAYERS))
         try:
             out = engine.generate([A], MAX_TOKENS)[0]
         finally:

@@ -35,7 +35,7 @@ import pytest
 
 from dualpath_connector.protocol import PrefillRequest, counter_total_name
 from dualpath_dev.engines import ClusterKeys, RouterProcess, VLLMServer
-from tests.conftest import poll, post
+from tests.conftest import poll, post, same
 from tests.vllm_engine import Engine
 
 pytestmark = pytest.mark.engine
@@ -58,10 +58,6 @@ def session_prompts(seed: int) -> list[list[int]]:
 SESSIONS = {side: session_prompts(seed) for seed, side in enumerate(READ_SIDES)}
 # After the sessions: a prompt on top of the last session's history, for the DE-failure test.
 FALLBACK_APPEND = session_prompts(99)[1]
-
-
-def same(a: dict, b: dict) -> bool:
-    return a["tokens"] == b["tokens"] and a["logprobs"] == b["logprobs"]
 
 
 @pytest.fixture(scope="module")
