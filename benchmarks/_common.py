@@ -129,10 +129,8 @@ def add_server_args(parser) -> None:
 def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None = None):
     """SeaweedFS and vLLM servers with the connector on it, all healthy; stopped on exit.
 
-    ``servers`` maps a label to ``VLLMServer`` keyword arguments (``extra``...)
-    and optionally ``vllm_args``, command-line arguments appended to the server's
-    (vLLM takes the last of a repeated flag: ``--enable-prefix-caching`` turns the
-    local prefix cache back on); the servers start side by side and are yielded
+    ``servers`` maps a label to ``VLLMServer`` keyword arguments (``extra``,
+    ``vllm_args``...); the servers start side by side and are yielded
     under the same labels. Every server gets ``--max-model-len`` and logs to
     ``<workdir>/<log_stem>[-<label>]-vllm.log``.
     ``store``: keys changed in the connector config's store section (``io_timeout_s``...).
@@ -151,15 +149,12 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
         s3 = SeaweedFS().start()
         print(f"S3 (SeaweedFS) on {s3.endpoint}", file=sys.stderr)
         for label, kwargs in servers.items():
-            kwargs = dict(kwargs)
-            vllm_args = kwargs.pop("vllm_args", ())
             if store:
                 config = json.loads((CONFIGS / kwargs.get("config", "single.json")).read_text())
                 section = {**config["kv_connector_extra_config"]["store"], "endpoint": s3.endpoint, **store}
                 kwargs = {**kwargs, "extra": {**kwargs.get("extra", {}), "store": section}}
             log_path = (args.workdir / "-".join(filter(None, (log_stem, label, "vllm.log")))).resolve()
             server = started[label] = VLLMServer(model, s3, log_path, max_model_len=args.max_model_len, **kwargs)
-            server.args += vllm_args
             print(f"vLLM{' ' + label if label else ''} starting on {server.base_url}; log: {log_path}", file=sys.stderr)
         clock = time.monotonic()
         pool = ThreadPoolExecutor(len(started))

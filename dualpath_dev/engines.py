@@ -83,6 +83,7 @@ class VLLMServer(ServiceProcess):
         host: str = "127.0.0.1",
         launcher: Sequence[str] = (),
         keys: ClusterKeys | None = None,
+        vllm_args: Sequence[str] = (),
     ) -> None:
         self.kv_config = json.loads((CONFIGS / config).read_text())
         extra_config = self.kv_config["kv_connector_extra_config"]
@@ -124,6 +125,8 @@ class VLLMServer(ServiceProcess):
         ]  # fmt: skip
         if max_num_batched_tokens is not None:
             self.args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+        # Last: vLLM takes the last of a repeated flag (--enable-prefix-caching overrides the default above).
+        self.args += vllm_args
         self.health_url = f"{self.base_url}/health"
 
     def _request(self, path: str, body: dict) -> urllib.request.Request:
