@@ -7,10 +7,11 @@ Both PD roles run one :class:`PeerLink`. It answers peers on the side channel:
 - ``read`` (served by a DE for a PE): read hit chunks from the store into this
   engine's registered host buffer and lease them until the PE has pulled them.
 
-It also owns NIXL notifications (one reader per agent): ``pulled:<req>`` from
-a DE ends a PE's hold on a finished prefill's blocks; ``release:<lease>`` from
-a PE ends a DE's lease on its buffer. Every hold has an expiry, so a peer that
-vanishes never pins memory for good.
+It handles two NIXL notification prefixes, registered with the agent's one
+dispatcher (:mod:`nixl_backends.notifications`, shared with the store's):
+``pulled:<req>`` from a DE ends a PE's hold on a finished prefill's blocks;
+``release:<lease>`` from a PE ends a DE's lease on its buffer. Every hold has
+an expiry, so a peer that vanishes never pins memory for good.
 
 Every side-channel message is signed with the cluster key
 (``DUALPATH_CLUSTER_KEY``, :mod:`dualpath_connector.cluster_auth`): without it
@@ -28,6 +29,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nixl_backends.buffers import HostBufferPool
+from nixl_backends.notifications import dispatcher_for
 
 from dualpath_connector.cluster_auth import ClusterKey
 from dualpath_connector.kv_regions import KVRegions
@@ -77,6 +79,9 @@ class PeerLink:
         self._released_holds: set[str] = set()
         # DE: buffer slots lent to a PE -> (pool, slots, expiry).
         self._leases: dict[str, tuple[HostBufferPool, list[int], float]] = {}
+        self._notifications = dispatcher_for(agent)
+        self._notifications.register(PULLED, self._on_pulled)
+        self._notifications.register(RELEASE, lambda message: self._end_lease(message[len(RELEASE):].decode()))
         self._server = SideChannelServer(
             host, port, self._key, {OP_HELLO: self._hello, OP_READ: self._read}, self._tick, cpu_affinity=cpu_affinity
         )
@@ -134,9 +139,7 @@ class PeerLink:
     def _tick(self) -> None:
         # Reading notifications also progresses UCX, which a peer's READ of
         # memory lent out here may need (TCP emulates RMA with messages).
-        for messages in self.agent.get_new_notifs().values():
-            for message in messages:
-                self._on_notification(message)
+        self._notifications.poll()
         now_wall, now = time.time(), time.monotonic()
         with self._lock:
             for req_id in [r for r in self._holds if r in self._pulled or self._holds[r] < now_wall]:
@@ -150,15 +153,10 @@ class PeerLink:
             logger.warning("buffer lease %s expired before the PE released it", lease)
             self._end_lease(lease)
 
-    def _on_notification(self, message: bytes) -> None:
-        if message.startswith(PULLED):
-            with self._lock:
-                # A pull may finish before this engine's next step registers the hold.
-                self._pulled.add(message[len(PULLED) :].decode())
-        elif message.startswith(RELEASE):
-            self._end_lease(message[len(RELEASE) :].decode())
-        else:
-            logger.warning("unexpected NIXL notification %r", message[:64])
+    def _on_pulled(self, message: bytes) -> None:
+        with self._lock:
+            # A pull may finish before this engine's next step registers the hold.
+            self._pulled.add(message[len(PULLED) :].decode())
 
     def _end_lease(self, lease: str) -> None:
         with self._lock:
@@ -212,3 +210,5 @@ class PeerLink:
 
     def close(self) -> None:
         self._server.stop()
+        for prefix in (PULLED, RELEASE):
+            self._notifications.unregister(prefix)

@@ -29,6 +29,7 @@ import json
 import logging
 import threading
 import uuid
+import weakref
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,7 @@ from prometheus_client import Counter
 from nixl_backends.configuration import ConfigError, from_dict
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout
 from nixl_backends.nixl_io import Polling, TransferAbandoned, descriptors, run_nixl_transfers
+from nixl_backends.notifications import dispatcher_for
 from nixl_backends.obj_backend import OBJ, obj_device_ids
 from nixl_backends.s3 import S3Store, S3StoreConfig
 from nixl_backends.s3agg_protocol import (
@@ -58,6 +60,7 @@ from nixl_backends.s3agg_protocol import (
     LAYOUT_LAYER_MAJOR,
     MODE_CHUNKWISE,
     MODE_HEADER,
+    NOTIFICATION_PREFIX,
     REQUEST_ID_HEADER,
     TargetLayout,
     descriptor_body,
@@ -145,28 +148,65 @@ def _host_view(addr: int, nbytes: int) -> np.ndarray:
 
 
 class _Inbox:
-    """Sorts an agent's notifications by request id, so concurrent reads never take each other's."""
+    """The gateway's notifications to one agent, sorted by request id, so concurrent reads never take each other's.
+
+    Registered with the agent's one :class:`NotificationDispatcher` (a PD worker's
+    side channel reads the same agent's notifications for other prefixes).
+    """
 
     def __init__(self, agent) -> None:
-        self._agent = agent
+        self._notifications = dispatcher_for(agent)
         self._lock = threading.Lock()
-        self._boxes: dict[str, collections.deque[str]] = collections.defaultdict(collections.deque)
+        self._boxes: dict[str, collections.deque[str]] = {}
+        self._notifications.register(NOTIFICATION_PREFIX.encode(), self._on_message)
+
+    def open(self, request_id: str) -> None:
+        with self._lock:
+            self._boxes[request_id] = collections.deque()
+
+    def close(self, request_id: str) -> None:
+        with self._lock:
+            self._boxes.pop(request_id, None)
 
     def take(self, request_id: str) -> list[str]:
+        """Tokens of an open request that arrived since the last call."""
+        self._notifications.poll()
         with self._lock:
-            for messages in self._agent.get_new_notifs().values():
-                for message in messages:
-                    parsed = parse_notification(message)
-                    if parsed is None:
-                        logger.debug("s3agg: dropped a notification not from the gateway: %r", message[:64])
-                        continue
-                    rid, token = parsed
-                    self._boxes[rid].append(token)
-            box = self._boxes.pop(request_id, None)
-        return list(box) if box else []
+            box = self._boxes.get(request_id)
+            tokens = list(box) if box else []
+            if box:
+                box.clear()
+        return tokens
+
+    def _on_message(self, message: bytes) -> None:
+        parsed = parse_notification(message)
+        if parsed is None:
+            return
+        request_id, token = parsed
+        with self._lock:
+            box = self._boxes.get(request_id)
+            if box is not None:
+                box.append(token)
+                return
+        # A request that gave up (timeout, fallback) may still hear from the gateway.
+        logger.debug("s3agg: notification for no open request dropped: %r", message[:64])
+
+
+_INBOXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_INBOXES_LOCK = threading.Lock()
+
+
+def _inbox_for(agent) -> _Inbox:
+    """One inbox per agent, shared by every S3AggStore opened on it."""
+    with _INBOXES_LOCK:
+        inbox = _INBOXES.get(agent)
+        if inbox is None:
+            inbox = _INBOXES[agent] = _Inbox(agent)
+        return inbox
 
 
 class S3AggStore(KVStore):
+    delivers_layers = True  # read_layerwise
     def __init__(self, config: S3AggStoreConfig, layout: BlockLayout, agent=None) -> None:
         super().__init__(layout)
         self.config = config
@@ -175,7 +215,7 @@ class S3AggStore(KVStore):
             # The gateway WRITEs into our buffers: UCX must exist before they are registered.
             agent.create_backend("UCX")
         self._inner = S3Store(config.s3_config, layout, agent)
-        self._inbox = _Inbox(agent) if agent is not None else None
+        self._inbox = _inbox_for(agent) if agent is not None else None
         # Buffers of transfers that outlived their deadline: NIXL may still write them, so never freed.
         self._abandoned: list[np.ndarray] = []
         self._path = f"/{config.s3_config.bucket}?{EXTENSION_QUERY}"
@@ -226,38 +266,45 @@ class S3AggStore(KVStore):
     def read_layerwise(
         self,
         keys: Sequence[str],
-        layer_addrs: Sequence[int],
+        regions: Sequence[int],
         on_layer: Callable[[int], None],
         *,
+        layout: TargetLayout = LAYOUT_LAYER_MAJOR,
         compute_window_s: float | None = None,
         request_id: str | None = None,
     ) -> LayerwiseRead:
-        """Read layer ``l`` of every chunk, with its digests, into ``layer_addrs[l]``.
+        """Read layer ``l`` of every chunk, with its digests, into ``regions``, handing over each layer as it lands.
 
-        ``layer_addrs`` are ``num_layers`` NIXL-registered DRAM regions of
-        ``n*S + n*D`` bytes (``n = len(keys)``, ``D = DIGEST_BYTES``,
-        :func:`~nixl_backends.s3agg_protocol.layer_region_bytes`): chunk ``j``'s
-        Layer Block at ``j*S``, its stored digest of layer ``l`` at ``n*S + j*D``.
+        ``regions`` are NIXL-registered DRAM addresses, per ``layout``:
+
+        - ``layer_major``: ``num_layers`` regions of ``n*S + n*D`` bytes (``n =
+          len(keys)``, ``D = DIGEST_BYTES``, :func:`~nixl_backends.s3agg_protocol.layer_region_bytes`):
+          chunk ``j``'s Layer Block at ``j*S``, its stored digest of layer ``l`` at ``n*S + j*D``;
+        - ``chunk_major``: ``n`` regions of ``object_bytes``, each laid out as the
+          stored object (layer ``l`` at ``l*S``, its digest at ``L*S + l*D``), e.g.
+          a pool slot per chunk.
+
         ``on_layer(l)`` is called on this thread once per layer, in layer order,
         as soon as layer ``l``'s bytes and digests are in place. Nothing here
         verifies them (the gateway does not either): before using layer ``l`` the
-        caller checks it with ``ChunkIntegrity.verify_layer_major(chunk_hashes, l,
-        region)``, which says how many leading chunks are intact. If the gateway
-        fails, the remaining layers come from plain S3 in the same layout and the
-        callback contract still holds. Raises :class:`GatewayRefused` for a
-        request the gateway rejects, or an error if the fallback fails too.
+        caller checks it (``ChunkIntegrity.verify_layer_major`` or
+        ``verify_layer``), which says how many leading chunks are intact. If the
+        gateway fails, the remaining layers come from plain S3 in the same layout
+        and the callback contract still holds. Raises :class:`GatewayRefused` for
+        a request the gateway rejects, or an error if the fallback fails too.
         """
         if self._agent is None:
             raise RuntimeError("S3AggStore was opened without a NIXL agent: lookup only")
+        target = _Target(self.layout, layout, [int(a) for a in regions], len(keys))
         num_layers = self.layout.num_layers
-        if len(layer_addrs) != num_layers:
-            raise ValueError(f"need {num_layers} layer regions, got {len(layer_addrs)}")
         request_id = request_id or uuid.uuid4().hex
         result = LayerwiseRead(request_id, "")
         next_layer = 0
 
         def hand_over(token: str) -> None:
             nonlocal next_layer
+            if token != ALL_LAYERS and not (token.isdigit() and int(token) < num_layers):
+                raise GatewayUnavailable(f"gateway sent a notification naming no layer: {token[:32]!r}")
             result.notifications.append(token)
             upto = num_layers if token == ALL_LAYERS else int(token) + 1
             while next_layer < upto:  # in order, once each
@@ -267,15 +314,16 @@ class S3AggStore(KVStore):
         window = compute_window_s or self.config.compute_window_s
         try:
             if self.config.delivery == "http":
-                result.mode, result.summary = self._http_request(request_id, keys, layer_addrs, hand_over, window)
+                result.mode, result.summary = self._http_request(request_id, keys, target, hand_over, window)
             else:
-                size = layer_region_bytes(len(keys), self.layout.layer_block_bytes)
                 result.mode, result.summary = self._nixl_request(
-                    request_id, keys, LAYOUT_LAYER_MAJOR, [[int(a), size] for a in layer_addrs], hand_over, window)
+                    request_id, keys, layout, target.regions(), hand_over, window)
         except GatewayUnavailable as exc:
             self._count_fallback("read_layerwise", request_id, exc)
             result.mode, result.error = "fallback", str(exc)
-            self._fallback_layers(keys, layer_addrs, next_layer, on_layer)
+            if self._inner.lookup(keys) < len(keys):
+                raise RuntimeError("s3agg fallback: a chunk is missing or short in the bucket") from None
+            self._read_ranges(keys, target, on_layer, start=next_layer)
         return result
 
     # --- the gateway request ----------------------------------------------------------------------
@@ -328,6 +376,7 @@ class S3AggStore(KVStore):
             except (GatewayUnavailable, GatewayRefused) as exc:
                 outcome["error"] = exc
 
+        self._inbox.open(request_id)
         thread = threading.Thread(target=post, name=f"s3agg-{request_id[:8]}", daemon=True)
         thread.start()
         received: list[str] = []
@@ -353,32 +402,36 @@ class S3AggStore(KVStore):
         finally:
             # The gateway may still be writing our buffers: never return before the request ends.
             thread.join(self.config.request_timeout_s)
+            self._inbox.close(request_id)
 
     def _http_request(
         self,
         request_id: str,
         keys: Sequence[str],
-        layer_addrs: Sequence[int],
+        target: _Target,
         on_token: Callable[[str], None],
         window: float | None,
     ) -> tuple[str, dict[str, Any]]:
-        """Layers (with their digests) arrive as response frames, each received straight into its layer region."""
+        """Layers (with their digests) arrive as response frames, received straight into the target where its
+        layout matches the frame's (else into a scratch buffer, then placed by numpy)."""
         n, layout = len(keys), self.layout
         region = layer_region_bytes(n, layout.layer_block_bytes)
         conn, response = self._post(request_id, self._descriptor(keys, http_target(), window))
         mode = response.getheader(MODE_HEADER, "")
+        scratch: np.ndarray | None = None
         try:
             while True:
                 kind, index, length = FRAME.unpack(_read_exact(response, FRAME.size))
                 if kind == FRAME_LAYER and index < layout.num_layers and length == region:
-                    _readinto_exact(response, _host_view(layer_addrs[index], length))
+                    if target.layout == LAYOUT_LAYER_MAJOR:
+                        _readinto_exact(response, _host_view(target.addrs[index], length))
+                    else:
+                        scratch = np.empty(region, dtype=np.uint8) if scratch is None else scratch
+                        _readinto_exact(response, scratch)
+                        target.place_layer(index, scratch)
                     on_token(str(index))
                 elif kind == FRAME_CHUNKS and length == n * layout.object_bytes:
-                    # The stored objects in chunk order: received once, then each layer placed by numpy.
-                    objects = np.empty(length, dtype=np.uint8).reshape(n, layout.object_bytes)
-                    _readinto_exact(response, objects)
-                    for layer, addr in enumerate(layer_addrs):
-                        _place_layer(layout, layer, objects, _host_view(addr, region))
+                    target.receive_objects(lambda view: _readinto_exact(response, view))
                     on_token(ALL_LAYERS)
                 elif kind == FRAME_END:
                     return mode, json.loads(_read_exact(response, length))
@@ -397,54 +450,106 @@ class S3AggStore(KVStore):
         FALLBACKS.labels(op).inc()
         logger.warning("s3agg: request %s falls back to plain S3 range reads: %s", request_id, exc)
 
-    def _fallback_layers(
-        self, keys: Sequence[str], layer_addrs: Sequence[int], start: int, on_layer: Callable[[int], None]
-    ) -> None:
-        if self._inner.lookup(keys) < len(keys):
-            raise RuntimeError("s3agg fallback: a chunk is missing or short in the bucket")
-        self.read_ranges(keys, layer_addrs, on_layer, start=start)
-
     def read_ranges(
         self, keys: Sequence[str], layer_addrs: Sequence[int], on_layer: Callable[[int], None], *, start: int = 0
     ) -> None:
-        """Without the gateway: layers ``start..L-1`` by plain ranged GETs, one per chunk and layer.
+        """Without the gateway: layers ``start..L-1`` into layer-major regions by plain ranged GETs, one per chunk
+        and layer; what the fallback of :meth:`read_layerwise` does (the benchmark's per-chunk baseline)."""
+        self._read_ranges(keys, _Target(self.layout, LAYOUT_LAYER_MAJOR, [int(a) for a in layer_addrs], len(keys)),
+                          on_layer, start=start)
 
-        Same target, layout and callback contract as :meth:`read_layerwise`; each
-        layer's N GETs run in parallel and land straight at their assembled
-        offsets. The trailers come with the first layer's GETs (one more per
-        chunk, into a small registered buffer) and each layer's digests are
-        copied after its Layer Blocks before the layer is handed over.
-        """
+    def _read_ranges(self, keys: Sequence[str], target: _Target, on_layer: Callable[[int], None], *, start: int) -> None:
+        """Each layer's N GETs run in parallel and land straight at their target offsets. The trailers come
+        with the first layer's GETs (one more per chunk): straight into place for a chunk-major target, else
+        into a small registered buffer whose digests of each layer are placed before the layer is handed over."""
         layout, n = self.layout, len(keys)
         s, num_layers = layout.layer_block_bytes, layout.num_layers
         dev_ids = obj_device_ids(self._agent, n)
-        trailers = np.empty((n, num_layers, DIGEST_BYTES), dtype=np.uint8)
+        chunk_major = target.layout == LAYOUT_CHUNK_MAJOR
+        trailers = None if chunk_major else np.empty((n, num_layers, DIGEST_BYTES), dtype=np.uint8)
         registrations = [
-            self._agent.register_memory([(0, layout.object_bytes, d, key) for d, key in zip(dev_ids, keys)], OBJ),
-            self._agent.register_memory([(trailers.ctypes.data, trailers.nbytes, 0, "")], "DRAM"),
-        ]
+            self._agent.register_memory([(0, layout.object_bytes, d, key) for d, key in zip(dev_ids, keys)], OBJ)]
         chunks = np.arange(n, dtype=np.int64)
+        if chunk_major:
+            trailer_at = np.asarray(target.addrs, dtype=np.int64) + layout.full_block_bytes
+        else:
+            registrations.append(self._agent.register_memory([(trailers.ctypes.data, trailers.nbytes, 0, "")], "DRAM"))
+            trailer_at = trailers.ctypes.data + chunks * layout.trailer_bytes
         dev_id_column = np.arange(dev_ids.start, dev_ids.stop)
-        trailer_reads = (descriptors(trailers.ctypes.data + chunks * layout.trailer_bytes, layout.trailer_bytes),
+        trailer_reads = (descriptors(trailer_at, layout.trailer_bytes),
                          descriptors(layout.full_block_bytes, layout.trailer_bytes, dev_id_column))
         abandoned = False
         try:
             for layer in range(start, num_layers):
-                region = int(layer_addrs[layer])
-                reads = [(descriptors(region + chunks * s, s), descriptors(layer * s, s, dev_id_column))]
+                reads = [(descriptors(target.block_addrs(layer), s), descriptors(layer * s, s, dev_id_column))]
                 if not all(run_nixl_transfers(self._agent, "READ", reads + ([trailer_reads] if layer == start else []),
                                               OBJ, self.config.s3_config.io_timeout_s)):
                     raise RuntimeError(f"s3agg: ranged reads of layer {layer} failed")
-                _host_view(region + n * s, n * DIGEST_BYTES).reshape(n, DIGEST_BYTES)[:] = trailers[:, layer, :]
+                if trailers is not None:
+                    _host_view(target.addrs[layer] + n * s, n * DIGEST_BYTES).reshape(n, DIGEST_BYTES)[:] = \
+                        trailers[:, layer, :]
                 on_layer(layer)
         except TransferAbandoned:
             abandoned = True  # NIXL may still use the registrations and write the trailer buffer
-            self._abandoned.append(trailers)
+            if trailers is not None:
+                self._abandoned.append(trailers)
             raise
         finally:
             if not abandoned:
                 for registration in registrations:
                     self._agent.deregister_memory(registration)
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where a read's layers go: ``addrs`` one per layer (layer-major) or one per chunk (chunk-major)."""
+
+    store: BlockLayout
+    layout: TargetLayout
+    addrs: list[int]
+    num_chunks: int
+
+    def __post_init__(self) -> None:
+        expected = self.store.num_layers if self.layout == LAYOUT_LAYER_MAJOR else self.num_chunks
+        if self.layout not in (LAYOUT_LAYER_MAJOR, LAYOUT_CHUNK_MAJOR):
+            raise ValueError(f"unknown target layout {self.layout!r}")
+        if len(self.addrs) != expected:
+            raise ValueError(f"a {self.layout} target of {self.num_chunks} chunks needs {expected} regions, "
+                             f"got {len(self.addrs)}")
+
+    def regions(self) -> list[list[int]]:
+        size = (layer_region_bytes(self.num_chunks, self.store.layer_block_bytes)
+                if self.layout == LAYOUT_LAYER_MAJOR else self.store.object_bytes)
+        return [[addr, size] for addr in self.addrs]
+
+    def block_addrs(self, layer: int) -> np.ndarray:
+        """Address of every chunk's Layer Block ``layer``."""
+        s = self.store.layer_block_bytes
+        if self.layout == LAYOUT_LAYER_MAJOR:
+            return self.addrs[layer] + np.arange(self.num_chunks, dtype=np.int64) * s
+        return np.asarray(self.addrs, dtype=np.int64) + layer * s
+
+    def place_layer(self, layer: int, region: np.ndarray) -> None:
+        """A layer-major region of ``layer`` (blocks, then digests) into a chunk-major target."""
+        s, full = self.store.layer_block_bytes, self.store.full_block_bytes
+        blocks = region[: self.num_chunks * s].reshape(self.num_chunks, s)
+        digests = region[self.num_chunks * s :].reshape(self.num_chunks, DIGEST_BYTES)
+        for j, addr in enumerate(self.addrs):  # one memcpy per chunk and part
+            _host_view(addr + layer * s, s)[:] = blocks[j]
+            _host_view(addr + full + layer * DIGEST_BYTES, DIGEST_BYTES)[:] = digests[j]
+
+    def receive_objects(self, receive: Callable[[np.ndarray], None]) -> None:
+        """Every stored object, in chunk order, from ``receive(view)`` (which fills ``view``)."""
+        size = self.store.object_bytes
+        if self.layout == LAYOUT_CHUNK_MAJOR:
+            for addr in self.addrs:  # each object straight into its region
+                receive(_host_view(addr, size))
+            return
+        objects = np.empty((self.num_chunks, size), dtype=np.uint8)
+        receive(objects)
+        region = layer_region_bytes(self.num_chunks, self.store.layer_block_bytes)
+        for layer, addr in enumerate(self.addrs):
+            _place_layer(self.store, layer, objects, _host_view(addr, region))
 
 
 def post_signed(

@@ -24,6 +24,10 @@ __all__ = ["KVStore", "TransferAbandoned"]
 class KVStore(ABC):
     """Leading-run lookup, Full Block reads and writes through NIXL."""
 
+    # A store that can hand over a read layer by layer as each lands (``read_layerwise``, e.g. the
+    # s3agg gateway's), so a reader can start using layer 0 before the last layer arrives.
+    delivers_layers: bool = False
+
     def __init__(self, layout: BlockLayout) -> None:
         self.layout = layout
 
