@@ -49,6 +49,10 @@ class DualPathConfig:
     # just before each attention layer of the next forward; "bulk": the whole
     # hit lands before the load is reported.
     load_mode: str = "layerwise"
+    # Layerwise with a store that delivers per layer (s3agg): the longest the
+    # forward waits for one layer of a hit still arriving; chunks whose layer
+    # is later are reported to vLLM as load errors and recomputed.
+    layer_arrival_timeout_s: float = 10.0
     # PD roles (kv_producer / kv_consumer): where this engine's side channel
     # listens for its peers (agent metadata, DE-side read requests).
     side_channel_host: str = "127.0.0.1"
@@ -97,7 +101,7 @@ class DualPathConfig:
                 raise ConfigError(f"{_WHERE}{name} must be positive, got {getattr(self, name)}")
         if self.load_mode not in LOAD_MODES:
             raise ConfigError(f"bad value for {_WHERE}'load_mode': {self.load_mode!r}; supported: {LOAD_MODES}")
-        for name in ("pd_lease_s", "de_read_timeout_s", "pd_transfer_timeout_s"):
+        for name in ("pd_lease_s", "de_read_timeout_s", "pd_transfer_timeout_s", "layer_arrival_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{_WHERE}{name} must be positive, got {getattr(self, name)}")
         if self.pd_lease_s <= self.de_read_timeout_s + self.pd_transfer_timeout_s:

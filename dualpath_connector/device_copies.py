@@ -76,9 +76,14 @@ class DeviceCopier:
     def _staging(self, *leading: int) -> torch.Tensor:
         return torch.empty((*leading, *self._layer_block_shape), dtype=torch.uint8, device=self.view.device)
 
-    def post_loads(self, plan: CopyPlan, layers: Sequence[int]) -> tuple[Mark, list[Mark]]:
-        """Queue ``layers`` of the planned blocks into the cache; the start mark and one mark per layer."""
-        self.stream.follow_compute()
+    def post_loads(self, plan: CopyPlan, layers: Sequence[int], follow: bool = True) -> tuple[Mark, list[Mark]]:
+        """Queue ``layers`` of the planned blocks into the cache; the start mark and one mark per layer.
+
+        ``follow``: the copies first wait for the compute stream's queued work (which may still use the
+        blocks); a later post in the same forward, into blocks that forward only reads, need not.
+        """
+        if follow:
+            self.stream.follow_compute()
         start = self.stream.mark()
         marks = []
         with self.stream.active():

@@ -17,6 +17,12 @@ from CUDA events then (:mod:`~dualpath_connector.load_timing`).
 A READ from a DE that fails after the hit was reported is *repaired*: the
 hit is read from the store here (a callable the read path provides) and the
 remaining layers come from that copy; earlier layers are already right.
+
+An *arriving* hit (:mod:`~dualpath_connector.arrivals`) is injected layer by
+layer as its layers land: before attention layer ``l`` the forward waits for
+layer ``l`` of it alone. Chunks whose layer does not land in time, or fails
+its check, are failed (a callable the worker provides: their blocks are
+reported to vLLM, which recomputes them) and get no further layer.
 """
 
 from __future__ import annotations
@@ -54,6 +60,8 @@ class Injector:
         repair: Callable[[LoadedHit], None],
         release: Callable[[list[LoadedHit]], None],
         transfer_timeout_s: float,
+        fail: Callable[[LoadedHit, int], None] = lambda hit, good: None,
+        arrival_timeout_s: float = 10.0,
         load_stream: CopyStream | None = None,
     ) -> None:
         self.view = view
@@ -64,6 +72,9 @@ class Injector:
         self.repair = repair
         self.release = release
         self.transfer_timeout_s = transfer_timeout_s
+        # An arriving hit's chunks from ``good`` on did not land intact: ``fail(hit, good)``.
+        self.fail = fail
+        self.arrival_timeout_s = arrival_timeout_s
         self._host = view.host_blocks(pool.array, pool.num_slots, blocks_per_chunk)
         # On an accelerator (given a stream): pool copies are queued on it.
         self.device = DeviceCopier(view, self._host, load_stream) if load_stream is not None else None
@@ -88,9 +99,9 @@ class Injector:
         finally:
             self.release([hit])
 
-    def post_device(self, hits: list[LoadedHit], layers: Sequence[int]) -> tuple[Mark, list[Mark]]:
+    def post_device(self, hits: list[LoadedHit], layers: Sequence[int], follow: bool = True) -> tuple[Mark, list[Mark]]:
         """Queue ``layers`` of hits held in the pool on the copy stream; its start mark and one mark per layer."""
-        return self.device.post_loads(self.plan(hits, on_device=False), layers)
+        return self.device.post_loads(self.plan(hits, on_device=False), layers, follow)
 
     def retire(self, hits: list[LoadedHit], timing: StepLoadTiming) -> None:
         """Release ``hits`` (and report ``timing``) once every device copy queued so far has run."""
@@ -159,26 +170,33 @@ class LayerwiseInjection:
     def __init__(self, injector: Injector, hits: list[LoadedHit]) -> None:
         self.injector = injector
         self.num_layers = injector.layout.num_layers
-        self.local = [h for h in hits if h.remote is None]
+        # Arriving hits whose every layer is in already are injected like any pool-held hit.
+        self.arriving = [h for h in hits if h.arrivals is not None and not h.arrivals.complete(len(h.chunks))]
+        arriving = {id(h) for h in self.arriving}
+        self.local = [h for h in hits if h.remote is None and id(h) not in arriving]
         self.remote = [h for h in hits if h.remote is not None]
         self.started = time.perf_counter()
         self.reads = {id(h): injector.post_remote_reads(h) for h in self.remote}
         self.timing = StepLoadTiming()
         self._local_copy_s = 0.0
         self._remote_span_s = 0.0
+        self._arriving_plan: CopyPlan | None = None
+        self._followed = False
         if injector.device is not None:
             # Every layer of every pool-held hit now; the forward waits per layer on marks.
             self._ready: list[list[Mark]] = [[] for _ in range(self.num_layers)]
-            self._post(self.local, 0)
+            self._post(self.local, range(self.num_layers))
         else:
             self.plan = injector.plan(self.local)
 
-    def _post(self, hits: list[LoadedHit], first_layer: int) -> None:
+    def _post(self, hits: list[LoadedHit], layers: range) -> None:
         if not hits:
             return
-        start, marks = self.injector.post_device(hits, range(first_layer, self.num_layers))
+        # The first post of the forward waits for the compute stream's queued work; later ones need not.
+        start, marks = self.injector.post_device(hits, layers, follow=not self._followed)
+        self._followed = True
         self.timing.device_loads.append((start, marks[-1]))
-        for layer, mark in zip(range(first_layer, self.num_layers), marks):
+        for layer, mark in zip(layers, marks):
             self._ready[layer].append(mark)
 
     def layer(self, layer: int) -> None:
@@ -191,11 +209,13 @@ class LayerwiseInjection:
                 self.remote.remove(hit)
                 self.local.append(hit)
                 if self.injector.device is not None:
-                    self._post([hit], layer)
+                    self._post([hit], range(layer, self.num_layers))
                 else:
                     self.plan = self.injector.plan(self.local)
         if self.remote:
             self._remote_span_s = time.perf_counter() - self.started
+        if self.arriving:
+            self._land(layer)
         if self.injector.device is not None:
             if self._ready[layer]:
                 stream = self.injector.device.stream
@@ -208,9 +228,32 @@ class LayerwiseInjection:
             self._local_copy_s += time.perf_counter() - copy_started
         self.timing.host_wait_s += time.perf_counter() - entered
 
+    def _land(self, layer: int) -> None:
+        """Wait for layer ``layer`` of the arriving hits; fail what did not land intact; inject the rest."""
+        for hit in self.arriving:
+            if not hit.chunks:
+                continue  # failed at an earlier layer: nothing left to wait for
+            good = hit.arrivals.wait(layer, self.injector.arrival_timeout_s)
+            if good < len(hit.chunks):
+                self.injector.fail(hit, good)
+                hit.chunks = hit.chunks[:good]
+                self._arriving_plan = None
+        hits = [h for h in self.arriving if h.chunks]
+        if self.injector.device is not None:
+            self._post(hits, range(layer, layer + 1))
+            return
+        if self._arriving_plan is None:
+            self._arriving_plan = self.injector.plan(hits)
+        copy_started = time.perf_counter()
+        self.injector.copy_in(hits, [layer], self._arriving_plan)
+        self._local_copy_s += time.perf_counter() - copy_started
+
     def finish(self) -> None:
         for hit in self.remote:
             self.injector.end_remote(hit)
-        self.timing.host_load_s = max(self._local_copy_s, self._remote_span_s)
-        # The remote hits' buffers were handed back above; the local ones wait for their copies.
-        self.injector.retire(self.local, self.timing)
+        landed = [h.arrivals.last_landed_at() for h in self.arriving]
+        arrival_span_s = max((t - self.started for t in landed if t is not None), default=0.0)
+        self.timing.host_load_s = max(self._local_copy_s, self._remote_span_s, arrival_span_s)
+        # The remote hits' buffers were handed back above; the pool-held ones wait for their copies
+        # (and an arriving hit's slots also for its read to end).
+        self.injector.retire(self.local + self.arriving, self.timing)

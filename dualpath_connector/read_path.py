@@ -6,6 +6,11 @@ attention reads them. Where the bytes sit is a :class:`LoadedHit`: slots of
 this engine's load pool, or (read side ``de``) a DE's buffer lent to this
 engine under a lease until it is released.
 
+With a store that delivers per layer (the s3agg gateway) and ``load_mode:
+layerwise``, a hit read here is *arriving* (:mod:`~dualpath_connector.arrivals`):
+it is handed on once layer 0 landed and verified, and the read goes on landing
+the other layers while the forward uses the first ones.
+
 Reads here run on the read lane. A DE-side read waits for the DE on its own
 thread, not on the read lane: waiting for a DE must not hold up this engine's
 own store reads, or the two sides would take turns. A DE that cannot answer
@@ -28,9 +33,11 @@ import torch
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.integrity import ChunkIntegrity
+from nixl_backends.s3agg_protocol import LAYOUT_CHUNK_MAJOR
 from nixl_backends.store import KVStore, TransferAbandoned
 
 from dualpath_connector.affinity import pin_current_thread
+from dualpath_connector.arrivals import LayerArrivals
 from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.kv_regions import KVRegions
 from dualpath_connector.metadata import ChunkLoad, LoadSpec
@@ -60,12 +67,16 @@ class RemoteBuffer:
 
 @dataclass
 class LoadedHit:
-    """A hit whose leading readable chunks sit in a host buffer: this engine's pool slots, or a DE's."""
+    """A hit whose leading readable chunks sit in a host buffer: this engine's pool slots, or a DE's.
+
+    An arriving hit (``arrivals`` set) is in the pool only up to its last landed layer.
+    """
 
     req_id: str
     chunks: list[ChunkLoad]
     slots: list[int] = field(default_factory=list)
     remote: RemoteBuffer | None = None
+    arrivals: LayerArrivals | None = None
 
     def block_ids(self) -> np.ndarray:
         return np.asarray([b for c in self.chunks for b in c.block_ids], dtype=np.int64)
@@ -86,6 +97,8 @@ class HitReader:
         stats: StatsRecorder,
         de_read_timeout_s: float,
         cores: set[int] | None,
+        layer_arrival: bool = False,
+        compute_window_s: Callable[[], float | None] = lambda: None,
     ) -> None:
         self.store = store
         self.pool = pool
@@ -97,6 +110,10 @@ class HitReader:
         self.lane = lane
         self.stats = stats
         self.de_read_timeout_s = de_read_timeout_s
+        # Hits read here arrive layer by layer (the store delivers per layer, the loads are layerwise).
+        self.layer_arrival = layer_arrival and store.delivers_layers
+        # The forward's measured per-layer compute time, declared to the store's bandwidth scheduler.
+        self.compute_window_s = compute_window_s
         self.read_queue = StoreReadQueue()
         self._de_reads = ThreadPoolExecutor(
             max_workers=_DE_READ_THREADS,
@@ -115,6 +132,12 @@ class HitReader:
         self._count_queue(tokens)
 
         def job() -> None:
+            if self.layer_arrival:
+                try:
+                    self.read_arriving(spec, on_read)
+                finally:
+                    self._count_queue(-tokens)
+                return
             try:
                 hit = self._guarded(spec, lambda: self.read_here(spec))
             finally:
@@ -167,6 +190,74 @@ class HitReader:
         self.stats.add(bytes_read=readable * self.key_space.layout.full_block_bytes)
         return LoadedHit(spec.req_id, spec.chunks[:readable], slots=slots[:readable])
 
+    def read_arriving(self, spec: LoadSpec, on_read: Callable[[LoadedHit], None]) -> None:
+        """Read the hit layer by layer into the pool; ``on_read`` gets it once, when layer 0 verified.
+
+        A read that fails before layer 0 is retried as a whole-object read (a
+        chunk evicted since the lookup is then a shorter hit, not a lost one);
+        one that fails later ends the arrivals, and the forward fails what is
+        missing.
+        """
+        chunk_hashes = [c.chunk_hash for c in spec.chunks]
+        try:
+            slots = self.pool.acquire(len(spec.chunks))
+        except Exception:
+            logger.exception("request %s: load failed", spec.req_id)
+            on_read(LoadedHit(spec.req_id, []))
+            return
+        arrivals = LayerArrivals(self.key_space.layout.num_layers)
+        hit = LoadedHit(spec.req_id, list(spec.chunks), slots=slots, arrivals=arrivals)
+        good = len(spec.chunks)
+        started = time.perf_counter()
+
+        def on_layer(layer: int) -> None:
+            nonlocal good
+            good = self._verify_layer(chunk_hashes, slots, layer, good)
+            arrivals.land(layer, good)
+            if layer == 0:
+                hit.chunks = spec.chunks[:good]
+                if not good:
+                    self.release([hit])  # reported as a failed load; the slots return once the read ends
+                on_read(hit)
+
+        try:
+            self.store.read_layerwise(
+                [self.key_space.key(h) for h in chunk_hashes], [self.pool.slot_addr(s) for s in slots], on_layer,
+                layout=LAYOUT_CHUNK_MAJOR, compute_window_s=self.compute_window_s(),
+            )  # fmt: skip
+        except TransferAbandoned as exc:
+            # NIXL may still write these slots: they never return to the pool.
+            logger.error("request %s: store read abandoned; %d load slots retired", spec.req_id, len(slots))
+            arrivals.end(str(exc), abandoned=True)
+            if arrivals.last_landed_at() is None:
+                on_read(LoadedHit(spec.req_id, []))
+            return
+        except Exception as exc:
+            arrivals.end(f"{type(exc).__name__}: {exc}")
+            if arrivals.last_landed_at() is None:
+                logger.warning("request %s: layerwise store read failed (%s); reading whole objects", spec.req_id, exc)
+                self.pool.release(slots)
+                on_read(self._guarded(spec, lambda: self.read_here(spec)))
+            else:
+                logger.warning("request %s: layerwise store read failed after layer 0: %s", spec.req_id, exc)
+            return
+        arrivals.end()
+        self.read_queue.record_read(good * self.key_space.chunk_tokens, time.perf_counter() - started)
+        self.stats.add(bytes_read=good * self.key_space.layout.full_block_bytes)
+
+    def _verify_layer(self, chunk_hashes: list[str], slots: list[int], layer: int, limit: int) -> int:
+        """How many of the first ``limit`` chunks' ``layer`` verify; a bad one is dropped from the store."""
+        started = time.perf_counter()
+        good = limit
+        for i in range(limit):
+            problem = self._check(chunk_hashes[i], self.pool.slot_view(slots[i]), layer)
+            if problem is not None:
+                self._drop_corrupt(self.key_space.key(chunk_hashes[i]), problem)
+                good = i
+                break
+        self.stats.time("verify_seconds", time.perf_counter() - started)
+        return good
+
     @staticmethod
     def _leading_ok(ok: list[bool]) -> int:
         # The hit ends at the first bad chunk; later chunks are not used even
@@ -193,15 +284,22 @@ class HitReader:
         self.stats.time("verify_seconds", time.perf_counter() - started)
         return ok
 
-    def _check(self, chunk_hash: str, obj: np.ndarray) -> str | None:
-        """Why this object must not reach a KV cache, or None."""
-        if not self.integrity.verify(chunk_hash, obj):
+    def _check(self, chunk_hash: str, obj: np.ndarray, layer: int | None = None) -> str | None:
+        """Why this object (or its layer ``layer`` alone) must not reach a KV cache, or None."""
+        layout = self.key_space.layout
+        if layer is None:
+            intact = self.integrity.verify(chunk_hash, obj)
+            data = obj[: layout.full_block_bytes]
+        else:
+            data = obj[slice(*layout.layer_range(layer))]
+            intact = self.integrity.verify_layer(chunk_hash, layer, data, obj[slice(*layout.digest_range(layer))])
+        if not intact:
             return f"failed its integrity check ({self.integrity.algorithm})"
         if self.kv_dtype is not None:
             # A writer who can compute the digest (checksum mode) could store
             # NaN/inf; in a KV cache they spread to whichever request reuses
             # the blocks, so they are refused too.
-            values = torch.from_numpy(obj[: self.key_space.layout.full_block_bytes]).view(self.kv_dtype)
+            values = torch.from_numpy(data).view(self.kv_dtype)
             # aminmax propagates NaN and returns an inf it meets: one pass, two
             # scalars. isfinite(...).all() makes several tensors the size of
             # the chunk (abs, compares, a bool mask) and is ~20x slower.
@@ -271,8 +369,12 @@ class HitReader:
                 self.peers.notify(hit.remote.peer.agent, RELEASE + hit.remote.lease.encode())
                 hit.remote = None
             if hit.slots:
-                self.pool.release(hit.slots)
-                hit.slots = []
+                slots, hit.slots = hit.slots, []
+                if hit.arrivals is not None:
+                    # The store may still be landing layers into them.
+                    hit.arrivals.when_ended(lambda slots=slots: self.pool.release(slots))
+                else:
+                    self.pool.release(slots)
 
     # -- serving a PE (DE side) ---------------------------------------------------
 

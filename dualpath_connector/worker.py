@@ -16,7 +16,11 @@ the thread that read it, before the load is reported. In ``layerwise`` mode
 it is reported as soon as its bytes sit in a buffer, and the next forward
 injects it layer by layer; vLLM schedules a loaded request only after the
 report, so no attention layer reads a block before its layer is in, and a
-request that ends before that forward has its injection dropped.
+request that ends before that forward has its injection dropped. With a
+store that delivers per layer (s3agg) the report comes once layer 0 landed,
+and the forward waits for each later layer as it reaches it
+(:mod:`~dualpath_connector.arrivals`); the per-layer compute time it measures
+(:mod:`~dualpath_connector.compute_window`) is declared to that store.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from nixl_backends.registry import make_store
 from nixl_backends.transport import UCX, add_ucx_backend
 
 from dualpath_connector.affinity import kv_transfer_cores, threads_started_on
+from dualpath_connector.compute_window import ComputeWindow
 from dualpath_connector.copy_stream import CudaCopyStream, pinned
 from dualpath_connector.config import ChunkGeometry, DualPathConfig, namespace_for
 from dualpath_connector.injection import Injector, LayerwiseInjection
@@ -96,6 +101,7 @@ class DualPathWorker:
             self._pins.enter_context(pinned(pool.base_addr, pool.array.nbytes, device))
         self.integrity = ChunkIntegrity(self.layout, config.integrity_key)
         self.stats = StatsRecorder()
+        self.compute_window = ComputeWindow()
         self._lanes = {name: IOLane(f"dualpath-{name}", self._transfer_cores) for name in ("read", "save", "pull")}
         # Built with the KV cache (register_kv_caches).
         self.peers: PeerLink | None = None
@@ -151,6 +157,7 @@ class DualPathWorker:
             store=self.store, pool=self.load_pool, block_size=self.geometry.block_size, key_space=self.key_space,
             integrity=self.integrity, kv_dtype=kv_caches[names[0]].dtype, peers=self.peers, lane=self._lanes["read"], stats=self.stats,
             de_read_timeout_s=self.config.de_read_timeout_s, cores=self._transfer_cores,
+            layer_arrival=self.config.load_mode == "layerwise", compute_window_s=lambda: self.compute_window.seconds,
         )  # fmt: skip
         # On a GPU, loads and saves each get a copy stream beside the forward's (the CPU path copies inline).
         on_cuda = view.device.type == "cuda"
@@ -158,6 +165,7 @@ class DualPathWorker:
             view=view, pool=self.load_pool, blocks_per_chunk=self.geometry.blocks_per_chunk,
             agent=self.agent, stats=self.stats, repair=self.reader.repair, release=self._release_hits,
             transfer_timeout_s=self.config.pd_transfer_timeout_s,
+            fail=self._fail_arrived, arrival_timeout_s=self.config.layer_arrival_timeout_s,
             load_stream=CudaCopyStream(view.device) if on_cuda else None,
         )  # fmt: skip
         self.saver = ChunkSaver(
@@ -239,6 +247,15 @@ class DualPathWorker:
         if dropped and layerwise:
             self._release_hits([hit])
 
+    def _fail_arrived(self, hit: LoadedHit, good: int) -> None:
+        """Chunks ``good..`` of an arriving hit did not land intact: vLLM recomputes their blocks after this forward."""
+        failed = [b for chunk in hit.chunks[good:] for b in chunk.block_ids]
+        logger.warning("request %s: a layer of %d hit chunks did not land intact; %d blocks will be recomputed",
+                       hit.req_id, len(hit.chunks) - good, len(failed))  # fmt: skip
+        self.stats.add(load_failed_tokens=len(failed) * self.geometry.block_size)
+        with self._lock:
+            self._failed_blocks.update(failed)
+
     def _note_ended(self, meta: DualPathMetadata) -> None:
         """Requests that ended: a hit of theirs not yet injected must never be."""
         with self._lock:
@@ -271,8 +288,11 @@ class DualPathWorker:
             self._injection = LayerwiseInjection(self.injector, hits) if hits else None
         if self._injection is None:
             return
+        last = layer == self.layout.num_layers - 1
+        self.compute_window.entered(layer)
         self._injection.layer(layer)
-        if layer == self.layout.num_layers - 1:
+        self.compute_window.left(layer, last)
+        if last:
             self._finish_injection()
 
     def _finish_injection(self) -> None:
