@@ -259,6 +259,27 @@ class DualPathScheduler:
             self._plan_save(state, computed_after, meta)
         return meta
 
+    def update_connector_output(self, invalid_block_ids: set[int] | None) -> None:
+        """After vLLM handled the step's load errors: chunks whose blocks failed are not known stored any more.
+
+        A load that fails mid-forward (a layer arriving late or bad) is
+        recomputed by a running request that vLLM never asks about again, so
+        the save plan and the lookup cache are corrected here: the chunks from
+        the first failed one on are saved again as they are recomputed, and
+        the store is asked afresh about them.
+        """
+        if not invalid_block_ids:
+            return
+        bpc = self.geometry.blocks_per_chunk
+        for state in self._states.values():
+            failed = [i for i, block in enumerate(state.block_ids) if block in invalid_block_ids]
+            if not failed:
+                continue
+            first = failed[0] // bpc
+            state.saved_chunks = min(state.saved_chunks, first)
+            state.stored_chunks = min(state.stored_chunks, first)
+            self._present.forget([self.key_space.key(h) for h in state.hashes[first:]])
+
     def _plan_save(self, state: _RequestState, computed_after_step: int, meta: DualPathMetadata) -> None:
         if state.remote_decode is not None:
             return  # its DE persists the chunks, with the decoded ones

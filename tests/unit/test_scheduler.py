@@ -731,3 +731,29 @@ def test_shutdown_closes_the_store(tmp_path):
     scheduler, store = make_scheduler(tmp_path)
     scheduler.shutdown()
     assert store.closed
+
+
+def test_chunks_failed_mid_forward_are_saved_again_as_recomputed(tmp_path):
+    """A running request's hit fails from chunk 1 on mid-forward (a late or bad layer): vLLM rolls it back
+    and never asks again, so the failed blocks reported to the scheduler reopen those chunks' saves and
+    drop them from the lookup cache."""
+    scheduler, store = make_scheduler(tmp_path)
+    prompt = prompt_of(4 * CHUNK + 22)
+    hashes, keys = hashes_of(prompt), keys_of(prompt)
+    store_chunks(store, prompt, 4)
+    request = make_request("r1", prompt)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (4 * CHUNK, True)
+    scheduler.update_state_after_alloc(request, Blocks(range(10, 20)), 4 * CHUNK)
+    scheduler.build_connector_meta(empty_step())
+    lookups = len(store.calls)
+
+    # Nothing the scheduler knows about: no change.
+    scheduler.update_connector_output({999})
+    # Chunk 1's second block failed: vLLM recomputes from token 32 (chunked: 32..95 first).
+    scheduler.update_connector_output({13})
+    meta = scheduler.build_connector_meta(step(cached_reqs=[cached("r1", CHUNK)], scheduled={"r1": 2 * CHUNK}))
+    assert meta.saves == [SaveSpec("r1", hashes[1:3], [[12, 13], [14, 15]])]
+    # The lookup cache forgot chunks 1..: another request's lookup asks the store again.
+    store.present.discard(keys[1])
+    assert scheduler.get_num_new_matched_tokens(make_request("r2", prompt), 0) == (CHUNK, True)
+    assert len(store.calls) == lookups + 1
