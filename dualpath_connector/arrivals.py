@@ -57,6 +57,8 @@ class LayerArrivals:
         """The read ended: no more layers will land. Unless ``abandoned`` (NIXL may still write the slots, so
         they are retired for good), the store writes nothing more and :meth:`when_ended` callbacks run."""
         with self._cond:
+            if self._ended:
+                return  # the first end says what happened to the slots
             self._ended = True
             self._error = error
             self._abandoned = abandoned

@@ -30,7 +30,8 @@ class NotificationDispatcher:
     """Routes an agent's notifications to handlers by prefix; thread-safe."""
 
     def __init__(self, agent) -> None:
-        self._agent = agent
+        # Weak: the dispatcher is the value of a weak map keyed by the agent, which must stay collectable.
+        self._agent = weakref.ref(agent)
         self._handlers: dict[bytes, Handler] = {}
         self._lock = threading.Lock()
         # One drain at a time, so each message is handled once and in arrival order.
@@ -53,9 +54,12 @@ class NotificationDispatcher:
 
     def poll(self) -> int:
         """Drain the agent's notifications into their handlers; how many there were."""
+        agent = self._agent()
+        if agent is None:
+            return 0
         with self._poll_lock:
             count = 0
-            for messages in self._agent.get_new_notifs().values():
+            for messages in agent.get_new_notifs().values():
                 for message in messages:
                     count += 1
                     self._dispatch(message)
