@@ -119,3 +119,20 @@ def resealed(stored: bytes, chunk_hash: str, num_layers: int) -> bytes:
     sealed = np.frombuffer(bytearray(stored), dtype=np.uint8)
     ChunkIntegrity(layout).seal(chunk_hash, sealed)
     return sealed.tobytes()
+
+
+def through_router(router, prompt: list[int], max_tokens: int) -> tuple[dict, dict[str, str]]:
+    """A greedy completion through a ``dualpath_dev.engines.RouterProcess``: (output as a baseline has it,
+    x-dualpath-* headers)."""
+    answer, headers, _ = router.complete(
+        {
+            "model": router_model(router), "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": True, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+        }  # fmt: skip
+    )
+    choice = answer["choices"][0]
+    return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}, headers
+
+
+def router_model(router) -> str:
+    return json.loads(router.config_path.read_text())["served_model_names"][0]

@@ -22,7 +22,6 @@ the PE healthy.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import secrets
@@ -35,7 +34,7 @@ import pytest
 
 from dualpath_connector.protocol import PrefillRequest, counter_total_name
 from dualpath_dev.engines import ClusterKeys, RouterProcess, VLLMServer
-from tests.conftest import poll, post, same
+from tests.conftest import poll, post, router_model, same, through_router
 from tests.vllm_engine import Engine
 
 pytestmark = pytest.mark.engine
@@ -104,22 +103,6 @@ def cluster(tiny_model, seaweedfs, tmp_path_factory):
         de.stop()
 
 
-def through_router(router: RouterProcess, prompt: list[int]) -> tuple[dict, dict[str, str]]:
-    """A greedy completion through the router: (output as the baseline has it, x-dualpath-* headers)."""
-    answer, headers, _ = router.complete(
-        {
-            "model": router_model(router), "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
-        }  # fmt: skip
-    )
-    choice = answer["choices"][0]
-    return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}, headers
-
-
-def router_model(router: RouterProcess) -> str:
-    return json.loads(router.config_path.read_text())["served_model_names"][0]
-
-
 @pytest.mark.parametrize("read_side", READ_SIDES)
 def test_session_through_router_matches_single_engine(read_side, tiny_model, seaweedfs, cluster, baseline, tmp_path):
     pe, de = cluster
@@ -132,7 +115,7 @@ def test_session_through_router_matches_single_engine(read_side, tiny_model, sea
     try:
         sides = []
         for turn, expected in enumerate(baseline[read_side]):
-            out, headers = through_router(router, expected["prompt"])
+            out, headers = through_router(router, expected["prompt"], OUTPUT_TOKENS)
             assert same(out, expected), f"turn {turn} differs from the engine without the connector"
             # The next turn must find every chunk the DE saves (asynchronously).
             de.wait_stored(expected["prompt"] + out["tokens"][:-1])

@@ -1,0 +1,243 @@
+"""ObjectCache on the serving path, end to end on vLLM's CPU build: hits through a real ``s3agg-gateway``.
+
+The connector's store is ``s3agg`` (the gateway in front of a SeaweedFS
+bucket) in ``layerwise`` mode, so a hit arrives layer by layer: it is reported
+once layer 0 landed and verified, and the forward waits for each later layer
+(the gateway is paced at 1 MB/s, so the layers of a ~3 MB hit really arrive
+while the forward runs). Outputs must equal an engine's without the connector
+(see ``test_engine_e2e`` for why the baselines replay the same chunking); a
+layer whose digest is bad fails its chunks mid-forward and vLLM recomputes
+them; a gateway killed mid-load leaves the rest to plain S3 reads. A 1P1D
+cluster with s3agg stores serves a session with the read side on the PE
+(layer arrival next to the PD side channel, one NIXL notification reader) and
+on the DE (the DE reads through the gateway into its own buffer).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import threading
+import urllib.request
+
+import pytest
+
+from dualpath_connector.protocol import metric_samples
+from dualpath_dev.engines import ClusterKeys, RouterProcess, VLLMServer
+from dualpath_dev.gateway import GatewayProcess, gateway_config
+from nixl_backends.layout import DIGEST_BYTES, BlockLayout, chunk_hashes, chunk_key
+from tests.conftest import poll, same, through_router
+from tests.vllm_engine import Engine
+
+pytestmark = pytest.mark.engine
+
+CHUNK = 32
+MAX_TOKENS = 24
+BATCH_TOKENS = 512
+BUCKET = "dualpath-objcache"
+NUM_LAYERS = 4  # the tiny Llama's
+
+_rng = random.Random(4321)
+P = [_rng.randrange(1024) for _ in range(1500)]
+A = P + [_rng.randrange(1024) for _ in range(40)]
+# For the gateway-kill test: after the failure test, A's own chunks past P are stored too.
+B = P + [_rng.randrange(1024) for _ in range(40)]
+# A hit reported whole, then failed from this chunk on mid-forward: vLLM recomputes from token 512, which is
+# how a cold run chunks its prefill (max_num_batched_tokens), so the output equals the cold run's.
+BOUNDARY_CHUNK = BATCH_TOKENS // CHUNK
+# PD: a session of two turns per read side; each prompt 1 token past a block boundary (see test_pd_e2e).
+PD_SIDES = ("pe", "de")
+PD_OUTPUT_TOKENS = 2 * CHUNK
+
+
+def pd_session(seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1024) for _ in range(16 * CHUNK + 1)], [rng.randrange(1024) for _ in range(4 * CHUNK)]]
+
+
+PD_SESSIONS = {side: pd_session(100 + i) for i, side in enumerate(PD_SIDES)}
+
+
+def s3agg_store(seaweedfs, gateway: GatewayProcess) -> dict:
+    """The connector's store section: the gateway in front of the bucket (keys from the AWS variables)."""
+    return {"backend": "s3agg", "gateway": gateway.url,
+            "s3": {"backend": "s3", "endpoint": seaweedfs.endpoint, "bucket": BUCKET, "addressing_style": "path"}}
+
+
+def kv_config(store: dict) -> dict:
+    return {
+        "kv_connector": "DualPathConnector",
+        "kv_connector_module_path": "dualpath_connector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": store, "load_mode": "layerwise"},
+    }
+
+
+def gateway_metric(gateway: GatewayProcess, name: str, **labels: str) -> float:
+    """A series of the gateway's /metrics, summed over the label sets that match ``labels``."""
+    text = urllib.request.urlopen(f"{gateway.url}/metrics", timeout=10).read().decode()
+    return sum(value for sample, got, value in metric_samples(text)
+               if sample == name and all(got.get(k) == v for k, v in labels.items()))
+
+
+@pytest.fixture(scope="module")
+def gateways(seaweedfs, tmp_path_factory):
+    """A gateway paced at 1 MB/s (layers arrive during the forward) and an unpaced one, stopped at the end."""
+    client = seaweedfs.client()
+    if BUCKET not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
+        client.create_bucket(Bucket=BUCKET)
+    workdir = tmp_path_factory.mktemp("objcache-gateways")
+    base = gateway_config(seaweedfs, BUCKET, seaweedfs.access_key, seaweedfs.secret_key,
+                          theta_bytes=1, io_threads=4, io_timeout_s=30.0)  # theta 1 byte: always layerwise
+    paced = GatewayProcess({**base, "bandwidth_cap_bytes_s": 1e6, "policy": "equal", "epoch_s": 0.01}, workdir / "paced")
+    plain = GatewayProcess(base, workdir / "plain")
+    try:
+        paced.start()
+        plain.start()
+        yield {"paced": paced, "plain": plain}
+    finally:
+        paced.stop()
+        plain.stop()
+
+
+@pytest.fixture(scope="module")
+def baseline(tiny_model):
+    """Outputs of an engine without the connector: A after P (its own prefix-cache hit), A cold, PD sessions."""
+    out: dict = {}
+    with Engine(tiny_model, max_num_batched_tokens=BATCH_TOKENS) as engine:
+        engine.generate([P], MAX_TOKENS)
+        out["A_after_P"] = engine.generate([A], MAX_TOKENS, reset_prefix_cache=False)[0]
+        assert out["A_after_P"]["num_cached_tokens"] == len(P) // CHUNK * CHUNK
+        out["B_after_P"] = engine.generate([B], MAX_TOKENS, reset_prefix_cache=False)[0]
+        assert out["B_after_P"]["num_cached_tokens"] == len(P) // CHUNK * CHUNK
+        out["A"] = engine.generate([A], MAX_TOKENS)[0]
+        for side, appends in PD_SESSIONS.items():
+            history: list[int] = []
+            turns = []
+            for turn, append in enumerate(appends):
+                prompt = history + append
+                engine.generate([prompt], 1, reset_prefix_cache=turn == 0)  # the PE's prefill
+                result = engine.generate([prompt], PD_OUTPUT_TOKENS, reset_prefix_cache=False)[0]
+                turns.append({"prompt": prompt, **result})
+                history = prompt + result["tokens"]
+            out[side] = turns
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model, seaweedfs, gateways, baseline):
+    """One engine on the paced gateway, which first stores P's chunks itself (saves go to the bucket directly;
+    each generate resets vLLM's prefix cache, so later hits come from the store)."""
+    config = kv_config(s3agg_store(seaweedfs, gateways["paced"]))
+    with Engine(tiny_model, config, s3=seaweedfs, max_num_batched_tokens=BATCH_TOKENS) as served:
+        namespace, prefix = served.ready["namespace"], served.ready["key_prefix"]
+        served.keys = [chunk_key(prefix, namespace, h) for h in chunk_hashes(namespace, P, CHUNK)]
+        served.generate([P], MAX_TOKENS)
+        s3 = seaweedfs.client()
+        poll(lambda: sum(_stored(s3, key) for key in served.keys), lambda n: n == len(served.keys), 120,
+             "P's chunks in the bucket")
+        yield served
+
+
+def _stored(s3, key: str) -> bool:
+    try:
+        s3.head_object(Bucket=BUCKET, Key=key)
+        return True
+    except s3.exceptions.ClientError:
+        return False
+
+
+def test_hit_arrives_layer_by_layer_and_matches(engine, gateways, baseline):
+    paced = gateways["paced"]
+    before = gateway_metric(paced, "s3agg_requests_total", mode="layerwise", outcome="ok")
+    out = engine.generate([A], MAX_TOKENS)[0]
+    assert out["num_cached_tokens"] == len(P) // CHUNK * CHUNK
+    assert same(out, baseline["A_after_P"])
+    # The hit came through the gateway, layer by layer, in one request.
+    assert gateway_metric(paced, "s3agg_requests_total", mode="layerwise", outcome="ok") == before + 1
+    # Negative control: the comparison tells a cold run's KV (other chunking) from the stored one.
+    assert not same(out, baseline["A"])
+
+
+def test_layer_failing_its_check_mid_forward_is_recomputed(engine, seaweedfs, baseline):
+    """Layer 2's digest of one chunk is bad: layer 0 verifies, the hit is reported, the forward fails the chunk
+    at layer 2, and vLLM recomputes from it."""
+    s3 = seaweedfs.client()
+    key = engine.keys[BOUNDARY_CHUNK]
+    original = s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+    layout = BlockLayout(NUM_LAYERS, len(original) // NUM_LAYERS - DIGEST_BYTES)
+    assert layout.object_bytes == len(original)
+    broken = bytearray(original)
+    broken[layout.digest_range(2)[0]] ^= 0xFF
+    s3.put_object(Bucket=BUCKET, Key=key, Body=bytes(broken))
+    try:
+        out = engine.generate([A], MAX_TOKENS)[0]
+    finally:
+        # The reader deleted the bad chunk; the next test needs the whole hit back.
+        s3.put_object(Bucket=BUCKET, Key=key, Body=original)
+    assert same(out, baseline["A"])
+    log = engine.log_text()
+    assert f"store chunk {key} failed its integrity check" in log and "did not land intact" in log
+
+
+def test_gateway_killed_mid_load_falls_back_to_plain_s3(engine, gateways, baseline):
+    """Runs last against the paced gateway: it does not come back. The layers not yet delivered are read by
+    plain ranged GETs, and the output is still the stored KV's."""
+    paced = gateways["paced"]
+    result: dict = {}
+    request = threading.Thread(target=lambda: result.update(out=engine.generate([B], MAX_TOKENS)[0]))
+    request.start()
+    try:
+        poll(lambda: gateway_metric(paced, "s3agg_active_requests"), lambda v: v >= 1, 120, "a gateway request")
+    finally:
+        os.killpg(paced.proc.pid, signal.SIGKILL)
+        paced.proc.wait()
+        request.join()
+    assert "falls back to plain S3 range reads" in engine.log_text()
+    assert result["out"]["num_cached_tokens"] == len(P) // CHUNK * CHUNK
+    assert same(result["out"], baseline["B_after_P"])
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model, seaweedfs, gateways, tmp_path_factory):
+    """A PE and a DE whose store is s3agg (the unpaced gateway)."""
+    logs = tmp_path_factory.mktemp("objcache-pd")
+    options = {"bucket": BUCKET, "max_num_batched_tokens": BATCH_TOKENS, "keys": ClusterKeys.generate(),
+               "extra": {"store": s3agg_store(seaweedfs, gateways["plain"])}}
+    pe = VLLMServer(tiny_model, seaweedfs, logs / "pe.log", config="pe.json", **options)
+    de = VLLMServer(tiny_model, seaweedfs, logs / "de.log", config="de.json", **options)
+    try:
+        pe.start()
+        de.start()
+        warm_up = {"model": str(tiny_model), "prompt": [1, 2, 3], "max_tokens": 2, "logprobs": 0,
+                   "return_tokens_as_token_ids": True}
+        for server in (pe, de):
+            server.post("/v1/completions", warm_up, timeout_s=900)
+        yield pe, de
+    finally:
+        pe.stop()
+        de.stop()
+
+
+@pytest.mark.parametrize("read_side", PD_SIDES)
+def test_pd_session_with_s3agg_store(read_side, cluster, gateways, seaweedfs, baseline, tmp_path):
+    pe, de = cluster
+    plain = gateways["plain"]
+    before = gateway_metric(plain, "s3agg_requests_total", outcome="ok")
+    router = RouterProcess([pe], [de], seaweedfs, tmp_path, read_side=read_side).start()
+    try:
+        for turn, expected in enumerate(baseline[read_side]):
+            out, headers = through_router(router, expected["prompt"], PD_OUTPUT_TOKENS)
+            assert same(out, expected), f"turn {turn} differs from the engine without the connector"
+            de.wait_stored(expected["prompt"] + out["tokens"][:-1])
+            assert headers["x-dualpath-read-side"] == read_side
+            if turn:
+                assert int(headers["x-dualpath-hit-tokens"]) > 0
+    finally:
+        router.stop()
+    # The second turn's hit went through the gateway (layerwise to the PE, or into the DE's buffer).
+    assert gateway_metric(plain, "s3agg_requests_total", outcome="ok") > before
+    for server in (pe, de):
+        assert "NIXL notification for no registered owner" not in server.log_path.read_text(errors="replace")
