@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
-.PHONY: setup test test-unit test-integration test-e2e demo demo-single bench clean mma bench-s3agg bench-injection bench-integrity bench-dualpath soak gpu-connector-check
+.PHONY: setup test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-integrity bench-dualpath soak gpu-connector-check
 
 setup: $(STAMP) mma
 
@@ -42,6 +42,12 @@ demo: setup
 # One engine (kv_both) and a five-turn conversation.
 demo-single: setup
 	PYTHONPATH=$(CURDIR) $(PY) examples/demo_single.py
+
+# ObjectCache on the request path: one engine whose hits come through s3agg-gateway, layer by layer;
+# per turn the store path and the forward's wait for arriving layers. DEMO_ARGS adds options
+# (e.g. DEMO_ARGS="--bandwidth-cap 2e6" to make layers arrive mid-forward).
+demo-objectcache: setup
+	PYTHONPATH=$(CURDIR) $(PY) examples/demo_objectcache.py $(DEMO_ARGS)
 
 bench: setup
 	$(PY) benchmarks/bench_store.py
