@@ -16,6 +16,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any, Generic, TypeVar
 
 from prometheus_client import Counter
 
@@ -24,6 +25,7 @@ logger = logging.getLogger(__name__)
 UNROUTED = Counter("nixl_notifications_unrouted_total", "NIXL notifications no registered prefix claimed")
 
 Handler = Callable[[bytes], None]
+T = TypeVar("T")
 
 
 class NotificationDispatcher:
@@ -79,14 +81,21 @@ class NotificationDispatcher:
             logger.exception("handling NIXL notification %r failed", message[:64])
 
 
-_DISPATCHERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_DISPATCHERS_LOCK = threading.Lock()
+class PerAgent(Generic[T]):
+    """One ``make(agent)`` per NIXL agent, made on first use and dropped with the agent (held weakly)."""
+
+    def __init__(self, make: Callable[[Any], T]) -> None:
+        self._make = make
+        self._objects: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._lock = threading.Lock()
+
+    def __call__(self, agent) -> T:
+        with self._lock:
+            made = self._objects.get(agent)
+            if made is None:
+                made = self._objects[agent] = self._make(agent)
+            return made
 
 
-def dispatcher_for(agent) -> NotificationDispatcher:
-    """The agent's one dispatcher, made on first use."""
-    with _DISPATCHERS_LOCK:
-        dispatcher = _DISPATCHERS.get(agent)
-        if dispatcher is None:
-            dispatcher = _DISPATCHERS[agent] = NotificationDispatcher(agent)
-        return dispatcher
+# The agent's one dispatcher.
+dispatcher_for: PerAgent[NotificationDispatcher] = PerAgent(NotificationDispatcher)

@@ -29,7 +29,6 @@ import json
 import logging
 import threading
 import uuid
-import weakref
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +44,7 @@ from prometheus_client import Counter
 from nixl_backends.configuration import ConfigError, from_dict
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout
 from nixl_backends.nixl_io import Polling, TransferAbandoned, descriptors, run_nixl_transfers
-from nixl_backends.notifications import dispatcher_for
+from nixl_backends.notifications import PerAgent, dispatcher_for
 from nixl_backends.obj_backend import OBJ, obj_device_ids
 from nixl_backends.s3 import S3Store, S3StoreConfig
 from nixl_backends.s3agg_protocol import (
@@ -192,17 +191,8 @@ class _Inbox:
         logger.debug("s3agg: notification for no open request dropped: %r", message[:64])
 
 
-_INBOXES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_INBOXES_LOCK = threading.Lock()
-
-
-def _inbox_for(agent) -> _Inbox:
-    """One inbox per agent, shared by every S3AggStore opened on it."""
-    with _INBOXES_LOCK:
-        inbox = _INBOXES.get(agent)
-        if inbox is None:
-            inbox = _INBOXES[agent] = _Inbox(agent)
-        return inbox
+# One inbox per agent, shared by every S3AggStore opened on it.
+_inbox_for: PerAgent[_Inbox] = PerAgent(_Inbox)
 
 
 class S3AggStore(KVStore):

@@ -7,6 +7,7 @@ Everything a fixture starts it stops in its finalizer, by the PID it holds.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import json
@@ -15,12 +16,13 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from dualpath_dev.engines import VLLMServer
 from dualpath_dev.seaweedfs import SeaweedFS
 from dualpath_dev.tiny_model import make_tiny_deepseek_v2, make_tiny_llama
 from nixl_backends.integrity import ChunkIntegrity
@@ -136,3 +138,24 @@ def through_router(router, prompt: list[int], max_tokens: int) -> tuple[dict, di
 
 def router_model(router) -> str:
     return json.loads(router.config_path.read_text())["served_model_names"][0]
+
+
+@contextlib.contextmanager
+def pd_pair(model: Path, seaweedfs: SeaweedFS, logs: Path, **options) -> Iterator[tuple]:
+    """A started PE and DE (``dualpath_dev.engines.VLLMServer`` on configs/pe.json and de.json, ``options`` for
+    both: ``keys`` is required), warmed up; stopped by the PIDs they hold, also on failure."""
+    pe = VLLMServer(model, seaweedfs, logs / "pe.log", config="pe.json", **options)
+    de = VLLMServer(model, seaweedfs, logs / "de.log", config="de.json", **options)
+    try:
+        pe.start()
+        de.start()
+        # vLLM compiles its logprobs gather on first use, which stalls that
+        # engine for a minute on 2 cores; do it before the DE serves peers.
+        warm_up = {"model": str(model), "prompt": [1, 2, 3], "max_tokens": 2, "logprobs": 0,
+                   "return_tokens_as_token_ids": True}
+        for server in (pe, de):
+            server.post("/v1/completions", warm_up, timeout_s=900)
+        yield pe, de
+    finally:
+        pe.stop()
+        de.stop()

@@ -24,10 +24,10 @@ import urllib.request
 import pytest
 
 from dualpath_connector.protocol import metric_samples
-from dualpath_dev.engines import ClusterKeys, RouterProcess, VLLMServer
+from dualpath_dev.engines import ClusterKeys, RouterProcess
 from dualpath_dev.gateway import GatewayProcess, gateway_config
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout, chunk_hashes, chunk_key
-from tests.conftest import poll, same, through_router
+from tests.conftest import pd_pair, poll, same, through_router
 from tests.vllm_engine import Engine
 
 pytestmark = pytest.mark.engine
@@ -206,19 +206,8 @@ def cluster(tiny_model, seaweedfs, gateways, tmp_path_factory):
     logs = tmp_path_factory.mktemp("objcache-pd")
     options = {"bucket": BUCKET, "max_num_batched_tokens": BATCH_TOKENS, "keys": ClusterKeys.generate(),
                "extra": {"store": s3agg_store(seaweedfs, gateways["plain"])}}
-    pe = VLLMServer(tiny_model, seaweedfs, logs / "pe.log", config="pe.json", **options)
-    de = VLLMServer(tiny_model, seaweedfs, logs / "de.log", config="de.json", **options)
-    try:
-        pe.start()
-        de.start()
-        warm_up = {"model": str(tiny_model), "prompt": [1, 2, 3], "max_tokens": 2, "logprobs": 0,
-                   "return_tokens_as_token_ids": True}
-        for server in (pe, de):
-            server.post("/v1/completions", warm_up, timeout_s=900)
-        yield pe, de
-    finally:
-        pe.stop()
-        de.stop()
+    with pd_pair(tiny_model, seaweedfs, logs, **options) as pair:
+        yield pair
 
 
 @pytest.mark.parametrize("read_side", PD_SIDES)

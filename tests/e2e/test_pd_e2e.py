@@ -33,8 +33,8 @@ import urllib.request
 import pytest
 
 from dualpath_connector.protocol import PrefillRequest, counter_total_name
-from dualpath_dev.engines import ClusterKeys, RouterProcess, VLLMServer
-from tests.conftest import poll, post, router_model, same, through_router
+from dualpath_dev.engines import ClusterKeys, RouterProcess
+from tests.conftest import pd_pair, poll, post, router_model, same, through_router
 from tests.vllm_engine import Engine
 
 pytestmark = pytest.mark.engine
@@ -87,20 +87,8 @@ def cluster(tiny_model, seaweedfs, tmp_path_factory):
     """One PE and one DE (vLLM OpenAI servers) sharing one API key and cluster key, stopped by the PIDs they hold."""
     logs = tmp_path_factory.mktemp("pd-logs")
     options = {"bucket": BUCKET, "max_num_batched_tokens": BATCH_TOKENS, "keys": ClusterKeys.generate()}
-    pe = VLLMServer(tiny_model, seaweedfs, logs / "pe.log", config="pe.json", **options)
-    de = VLLMServer(tiny_model, seaweedfs, logs / "de.log", config="de.json", **options)
-    try:
-        pe.start()
-        de.start()
-        # vLLM compiles its logprobs gather on first use, which stalls that
-        # engine for a minute on 2 cores; do it before the DE serves peers.
-        warm_up = {"model": str(tiny_model), "prompt": [1, 2, 3], "max_tokens": 2, "logprobs": 0, "return_tokens_as_token_ids": True}
-        for server in (pe, de):
-            server.post("/v1/completions", warm_up, timeout_s=900)
-        yield pe, de
-    finally:
-        pe.stop()
-        de.stop()
+    with pd_pair(tiny_model, seaweedfs, logs, **options) as pair:
+        yield pair
 
 
 @pytest.mark.parametrize("read_side", READ_SIDES)

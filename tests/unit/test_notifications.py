@@ -124,7 +124,7 @@ def test_one_dispatcher_per_agent():
 
 
 def test_a_dispatcher_does_not_keep_its_agent_alive():
-    # _DISPATCHERS is weakly keyed so that agents of closed engines can go; the dispatcher's own
+    # dispatcher_for holds agents weakly so that agents of closed engines can go; the dispatcher's own
     # reference to its agent must not defeat that.
     agent = FakeAgent()
     dispatcher_for(agent).register(b"pulled:", lambda m: None)
