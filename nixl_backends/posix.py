@@ -25,7 +25,8 @@ from nixl_backends.store import KVStore
 
 logger = logging.getLogger(__name__)
 
-_IO_ENGINE_PARAMS = {
+# NIXL POSIX plugin parameters per io_engine (also used by s3agg-gateway's posix backing).
+IO_ENGINE_PARAMS = {
     "aio": {"use_aio": "true"},
     "uring": {"use_uring": "true"},
     "posix_aio": {"use_posix_aio": "true"},
@@ -55,7 +56,7 @@ class PosixStore(KVStore):
         os.makedirs(self.root, exist_ok=True)
         self._agent = agent
         if agent is not None:
-            agent.create_backend("POSIX", _IO_ENGINE_PARAMS[config.io_engine])
+            agent.create_backend("POSIX", IO_ENGINE_PARAMS[config.io_engine])
 
     def path(self, key: str) -> str:
         return os.path.join(self.root, key)

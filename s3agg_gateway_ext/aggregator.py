@@ -1,8 +1,10 @@
 """The aggregation engine: validated descriptor -> ranged reads -> assembled layers -> delivery.
 
-Per bucket the gateway holds one NIXL agent with two backends: OBJ (ranged
-GETs from the store into a registered staging buffer) and UCX (WRITEs into the
-client's registered buffer, each carrying a per-layer "ready" notification).
+Per bucket the gateway holds one NIXL agent (its :mod:`~s3agg_gateway_ext.backing`)
+with two backends: the backing's read backend (OBJ: ranged GETs from an S3
+store; POSIX: reads of the store root's files), moving object ranges into a
+registered staging buffer, and UCX (WRITEs into the client's registered
+buffer, each carrying a per-layer "ready" notification).
 
 Every stored object is the chunk's Full Block followed by its integrity
 trailer (one digest per layer, :mod:`nixl_backends.integrity`); every delivery
@@ -33,8 +35,6 @@ import collections
 import contextlib
 import logging
 import math
-import os
-import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,18 +45,13 @@ import numpy as np
 from botocore.exceptions import BotoCoreError, ClientError
 
 from nixl_backends.nixl_io import TransferAbandoned, coalesce, descriptors, run_nixl_transfers, wait_until
-from nixl_backends.obj_backend import OBJ, add_obj_backend, obj_device_ids
-from nixl_backends.s3_endpoint import object_size, s3_client, s3_session
 from nixl_backends.s3agg_protocol import MODE_CHUNKWISE, MODE_LAYERWISE, Mode, encode_notification
+from s3agg_gateway_ext.backing import Backing, make_backing
 from s3agg_gateway_ext.config import GatewayConfig
 from s3agg_gateway_ext.descriptor import Descriptor, DescriptorError, NixlTarget
 from s3agg_gateway_ext.scheduling import Demand, Flow, LinkScheduler
 
 logger = logging.getLogger(__name__)
-
-_HEAD_THREADS = 16
-_SIZE_CACHE_ENTRIES = 1 << 17  # objects are immutable: a verified size stays true
-
 
 class StorageError(RuntimeError):
     """The store failed a read the descriptor validation had allowed (HTTP 502)."""
@@ -92,7 +87,7 @@ class Job:
     request_id: str
     desc: Descriptor
     mode: Mode
-    io: BucketIO
+    io: Backing
     remote_agent: str | None
     flow: Flow | None
     timings: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
@@ -109,67 +104,12 @@ class Job:
         }
 
 
-class BucketIO:
-    """One bucket's NIXL agent (UCX + OBJ) and a boto3 client for HEADs, set up as the s3 store does."""
-
-    def __init__(self, config: GatewayConfig, bucket: str) -> None:
-        from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
-
-        self.bucket = bucket
-        # Requests run on several threads; STRICT makes the agent safe for that. No
-        # progress thread: NIXL's busy-polls a whole core per agent, and every WRITE here
-        # is polled to completion anyway, which progresses UCX.
-        self.agent = nixl_agent(
-            f"s3agg-gw-{os.getpid()}-{bucket}",
-            nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
-                              sync_mode=nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT),
-        )
-        store = config.bucket_config(bucket)
-        session = s3_session(store)
-        self._client = s3_client(store, session, _HEAD_THREADS)
-        add_obj_backend(self.agent, store, session)
-        logger.info("bucket %s: NIXL agent %s, store endpoint %s, addressing %s", bucket, self.agent.name,
-                    store.endpoint or "<aws default>", store.addressing_style)
-        self._sizes: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._sizes_lock = threading.Lock()
-        self._head_pool = ThreadPoolExecutor(_HEAD_THREADS, thread_name_prefix=f"head-{bucket}")
-
-    def _size(self, key: str) -> int | None:
-        with self._sizes_lock:
-            if key in self._sizes:
-                self._sizes.move_to_end(key)
-                return self._sizes[key]
-        size = object_size(self._client, self.bucket, key)
-        if size is None:
-            return None
-        with self._sizes_lock:
-            self._sizes[key] = size
-            if len(self._sizes) > _SIZE_CACHE_ENTRIES:
-                self._sizes.popitem(last=False)
-        return size
-
-    def check_objects(self, desc: Descriptor) -> None:
-        """Every chunk must exist with exactly L*(S+D) bytes; raises :class:`DescriptorError` otherwise."""
-        for key, size in zip(desc.chunk_keys, self._head_pool.map(self._size, desc.chunk_keys)):
-            if size is None:
-                raise DescriptorError(404, "NoSuchKey", f"chunk object {key} does not exist")
-            if size != desc.object_bytes:
-                raise DescriptorError(
-                    400, "InvalidObjectSize",
-                    f"chunk object {key} has {size} bytes, descriptor says L*(S+D) = "
-                    f"{desc.num_layers}*({desc.layer_bytes}+{desc.digest_bytes}) = {desc.object_bytes}",
-                )
-
-    def close(self) -> None:
-        self._head_pool.shutdown(wait=False)
-
-
 class Aggregator:
     """Validates descriptors against the store and streams their deliveries."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
-        self._buckets = {bucket: BucketIO(config, bucket) for bucket in config.buckets}
+        self.backings = {bucket: make_backing(config, bucket) for bucket in config.buckets}
         self._readers = ThreadPoolExecutor(max(2, config.io_threads), thread_name_prefix="s3agg-read")
         self.scheduler = (
             LinkScheduler(config.policy, config.bandwidth_cap_bytes_s, config.margin_bytes_s,
@@ -182,12 +122,12 @@ class Aggregator:
     def prepare(self, request_id: str, desc: Descriptor) -> Job:
         """Control path: bucket, objects, mode, target registration; holds nothing that needs releasing."""
         started = time.monotonic()
-        io = self._buckets.get(desc.bucket)
+        io = self.backings.get(desc.bucket)
         if io is None:
             raise DescriptorError(404, "NoSuchBucket", f"bucket {desc.bucket} is not served by this gateway")
         try:
             io.check_objects(desc)
-        except (ClientError, BotoCoreError) as exc:
+        except (ClientError, BotoCoreError, OSError) as exc:
             raise DescriptorError(502, "StoreUnavailable", f"checking the chunk objects failed: {exc}") from None
         mode = MODE_LAYERWISE if desc.payload_bytes >= self.config.theta_bytes else MODE_CHUNKWISE
         remote = self._attach_target(io, desc.target) if isinstance(desc.target, NixlTarget) else None
@@ -208,7 +148,7 @@ class Aggregator:
         job.timings["admission_s"] = time.monotonic() - started
 
     @staticmethod
-    def _attach_target(io: BucketIO, target: NixlTarget) -> str:
+    def _attach_target(io: Backing, target: NixlTarget) -> str:
         try:
             remote = io.agent.add_remote_agent(target.agent_metadata)
         except Exception as exc:  # NIXL raises its own error types for bad metadata
@@ -249,31 +189,32 @@ class Aggregator:
 
     @contextlib.contextmanager
     def _staging(self, job: Job, nbytes: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """A registered DRAM staging buffer and the chunk objects registered for OBJ reads (their device ids)."""
+        """A registered DRAM staging buffer and the chunk objects registered for reads (their device ids)."""
         desc, agent = job.desc, job.io.agent
+        try:
+            objects = job.io.objects(desc)
+        except OSError as exc:  # a chunk removed since the check
+            raise StorageError(f"opening the chunk objects failed: {exc}") from None
         staging = np.empty(nbytes, dtype=np.uint8)
         dram_reg = agent.register_memory([(staging.ctypes.data, staging.nbytes, 0, "")], "DRAM")
-        dev_ids = obj_device_ids(agent, desc.num_chunks)
-        obj_reg = agent.register_memory(
-            [(0, desc.object_bytes, d, key) for d, key in zip(dev_ids, desc.chunk_keys)], OBJ)
         try:
-            yield staging, np.arange(dev_ids.start, dev_ids.stop)
+            yield staging, objects.dev_ids
         finally:
             if job.abandoned:
-                self._abandoned.append((staging, dram_reg, obj_reg))
+                self._abandoned.append((staging, dram_reg, objects))
                 logger.error("request %s: transfers abandoned; staging of %d bytes kept", job.request_id,
                              staging.nbytes)
             else:
-                agent.deregister_memory(obj_reg)
+                objects.release()
                 agent.deregister_memory(dram_reg)
 
     def _read(self, job: Job, local: np.ndarray, remote: np.ndarray, what: str) -> None:
-        """Ranged GETs (descriptor rows: staging <- object range) through NIXL OBJ."""
-        # One NIXL request per group, so the OBJ backend's threads all work.
+        """Object ranges into staging (descriptor rows: staging <- object range) through the backing's NIXL backend."""
+        # One NIXL request per group, so the backend's threads (OBJ) or queue (POSIX) all work.
         groups = np.array_split(np.arange(len(local)), min(len(local), self.config.io_threads))
         started = time.monotonic()
         try:
-            ok = run_nixl_transfers(job.io.agent, "READ", [(local[g], remote[g]) for g in groups], OBJ,
+            ok = run_nixl_transfers(job.io.agent, "READ", [(local[g], remote[g]) for g in groups], job.io.mem_type,
                                     self.config.io_timeout_s)
         except TransferAbandoned:
             job.abandoned = True  # NIXL may still write the staging buffer
@@ -392,5 +333,5 @@ class Aggregator:
         if self.scheduler is not None:
             self.scheduler.close()
         self._readers.shutdown(wait=True)
-        for io in self._buckets.values():
+        for io in self.backings.values():
             io.close()

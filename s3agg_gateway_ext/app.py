@@ -8,9 +8,10 @@ Endpoints:
   HTTP targets get a stream of frames (see :mod:`nixl_backends.s3agg_protocol`).
   Either way ``x-s3agg-mode`` says chunkwise or layerwise.
 - ``GET /healthz`` and ``GET /metrics`` (Prometheus), unauthenticated.
-- Any other S3 request is authenticated and then answered ``NotImplemented``:
-  ordinary S3 traffic goes to the store directly (the gateway adds nothing to a
-  single-object request).
+- Any other S3 request is authenticated; on a POSIX-backed bucket it is served
+  (:mod:`s3agg_gateway_ext.s3_api`: the gateway is that store's S3 endpoint),
+  on an S3-backed one answered ``NotImplemented``: ordinary S3 traffic goes to
+  the store directly (the gateway adds nothing to a single-object request).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from nixl_backends.s3agg_protocol import (
 from s3agg_gateway_ext.aggregator import Aggregator, DeliveryError, Job, StorageError
 from s3agg_gateway_ext.config import GatewayConfig, load_config
 from s3agg_gateway_ext.descriptor import DescriptorError, HttpTarget, parse_descriptor
+from s3agg_gateway_ext.s3_api import PosixBucketAPI
 from s3agg_gateway_ext.sigv4 import error_xml, verify
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,9 @@ class Gateway:
         self.config = config
         self.aggregator = aggregator
         self.metrics = Metrics()
+        # Buckets whose backing the gateway serves as plain S3 too (posix): bucket -> its S3 API.
+        self.files = {bucket: PosixBucketAPI(backing) for bucket, backing in aggregator.backings.items()
+                      if backing.serves_s3}
 
     def _error(self, exc: DescriptorError, resource: str, request_id: str) -> Response:
         self.metrics.refused.labels(exc.code).inc()
@@ -163,7 +168,21 @@ class Gateway:
     async def other(self, request: Request) -> Response:
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         try:
-            self._authenticate(request, await request.body())
+            body = await request.body()
+            self._authenticate(request, body)
+            bucket, _, key = request.path_params["bucket"].partition("/")
+            files = self.files.get(bucket)
+            if files is not None:
+                query = request.scope.get("query_string", b"").decode("latin-1")
+                try:
+                    response = await files.handle(request.method, key, query, request.headers, body)
+                except OSError as exc:  # the disk, not the request: a 500 the client may retry
+                    logger.warning("request %s: %s /%s failed: %s", request_id, request.method, key[:200], exc)
+                    raise DescriptorError(500, "InternalError", "the store root could not serve the request") from None
+                response.headers[REQUEST_ID_HEADER] = request_id
+                return response
+            if self.files:
+                raise DescriptorError(404, "NoSuchBucket", f"bucket {bucket[:64]} is not served by this gateway")
             raise DescriptorError(
                 501, "NotImplemented",
                 f"this gateway serves only POST /<bucket>?{EXTENSION_QUERY}; send ordinary S3 requests to the "

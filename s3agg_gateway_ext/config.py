@@ -1,7 +1,10 @@
 """The gateway's configuration: one dataclass, read from YAML and validated once.
 
 The store behind the gateway is a ``store:`` section written exactly as for
-the connector's ``s3`` store (:class:`nixl_backends.s3_endpoint.S3StoreConfig`).
+the connector's ``s3`` store (:class:`nixl_backends.s3_endpoint.S3StoreConfig`),
+or its ``posix`` store (:class:`nixl_backends.posix.PosixStoreConfig`: the
+gateway runs next to the disks, reads the root's files and serves the root as
+the one bucket named in ``buckets``).
 String values of the form ``${NAME}``, also inside ``store``, are taken from
 the environment, so secrets can stay out of the file. Secret fields never
 appear in a repr, a log line or an error message.
@@ -20,6 +23,7 @@ import yaml
 
 from nixl_backends.configuration import ConfigError, from_dict
 from nixl_backends.registry import parse_store_config
+from nixl_backends.posix import PosixStoreConfig
 from nixl_backends.s3_endpoint import S3StoreConfig
 
 _ENV_REF = re.compile(r"^\$\{([A-Za-z_][A-Za-z0-9_]*)\}$")
@@ -40,12 +44,14 @@ _GATEWAY_OWNED_STORE_KEYS = {
 class GatewayConfig:
     """Everything ``s3agg-gateway`` needs; see ``configs/gateway.yaml`` for a commented example."""
 
-    # The S3-compatible store behind the gateway: an s3 store section
-    # ({backend: s3, endpoint, bucket, region, addressing_style, access_key,
-    # secret_key, ca_bundle}); shown parsed, secret hidden, as store_config.
+    # The store behind the gateway: an s3 store section ({backend: s3, endpoint,
+    # bucket, region, addressing_style, access_key, secret_key, ca_bundle}), or a
+    # posix one ({backend: posix, root, io_engine}); shown parsed, secret hidden,
+    # as store_config.
     store: dict = field(repr=False)
     # The buckets served (NIXL's OBJ backend binds one bucket: an agent each);
-    # default: the store section's bucket, which must be one of them.
+    # s3: default the store section's bucket, which must be one of them;
+    # posix: required, exactly one (the name clients give the root).
     buckets: list | None = None
     # The SigV4 identity clients sign extension requests with.
     client_access_key: str = ""
@@ -74,7 +80,9 @@ class GatewayConfig:
     # Used for scheduling when a descriptor declares no per-layer compute window.
     default_compute_window_s: float = 0.01
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
-    store_config: S3StoreConfig = field(init=False)
+    store_config: S3StoreConfig | PosixStoreConfig = field(init=False)
+    # "s3" or "posix", from store.backend (s3agg_gateway_ext.backing).
+    backing: str = field(init=False)
 
     def validate(self) -> None:
         if not self.client_access_key or not self.client_secret_key:
@@ -89,17 +97,24 @@ class GatewayConfig:
         for name in ("min_read_bytes", "bandwidth_cap_bytes_s", "margin_bytes_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
-        self.store_config = self._parse_store()
-        if self.buckets is None:
-            self.buckets = [self.store_config.bucket]
+        self.backing = self.store.get("backend")
+        if self.backing == "posix":
+            self.store_config = parse_store_config(self.store, "store.")
+            if self.buckets is None or len(self.buckets) != 1:
+                raise ConfigError(f"buckets must name exactly one bucket for a posix store (the name clients "
+                                  f"give its root), got {self.buckets!r}")
+        else:
+            self.store_config = self._parse_s3_store()
+            if self.buckets is None:
+                self.buckets = [self.store_config.bucket]
         if not self.buckets or not all(isinstance(b, str) and 3 <= len(b) <= 63 for b in self.buckets):
             raise ConfigError(f"buckets must be a non-empty list of 3-63 character names, got {self.buckets!r}")
-        if self.store_config.bucket not in self.buckets:
+        if self.backing == "s3" and self.store_config.bucket not in self.buckets:
             raise ConfigError(f"store.bucket {self.store_config.bucket!r} must be one of buckets {self.buckets!r}")
 
-    def _parse_store(self) -> S3StoreConfig:
-        if self.store.get("backend") != "s3":
-            raise ConfigError(f"store.backend must be 's3' for the gateway, got {self.store.get('backend')!r}")
+    def _parse_s3_store(self) -> S3StoreConfig:
+        if self.backing != "s3":
+            raise ConfigError(f"store.backend must be 's3' or 'posix' for the gateway, got {self.backing!r}")
         for key, reason in _GATEWAY_OWNED_STORE_KEYS.items():
             if key in self.store:
                 raise ConfigError(f"store.{key} is not accepted here: {reason}")

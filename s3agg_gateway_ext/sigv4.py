@@ -24,6 +24,9 @@ _AUTH = re.compile(
 )
 _MAX_SKEW = dt.timedelta(minutes=15)  # what AWS S3 allows
 UNSIGNED = "UNSIGNED-PAYLOAD"
+# aws-chunked body, chunks unsigned, a checksum trailer (the AWS C++ SDK's PUT, hence NIXL OBJ's):
+# the signature covers the headers only; the body is decoded and its trailer checked by the handler.
+STREAMING_UNSIGNED_TRAILER = "STREAMING-UNSIGNED-PAYLOAD-TRAILER"
 
 
 def _denied(code: str, message: str) -> DescriptorError:
@@ -67,8 +70,8 @@ def verify(
     if abs((now or dt.datetime.now(dt.timezone.utc)) - when) > _MAX_SKEW or not amz_date.startswith(date):
         raise _denied("RequestTimeTooSkewed", "request time differs from the gateway's by more than 15 minutes")
     payload_hash = headers.get("x-amz-content-sha256", "")
-    if payload_hash != UNSIGNED and payload_hash != hashlib.sha256(body).hexdigest():
-        raise _denied("XAmzContentSHA256Mismatch", "x-amz-content-sha256 does not match the body")
+    if payload_hash not in (UNSIGNED, STREAMING_UNSIGNED_TRAILER) and payload_hash != hashlib.sha256(body).hexdigest():
+        raise _denied("XAmzContentSHA256Mismatch", f"x-amz-content-sha256 {payload_hash[:64]!r} does not match the body")
     names = signed.split(";")
     if "host" not in names or any(name not in headers for name in names):
         raise _denied("AccessDenied", "signed headers must include host and be present")

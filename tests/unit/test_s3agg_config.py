@@ -66,7 +66,14 @@ def test_buckets_default_to_the_store_sections_bucket():
     ({"buckets": []}, "buckets must be a non-empty list"),
     ({"buckets": ["kv-other"]}, "store.bucket 'kv-bucket' must be one of buckets"),
     ({"store": {**STORE, "endpoint": "127.0.0.1:8333"}}, r"store\.endpoint must start with http"),
-    ({"store": {**STORE, "backend": "posix"}}, "store.backend must be 's3' for the gateway, got 'posix'"),
+    ({"store": {**STORE, "backend": "nfs"}}, "store.backend must be 's3' or 'posix' for the gateway, got 'nfs'"),
+    ({"store": {"backend": "posix", "root": "/data/kv"}}, "buckets must name exactly one bucket for a posix store"),
+    ({"store": {"backend": "posix", "root": "/data/kv"}, "buckets": ["a-kv", "b-kv"]},
+     "buckets must name exactly one bucket for a posix store"),
+    ({"store": {"backend": "posix", "root": "/data/kv", "io_engine": "dma"}, "buckets": ["kv"]},
+     "bad value for store.'io_engine'"),
+    ({"store": {"backend": "posix", "root": "/data/kv", "bucket": "kv"}, "buckets": ["kv"]},
+     "unknown key store.'bucket'"),
     ({"store": {**STORE, "endpoint_url": "http://x"}}, "unknown key store.'endpoint_url'"),
     ({"store": {"backend": "s3"}}, "missing required key store.'bucket'"),
     ({"store": {**STORE, "access_key": "ak"}}, "store.access_key and store.secret_key must be given together"),
@@ -88,3 +95,8 @@ def test_a_secret_of_the_wrong_type_is_not_echoed():
     with pytest.raises(ConfigError) as error:
         parse_config({**MINIMAL, "store": {**STORE, "access_key": "ak", "secret_key": 987654321}})
     assert "store.'secret_key'" in str(error.value) and "987654321" not in str(error.value)
+
+
+def test_a_posix_store_is_served_as_its_one_bucket():
+    config = parse_config({**MINIMAL, "store": {"backend": "posix", "root": "/data/kv"}, "buckets": ["kv-root"]})
+    assert (config.backing, config.buckets, config.store_config.root) == ("posix", ["kv-root"], "/data/kv")
