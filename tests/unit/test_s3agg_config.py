@@ -30,6 +30,14 @@ def test_shipped_config_parses_with_secrets_from_the_environment(monkeypatch):
     assert "http://127.0.0.1:8333" in repr(config)  # the parsed store section shows, its secret does not
 
 
+def test_shipped_posix_config_parses(monkeypatch):
+    monkeypatch.setenv("S3AGG_CLIENT_ACCESS_KEY", "ck")
+    monkeypatch.setenv("S3AGG_CLIENT_SECRET_KEY", "client-secret-value")
+    config = load_config(SHIPPED.with_name("gateway-posix.yaml"))
+    assert (config.backing, config.buckets, config.store_config.root) == ("posix", ["dualpath-kv"], "/data/dualpath-kv")
+    assert "client-secret-value" not in repr(config)
+
+
 def test_missing_environment_variable_is_named(monkeypatch):
     monkeypatch.delenv("S3AGG_UNSET_VARIABLE", raising=False)
     with pytest.raises(ConfigError, match="S3AGG_UNSET_VARIABLE"):
