@@ -2,7 +2,9 @@
 
 Part 1 (paths). For every context length and chunk size, the same chunk objects
 (``L`` layers of ``S = G * bytes_per_token`` bytes and the integrity trailer, one
-digest per layer) in SeaweedFS on 127.0.0.1 are read into NIXL-registered
+digest per layer), for each gateway backing (``s3``: in SeaweedFS on 127.0.0.1,
+the gateway in front of it; ``posix``: files in a posix store root, the gateway
+next to them serving the root as S3 too) are read into NIXL-registered
 layer-major buffers (each layer's blocks, then their digests) by
 
 - ``per-chunk``: plain ranged GETs, one per chunk and layer, each layer's GETs
@@ -13,7 +15,9 @@ layer-major buffers (each layer's blocks, then their digests) by
   one ranged GET per chunk and layer inside the gateway;
 - ``aggregated-win``: the same with ``min_read_bytes`` so each GET covers several layers;
 
-plus the store's large-object GET throughput (``S3Store.read`` of 16 MiB objects).
+plus the store's large-object GET throughput (``S3Store.read`` of 8 x 16 MiB
+objects from SeaweedFS, or from the posix-backed gateway's S3 API), and for
+posix the same files read locally by NIXL POSIX (no network hop: an upper bound).
 Every read is checked byte for byte, digests included; MB/s count every byte
 delivered (digests too, as the gateway does); medians over ``--reps`` after one warm-up.
 
@@ -71,7 +75,7 @@ A8_LAYERS, A8_BYTES_PER_TOKEN = 32, 4096
 class Client:
     """A NIXL agent and an s3agg store for one layout, with registered layer-major buffers."""
 
-    def __init__(self, s3: SeaweedFS, bucket: str, layout: BlockLayout, num_chunks: int) -> None:
+    def __init__(self, s3_section: dict, layout: BlockLayout, num_chunks: int) -> None:
         from nixl._api import nixl_agent, nixl_agent_config
 
         # No progress thread: NIXL's busy-polls a whole core; the store's polling progresses UCX.
@@ -79,8 +83,7 @@ class Client:
                                 nixl_agent_config(enable_prog_thread=False, backends=[]))
         config = parse_store_config({
             # The gateway is chosen per read (use()); this placeholder is never contacted.
-            "backend": "s3agg", "gateway": "http://127.0.0.1:1",
-            "s3": {**s3.store_config(bucket), "create_bucket": False},
+            "backend": "s3agg", "gateway": "http://127.0.0.1:1", "s3": s3_section,
             "access_key": CLIENT_KEY, "secret_key": CLIENT_SECRET, "request_timeout_s": 300.0,
         })
         self.store = make_store(config, layout, self.agent)
@@ -132,10 +135,15 @@ def write_chunks(client: Client, rng: np.random.Generator, count: int, tag: str)
     return keys, objects
 
 
-def bench_gateway(s3: SeaweedFS, bucket: str, workdir: Path, **settings) -> GatewayProcess:
-    """A gateway serving ``bucket`` with this benchmark's defaults, overridden by ``settings``."""
-    config = gateway_config(s3, bucket, CLIENT_KEY, CLIENT_SECRET, **{"io_threads": 8, "log_level": "WARNING",
-                                                                      **settings})
+def bench_gateway(s3: SeaweedFS, bucket: str, workdir: Path, root: Path | None = None, **settings) -> GatewayProcess:
+    """A gateway serving ``bucket`` with this benchmark's defaults, overridden by ``settings``: in front of
+    SeaweedFS, or (``root``) next to the disk, over a posix store root it also serves as S3."""
+    settings = {"io_threads": 8, "log_level": "WARNING", **settings}
+    if root is None:
+        config = gateway_config(s3, bucket, CLIENT_KEY, CLIENT_SECRET, **settings)
+    else:
+        config = {"store": {"backend": "posix", "root": str(root)}, "buckets": [bucket],
+                  "client_access_key": CLIENT_KEY, "client_secret_key": CLIENT_SECRET, **settings}
     return GatewayProcess(config, workdir)
 
 
@@ -150,13 +158,14 @@ def delete_all(s3: SeaweedFS, bucket: str) -> None:
 # --- part 1 --------------------------------------------------------------------------------------
 
 
-def large_object_mbps(s3: SeaweedFS, bucket: str, reps: int) -> list[float]:
+def large_object_mbps(section: dict, reps: int) -> list[float]:
+    """The store's own rate on large objects (8 x 16 MiB): NIXL OBJ GETs from SeaweedFS, NIXL POSIX file reads."""
     from nixl._api import nixl_agent, nixl_agent_config
 
     layout, count = BlockLayout(1, 16 * MIB), 8
     agent = nixl_agent(f"bench-large-{uuid.uuid4().hex[:6]}",
                        nixl_agent_config(enable_prog_thread=False, backends=[]))
-    store = make_store(parse_store_config({**s3.store_config(bucket), "create_bucket": False}), layout, agent)
+    store = make_store(parse_store_config(section), layout, agent)
     data = np.random.default_rng(1).integers(0, 256, size=(2, count, layout.object_bytes), dtype=np.uint8)
     agent.register_memory([(data.ctypes.data, data.nbytes, 0, "")], "DRAM")
     keys = [f"bench/large/{j}" for j in range(count)]
@@ -177,47 +186,71 @@ def large_object_mbps(s3: SeaweedFS, bucket: str, reps: int) -> list[float]:
 
 
 def part_paths(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
-    gateways = {
-        "chunkwise": bench_gateway(s3, bucket, workdir, theta_bytes=16 << 30),
-        "aggregated": bench_gateway(s3, bucket, workdir, theta_bytes=1),
-        "aggregated-win": bench_gateway(s3, bucket, workdir, theta_bytes=1, min_read_bytes=args.min_read),
-    }
+    """Every read path, for the gateway in front of SeaweedFS (``s3``) and next to a posix root (``posix``)."""
+    rows, large, local_read = [], {}, None
+    for backing in args.backings:
+        root = None
+        if backing == "posix":
+            root = workdir / "posix-root"
+            root.mkdir(exist_ok=True)
+        gateways = {
+            "chunkwise": bench_gateway(s3, bucket, workdir, root, theta_bytes=16 << 30),
+            "aggregated": bench_gateway(s3, bucket, workdir, root, theta_bytes=1),
+            "aggregated-win": bench_gateway(s3, bucket, workdir, root, theta_bytes=1, min_read_bytes=args.min_read),
+        }
+        with contextlib.ExitStack() as stack:
+            for gateway in gateways.values():
+                stack.enter_context(gateway)
+            if root is None:
+                section = {**s3.store_config(bucket), "create_bucket": False}
+                large[backing] = large_object_mbps(section, args.reps)
+            else:
+                # Writers and plain readers talk S3 to the posix-backed gateway itself.
+                section = {"backend": "s3", "endpoint": gateways["aggregated"].url, "bucket": bucket,
+                           "addressing_style": "path", "access_key": CLIENT_KEY, "secret_key": CLIENT_SECRET,
+                           "create_bucket": False}
+                # The store's large-object GET is the gateway's own S3 GET of a file (a network hop, as the
+                # aggregated deliveries make); a local NIXL POSIX read of the files bounds it from above.
+                large[backing] = large_object_mbps(section, args.reps)
+                local_read = large_object_mbps({"backend": "posix", "root": str(workdir / "posix-large")}, args.reps)
+            rows += paths_of(args, backing, section, gateways)
+            if root is None:
+                delete_all(s3, bucket)
+    return {"large_object_mb_s": large, "local_file_read_mb_s": local_read, "rows": rows}
+
+
+def paths_of(args, backing: str, section: dict, gateways: dict[str, GatewayProcess]) -> list[dict]:
     rows = []
-    with contextlib.ExitStack() as stack:
-        for gateway in gateways.values():
-            stack.enter_context(gateway)
-        large = large_object_mbps(s3, bucket, args.reps)
-        rng = np.random.default_rng(0)
-        for context, chunk in args.grid:
-            layout = BlockLayout(args.layers, chunk * args.bytes_per_token)
-            n = context // chunk
-            client = Client(s3, bucket, layout, n)
-            keys, objects = write_chunks(client, rng, n, f"{context}-{chunk}")
-            payload = n * layout.object_bytes
-            for path in PATHS:
-                client.use(gateways.get(path, gateways["aggregated"]))
-                seconds, firsts = [], []
-                for rep in range(args.reps + 1):
-                    started = time.monotonic()
-                    arrivals, result = client.read(keys, plain=path == "per-chunk")
-                    mode = result.mode if result else path
-                    client.check(objects)
-                    if rep:
-                        seconds.append(arrivals[-1] - started)
-                        firsts.append(arrivals[0] - started)
-                k = 1 if path != "aggregated-win" else min(args.layers, -(-args.min_read // layout.layer_block_bytes))
-                # Layerwise paths GET each chunk's trailer once more; chunkwise GETs whole objects.
-                gets = n if path == "chunkwise" else n * -(-args.layers // k) + n
-                rows.append({
-                    "context": context, "chunk_tokens": chunk, "chunks": n, "path": path, "mode": mode,
-                    "payload_bytes": payload, "client_requests": gets if path == "per-chunk" else 1,
-                    "store_gets": gets, "seconds": seconds, "first_layer_seconds": firsts,
-                    "mb_s": payload / median(seconds) / MB, "first_layer_ms": median(firsts) * 1e3,
-                })
-                logging.info("%s", {k: v for k, v in rows[-1].items() if k not in ("seconds", "first_layer_seconds")})
-            client.store.close()
-            delete_all(s3, bucket)
-    return {"large_object_mb_s": large, "rows": rows}
+    rng = np.random.default_rng(0)
+    for context, chunk in args.grid:
+        layout = BlockLayout(args.layers, chunk * args.bytes_per_token)
+        n = context // chunk
+        client = Client(section, layout, n)
+        keys, objects = write_chunks(client, rng, n, f"{context}-{chunk}")
+        payload = n * layout.object_bytes
+        for path in PATHS:
+            client.use(gateways.get(path, gateways["aggregated"]))
+            seconds, firsts = [], []
+            for rep in range(args.reps + 1):
+                started = time.monotonic()
+                arrivals, result = client.read(keys, plain=path == "per-chunk")
+                mode = result.mode if result else path
+                client.check(objects)
+                if rep:
+                    seconds.append(arrivals[-1] - started)
+                    firsts.append(arrivals[0] - started)
+            k = 1 if path != "aggregated-win" else min(args.layers, -(-args.min_read // layout.layer_block_bytes))
+            # Layerwise paths read each chunk's trailer once more; chunkwise reads whole objects.
+            gets = n if path == "chunkwise" else n * -(-args.layers // k) + n
+            rows.append({
+                "backing": backing, "context": context, "chunk_tokens": chunk, "chunks": n, "path": path,
+                "mode": mode, "payload_bytes": payload, "client_requests": gets if path == "per-chunk" else 1,
+                "store_gets": gets, "seconds": seconds, "first_layer_seconds": firsts,
+                "mb_s": payload / median(seconds) / MB, "first_layer_ms": median(firsts) * 1e3,
+            })
+            logging.info("%s", {k: v for k, v in rows[-1].items() if k not in ("seconds", "first_layer_seconds")})
+        client.store.close()
+    return rows
 
 
 # --- part 2 --------------------------------------------------------------------------------------
@@ -237,7 +270,7 @@ def part_scheduling(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
     windows = {name: ms / 1000 / A8_LAYERS * args.time_scale for name, (_, ms) in A8.items()}
     rng = np.random.default_rng(2)
     # One client per request of the largest workload, reused for every gateway.
-    clients = {name: Client(s3, bucket, layout, tokens // args.sched_chunk) for name, (tokens, _) in A8.items()}
+    clients = {name: Client({**s3.store_config(bucket), "create_bucket": False}, layout, tokens // args.sched_chunk) for name, (tokens, _) in A8.items()}
     chunks = {name: write_chunks(clients[name], rng, tokens // args.sched_chunk, f"sched-{i}")
               for i, (name, (tokens, _)) in enumerate(A8.items())}
     # A 0.5 s batch window: all requests of a workload share one epoch even on a loaded machine.
@@ -344,19 +377,26 @@ def table(payload: dict) -> str:
     out = []
     if "paths" in payload:
         paths = payload["paths"]
-        large = median(paths["large_object_mb_s"])
+        large = {backing: median(rates) for backing, rates in paths["large_object_mb_s"].items()}
         rows = paths["rows"]
-        per_chunk = {(r["context"], r["chunk_tokens"]): r["mb_s"] for r in rows if r["path"] == "per-chunk"}
-        body = [[f"{r['context'] // 1024}K", r["chunk_tokens"], r["chunks"], r["path"], r["mode"],
+        per_chunk = {(r["backing"], r["context"], r["chunk_tokens"]): r["mb_s"] for r in rows
+                     if r["path"] == "per-chunk"}
+        body = [[r["backing"], f"{r['context'] // 1024}K", r["chunk_tokens"], r["chunks"], r["path"], r["mode"],
                  r["client_requests"], r["store_gets"], f"{r['mb_s']:.0f}", f"{r['first_layer_ms']:.0f}",
-                 f"{r['mb_s'] / per_chunk[(r['context'], r['chunk_tokens'])]:.2f}x", f"{100 * r['mb_s'] / large:.0f}"]
+                 f"{r['mb_s'] / per_chunk[(r['backing'], r['context'], r['chunk_tokens'])]:.2f}x",
+                 f"{100 * r['mb_s'] / large[r['backing']]:.0f}"]
                 for r in rows]
+        rates = ", ".join(f"{backing} {rate:.0f} MB/s" for backing, rate in large.items())
+        if paths.get("local_file_read_mb_s"):
+            rates += f"; the same files read locally by NIXL POSIX: {median(paths['local_file_read_mb_s']):.0f} MB/s"
         out.append(markdown_table(
-            ["context", "G", "chunks", "path", "mode", "client req", "store GETs", "MB/s", "1st layer ms",
-             "vs per-chunk", "% of large GET"], body,
+            ["gateway backing", "context", "G", "chunks", "path", "mode", "client req", "store reads", "MB/s",
+             "1st layer ms", "vs per-chunk", "% of large GET"], body,
             f"Read paths, median of {payload['args']['reps']} after a warm-up; L={payload['args']['layers']}, "
-            f"S = G x {payload['args']['bytes_per_token']} B; every read checked byte for byte. Store's "
-            f"large-object GET (8 x 16 MiB, NIXL OBJ): {large:.0f} MB/s."))
+            f"S = G x {payload['args']['bytes_per_token']} B; every read checked byte for byte. Backing s3: the "
+            f"gateway in front of SeaweedFS (per-chunk = ranged GETs to SeaweedFS); posix: the gateway next to a "
+            f"posix store root (per-chunk = ranged GETs to the gateway's own S3 API; aggregated = NIXL POSIX "
+            f"batch reads of the files). Large-object GET (8 x 16 MiB through NIXL OBJ, from SeaweedFS / from the posix gateway's S3 API): {rates}."))
     if "scheduling" in payload:
         sched = payload["scheduling"]
         by = {(r["workload"], r["policy"]): r for r in sched["rows"]}
@@ -389,10 +429,13 @@ def plot(payload: dict, name: str) -> None:
         # The context measured at the most chunk sizes.
         sizes = {c: {r["chunk_tokens"] for r in rows if r["context"] == c} for c in {r["context"] for r in rows}}
         context = max(sizes, key=lambda c: len(sizes[c]))
-        for path in PATHS:
-            pts = sorted((r["chunk_tokens"], r["mb_s"]) for r in rows if r["path"] == path and r["context"] == context)
-            axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=path)
-        axes[0].axhline(median(payload["paths"]["large_object_mb_s"]), color="gray", ls="--", label="large-object GET")
+        for backing, style in zip(payload["paths"]["large_object_mb_s"], ("-", ":")):
+            for path in PATHS:
+                pts = sorted((r["chunk_tokens"], r["mb_s"]) for r in rows
+                             if r["path"] == path and r["context"] == context and r["backing"] == backing)
+                axes[0].plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ls=style, label=f"{backing} {path}")
+            axes[0].axhline(median(payload["paths"]["large_object_mb_s"][backing]), color="gray", ls=style,
+                            label=f"{backing} large-object GET")
         axes[0].set(xscale="log", xlabel="chunk tokens G", ylabel="MB/s",
                     title=f"read paths, {context // 1024}K-token context")
         axes[0].legend(fontsize=8)
@@ -417,6 +460,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--parts", nargs="+", default=["paths", "scheduling"], choices=["paths", "scheduling"])
     parser.add_argument("--layers", type=int, default=4, help="L for part 1")
+    parser.add_argument("--backings", nargs="+", default=["s3", "posix"], choices=["s3", "posix"],
+                        help="part 1: the gateway in front of SeaweedFS, next to a posix root, or both")
     parser.add_argument("--bytes-per-token", type=int, default=1024, help="bytes per token per layer, part 1")
     parser.add_argument("--min-read", type=int, default=MIB, help="min_read_bytes of the aggregated-win gateway")
     parser.add_argument("--byte-scale", type=float, default=1 / 1024, help="part 2: bytes relative to the paper")
