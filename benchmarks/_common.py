@@ -134,6 +134,8 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
     under the same labels. Every server gets ``--max-model-len`` and logs to
     ``<workdir>/<log_stem>[-<label>]-vllm.log``.
     ``store``: keys changed in the connector config's store section (``io_timeout_s``...).
+    A server whose kwargs hold ``"s3agg": True`` reads through an ``s3agg-gateway`` (started here
+    in front of the same bucket, stopped on exit): its store section becomes ``s3agg`` around it.
     """
     from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
@@ -143,15 +145,20 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
 
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = make_tiny_llama(args.workdir / "tiny-llama")
-    s3 = None
+    s3 = gateway = None
     started: dict = {}
     try:
         s3 = SeaweedFS().start()
         print(f"S3 (SeaweedFS) on {s3.endpoint}", file=sys.stderr)
         for label, kwargs in servers.items():
-            if store:
+            kwargs = dict(kwargs)
+            through_gateway = kwargs.pop("s3agg", False)
+            if store or through_gateway:
                 config = json.loads((CONFIGS / kwargs.get("config", "single.json")).read_text())
-                section = {**config["kv_connector_extra_config"]["store"], "endpoint": s3.endpoint, **store}
+                section = {**config["kv_connector_extra_config"]["store"], "endpoint": s3.endpoint, **(store or {})}
+                if through_gateway:
+                    gateway = gateway or _start_gateway(s3, section["bucket"], args.workdir)
+                    section = {"backend": "s3agg", "gateway": gateway.url, "s3": section}
                 kwargs = {**kwargs, "extra": {**kwargs.get("extra", {}), "store": section}}
             log_path = (args.workdir / "-".join(filter(None, (log_stem, label, "vllm.log")))).resolve()
             server = started[label] = VLLMServer(model, s3, log_path, max_model_len=args.max_model_len, **kwargs)
@@ -168,8 +175,26 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
     finally:
         for server in started.values():
             server.stop()
+        if gateway is not None:
+            gateway.stop()
         if s3 is not None:
             s3.stop()
+
+
+def _start_gateway(s3, bucket: str, workdir: Path):
+    """s3agg-gateway in front of ``bucket``; clients sign with the S3 keys (the engines' AWS variables)."""
+    from botocore.exceptions import ClientError
+
+    from dualpath_dev.gateway import GatewayProcess, gateway_config
+
+    with contextlib.suppress(ClientError):  # the engines create it too; whoever is first
+        s3.client().create_bucket(Bucket=bucket)
+    # theta 1 MiB: a hit of more than a few chunks is delivered layer by layer.
+    config = gateway_config(s3, bucket, s3.access_key, s3.secret_key, theta_bytes=1 << 20, io_threads=8,
+                            log_level="WARNING")
+    gateway = GatewayProcess(config, workdir).start()
+    print(f"s3agg-gateway on {gateway.url}; log: {gateway.log_path}", file=sys.stderr)
+    return gateway
 
 
 def chunk_tokens(server) -> int:

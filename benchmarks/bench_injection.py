@@ -1,11 +1,13 @@
-"""TTFT of a 90%-hit prompt served by ``bulk`` and ``layerwise`` store loads and all-local, side by side.
+"""TTFT of a 90%-hit prompt served by ``bulk``, ``layerwise`` and s3agg layerwise store loads and all-local, side by side.
 
-One SeaweedFS (S3 on 127.0.0.1) and three vLLM OpenAI servers with DualPathConnector
+One SeaweedFS (S3 on 127.0.0.1), an ``s3agg-gateway`` in front of its bucket and four vLLM OpenAI servers with DualPathConnector
 (``configs/single.json``, the tiny random Llama), started together and sharing the store
 (the same bucket and key prefix, hence one namespace):
 
 - ``bulk`` and ``layerwise``: ``load_mode`` bulk / layerwise, vLLM's local prefix cache
   off, so every hit is a connector load from the store;
+- ``s3agg-layerwise``: layerwise with store ``s3agg`` (the gateway, same bucket and key prefix):
+  the hit arrives layer by layer (ObjectCache on the request path);
 - ``all-local``: vLLM's local prefix cache on (the connector too, so it makes the same store
   lookups and saves as the others): its hit comes from its own KV cache, no connector load.
 
@@ -61,7 +63,9 @@ from _common import (  # noqa: E402
 from dualpath_connector.protocol import metric_totals  # noqa: E402
 from dualpath_dev.engines import VLLMServer, cached_tokens  # noqa: E402
 
-MODES = ("bulk", "layerwise")  # the connector loads the hit from the store
+S3AGG = "s3agg-layerwise"  # layerwise, the hit arriving layer by layer through s3agg-gateway (ObjectCache)
+MODES = ("bulk", "layerwise", S3AGG)  # the connector loads the hit from the store
+LAYERWISE = ("layerwise", S3AGG)
 LOCAL = "all-local"  # vLLM's own prefix cache holds the hit
 SERVERS = (*MODES, LOCAL)
 WARMUP_TOKENS = 2048
@@ -106,7 +110,7 @@ class Bench:
         before = metric_totals(server.metrics_text())
         ttft, _, usage = server.complete(prompt, 1, self.args.request_timeout)
         save = self.waiters[mode].wait(self.chunks(len(prompt)) - self.chunks(stored_before))
-        watched = [DELTAS["loads"], DELTAS["layer_steps"]] if mode == "layerwise" else [DELTAS["loads"]]
+        watched = [DELTAS["loads"], DELTAS["layer_steps"]] if mode in LAYERWISE else [DELTAS["loads"]]
         after = self.settled(server, before, watched if stored_before and mode in MODES else [])
         return {
             "server": mode,
@@ -164,11 +168,13 @@ def summarize(length: int, stored: int, samples: dict[str, list[dict]]) -> dict:
     """
     full = {mode: [s for s in samples[mode] if s["cached_tokens"] == stored] for mode in SERVERS}
     ttft = {mode: median([s["ttft_s"] for s in full[mode]]) * 1000 for mode in SERVERS}
-    # The stall metric: layerwise samples whose server exported it.
-    stalls = [s for s in full["layerwise"] if s["layer_wait_s"] is not None and s["layer_load_s"] is not None]
-    load_total = sum(s["layer_load_s"] for s in stalls)
+    # The stall metric, per layerwise server: samples whose server exported it.
+    stalls = {mode: [s for s in full[mode] if s["layer_wait_s"] is not None and s["layer_load_s"] is not None]
+              for mode in LAYERWISE}
+    load_total = {mode: sum(s["layer_load_s"] for s in stalls[mode]) for mode in LAYERWISE}
     # Floored at 0 as the connector's gauge is: on the CPU path the wait is the copy itself, plus timer noise.
-    hidden = max(0.0, 1 - sum(s["layer_wait_s"] for s in stalls) / load_total) if load_total else None
+    hidden = {mode: max(0.0, 1 - sum(s["layer_wait_s"] for s in stalls[mode]) / load_total[mode])
+              if load_total[mode] else None for mode in LAYERWISE}
     return {
         "prompt_tokens": length,
         "stored_tokens": stored,
@@ -179,8 +185,9 @@ def summarize(length: int, stored: int, samples: dict[str, list[dict]]) -> dict:
         "after_load_ms_median": {
             mode: median([s["ttft_s"] - s["load_s"] for s in full[mode]]) * 1000 for mode in MODES
         },
-        "layerwise_wait_ms_median": median([s["layer_wait_s"] for s in stalls]) * 1000 if stalls else None,
-        "layerwise_hidden_fraction": hidden,
+        "layer_wait_ms_median": {mode: median([s["layer_wait_s"] for s in stalls[mode]]) * 1000
+                                 if stalls[mode] else None for mode in LAYERWISE},
+        "layer_hidden_fraction": hidden,
         "full_hits": {mode: f"{len(full[mode])}/{len(samples[mode])}" for mode in SERVERS},
         "samples": samples,
     }
@@ -189,7 +196,9 @@ def summarize(length: int, stored: int, samples: dict[str, list[dict]]) -> dict:
 def run(args: argparse.Namespace) -> dict:
     rows = []
     # Same bucket and key prefix (configs/single.json) for all: one store, one namespace.
-    stack = {mode: {"extra": {"load_mode": mode}} for mode in MODES}
+    stack = {mode: {"extra": {"load_mode": mode}} for mode in ("bulk", "layerwise")}
+    # The same bucket through s3agg-gateway: the same namespace, so the same stored chunks.
+    stack[S3AGG] = {"extra": {"load_mode": "layerwise"}, "s3agg": True}
     stack[LOCAL] = {"vllm_args": ["--enable-prefix-caching"]}
     with vllm_stack(args, "bench-injection", stack, {"io_timeout_s": args.store_io_timeout}) as servers:
         bench = Bench(servers, chunk_tokens(servers["bulk"]), args)
@@ -228,8 +237,10 @@ def table(payload: dict) -> str:
             *(f"{r['ttft_ms_median'][mode]:.0f}" for mode in (LOCAL, *MODES)),
             *(f"{r['vs_all_local'][mode]:.2f}x" for mode in MODES),
             *(f"{r['load_ms_median'][mode]:.0f}" for mode in MODES),
-            "n/a" if r["layerwise_wait_ms_median"] is None else f"{r['layerwise_wait_ms_median']:.0f}",
-            "n/a" if r["layerwise_hidden_fraction"] is None else f"{r['layerwise_hidden_fraction']:.0%}",
+            *(ms(None if r["layer_wait_ms_median"][mode] is None else r["layer_wait_ms_median"][mode] / 1000)
+              for mode in LAYERWISE),
+            *("n/a" if r["layer_hidden_fraction"][mode] is None else f"{r['layer_hidden_fraction'][mode]:.0%}"
+              for mode in LAYERWISE),
             ", ".join(r["full_hits"][mode] for mode in (LOCAL, *MODES)),
         ]
         for r in payload["results"]
@@ -238,13 +249,15 @@ def table(payload: dict) -> str:
     caption = (
         f"TTFT (max_tokens=1) on vLLM's CPU build, tiny random Llama (4 layers, bf16), median of "
         f"{config['reps']} repetition(s) with fresh random prompts each. What limits these figures: "
-        f"{env['cpu_count']} CPU cores, shared by the three engines, SeaweedFS, this script and other work on the "
+        f"{env['cpu_count']} CPU cores, shared by the four engines, SeaweedFS, s3agg-gateway, this script and other work on the "
         f"machine (load average {env['load_avg_at_start'][0]:.1f} at the start, {env['load_avg_at_end'][0]:.1f} "
         f"at the end), and attention on the CPU: the KV copies run on the same cores as the forward, with no copy "
         f"engine to overlap them with compute, so this measures the CPU data path, not a GPU's overlap. "
         f"all-local: vLLM's prefix cache held the prompt's first {config['hit_fraction']:.0%} (whole chunks), "
         f"computed by an earlier request on that server; bulk / layerwise: the same chunks, saved by that request, "
-        f"loaded from S3 (SeaweedFS on 127.0.0.1) with that load_mode, local prefix cache off; every server makes "
+        f"loaded from S3 (SeaweedFS on 127.0.0.1) with that load_mode, local prefix cache off; {S3AGG}: layerwise "
+        f"with store s3agg, the hit arriving layer by layer through s3agg-gateway in front of the same bucket "
+        f"(reported once layer 0 landed, the forward waiting per layer); every server makes "
         f"the connector's store lookups. recompute: a never-seen prompt of the same length (0% hit). x / all-local: "
         f"ratio of the median TTFTs. load ms: the connector's load_seconds (store read, plus the KV cache copy in "
         f"bulk mode). layerwise wait: the forward's time in wait_for_layer_load per request "
@@ -252,9 +265,10 @@ def table(payload: dict) -> str:
         f"(dualpath_kv:layer_load_seconds), n/a where the connector does not export them. full hits: samples that "
         f"got the whole hit, the only ones in the medians (a failed load is recomputed)."
     )
-    headers = ["prompt tokens", "stored tokens", "recompute TTFT ms", "all-local TTFT ms", "bulk TTFT ms",
-               "layerwise TTFT ms", "bulk / all-local", "layerwise / all-local", "bulk load ms",
-               "layerwise load ms", "layerwise wait ms", "layerwise hidden", "full hits (all-local, bulk, layerwise)"]
+    headers = ["prompt tokens", "stored tokens", "recompute TTFT ms", "all-local TTFT ms",
+               *(f"{mode} TTFT ms" for mode in MODES), *(f"{mode} / all-local" for mode in MODES),
+               *(f"{mode} load ms" for mode in MODES), *(f"{mode} wait ms" for mode in LAYERWISE),
+               *(f"{mode} hidden" for mode in LAYERWISE), f"full hits ({', '.join((LOCAL, *MODES))})"]
     return markdown_table(headers, rows, caption)
 
 
@@ -264,7 +278,7 @@ def chart(payload: dict, path: Path) -> Path | None:
     series = {f"{mode} ({hit})": [r["ttft_ms_median"][mode] for r in rows] for mode in (LOCAL, *MODES)}
     if payload["config"]["recompute"]:
         series = {"recompute (0% hit)": [r["recompute_ttft_ms_median"] for r in rows], **series}
-    title = (f"TTFT: all-local vs bulk vs layerwise (vLLM CPU, {payload['environment']['cpu_count']} cores, "
+    title = (f"TTFT: all-local vs bulk vs layerwise vs s3agg layerwise (vLLM CPU, {payload['environment']['cpu_count']} cores, "
              f"median of {payload['config']['reps']})")
     return bar_chart(path, [size_label(r["prompt_tokens"]) for r in rows], series, "prompt tokens", title)
 
