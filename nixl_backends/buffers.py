@@ -2,7 +2,9 @@
 
 Registration is slow for many small regions, so the pool is one large,
 page-aligned region registered at start-up and carved into fixed-size slots
-(one Full Block each). Requests borrow slots; nothing is registered per request.
+(one stored object each). Requests borrow slots; nothing is registered per request.
+Every slot starts on a page boundary (the stride is rounded up to 4 KiB), so a
+store may move a slot's aligned interior with O_DIRECT (the Dual-Blade tier).
 """
 
 from __future__ import annotations
@@ -29,10 +31,12 @@ class HostBufferPool:
             raise ValueError(f"slot_bytes and num_slots must be positive, got {slot_bytes}, {num_slots}")
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
-        raw = np.zeros(slot_bytes * num_slots + _ALIGNMENT, dtype=np.uint8)
+        # Slot i spans [i*stride, i*stride + slot_bytes); the padding after it is never used.
+        self.slot_stride = -(-slot_bytes // _ALIGNMENT) * _ALIGNMENT
+        raw = np.zeros(self.slot_stride * num_slots + _ALIGNMENT, dtype=np.uint8)
         start = (-raw.ctypes.data) % _ALIGNMENT
         self._raw = raw  # owns the memory; `array` is an aligned view of it
-        self.array = raw[start : start + slot_bytes * num_slots]
+        self.array = raw[start : start + self.slot_stride * num_slots]
         self.base_addr = self.array.ctypes.data
         self._agent = agent
         self._registration = agent.register_memory([(self.base_addr, self.array.nbytes, 0, "")], "DRAM")
@@ -64,10 +68,11 @@ class HostBufferPool:
             return len(self._free)
 
     def slot_addr(self, slot: int) -> int:
-        return self.base_addr + slot * self.slot_bytes
+        return self.base_addr + slot * self.slot_stride
 
     def slot_view(self, slot: int) -> np.ndarray:
-        return self.array[slot * self.slot_bytes : (slot + 1) * self.slot_bytes]
+        start = slot * self.slot_stride
+        return self.array[start : start + self.slot_bytes]
 
     def close(self) -> None:
         if self._registration is not None:

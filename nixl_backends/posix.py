@@ -33,6 +33,12 @@ IO_ENGINE_PARAMS = {
 }
 
 
+def create_posix_backend(agent, io_engine: str) -> None:
+    """The agent's one POSIX backend; a second store on the same agent (a tier) shares the first's."""
+    if "POSIX" not in agent.backends:
+        agent.create_backend("POSIX", IO_ENGINE_PARAMS[io_engine])
+
+
 @dataclass
 class PosixStoreConfig:
     """``{"backend": "posix", ...}``."""
@@ -56,7 +62,7 @@ class PosixStore(KVStore):
         os.makedirs(self.root, exist_ok=True)
         self._agent = agent
         if agent is not None:
-            agent.create_backend("POSIX", IO_ENGINE_PARAMS[config.io_engine])
+            create_posix_backend(agent, config.io_engine)
 
     def path(self, key: str) -> str:
         return os.path.join(self.root, key)

@@ -16,9 +16,11 @@ from nixl_backends.store import KVStore
 
 # name -> (module, config class, store class)
 _BACKENDS: dict[str, tuple[str, str, str]] = {
+    "dualblade": ("nixl_backends.dualblade", "DualBladeStoreConfig", "DualBladeStore"),
     "posix": ("nixl_backends.posix", "PosixStoreConfig", "PosixStore"),
     "s3": ("nixl_backends.s3", "S3StoreConfig", "S3Store"),
     "s3agg": ("nixl_backends.s3agg", "S3AggStoreConfig", "S3AggStore"),
+    "tiered": ("nixl_backends.tiered", "TieredStoreConfig", "TieredStore"),
 }
 
 

@@ -13,12 +13,21 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from nixl_backends.layout import BlockLayout
 # Raised by every read and write; callers import it from here.
 from nixl_backends.nixl_io import TransferAbandoned
 
-__all__ = ["KVStore", "TransferAbandoned"]
+__all__ = ["KVStore", "StoreMetrics", "TransferAbandoned"]
+
+
+@dataclass
+class StoreMetrics:
+    """What a store reports about itself (names: ``dualpath_connector.protocol`` documents them)."""
+
+    counters: dict[str, int] = field(default_factory=dict)  # totals since the store was opened
+    gauges: dict[str, float] = field(default_factory=dict)  # latest values
 
 
 class KVStore(ABC):
@@ -62,6 +71,10 @@ class KVStore(ABC):
         Control path (no NIXL agent needed): a reader drops a chunk that
         failed its integrity check, so the next save can store it again.
         """
+
+    def metrics(self) -> StoreMetrics:
+        """Counters and gauges of the store's own (tiers, paths, evictions); none by default."""
+        return StoreMetrics()
 
     def close(self) -> None:
         """Release backend resources; the store is unusable afterwards."""
