@@ -227,6 +227,19 @@ COUNTERS = {
     "misses and deleted)",
     "side_channel_rejected_messages": "Side-channel messages dropped unanswered: unsigned, wrong key, stale, "
     "replayed or malformed",
+    # Reported by the store itself (StoreMetrics): the Dual-Blade local tier and the tiered store in front of it.
+    **{f"local_tier_{name}": doc for name, doc in {
+        "hit_chunks": "Chunks read from the local (Dual-Blade) tier",
+        "miss_chunks": "Chunks asked of the local tier that it did not hold (read from the next tier, if any)",
+        "corrupt_chunks": "Local-tier chunks whose bytes no longer matched their bind checksum (dropped, read elsewhere)",
+        "evicted_chunks": "Chunks the local tier evicted (coldest first by its ranker) to make room",
+        "page_cache_bytes_read": "Bytes the local tier read through the page-cache path",
+        "direct_bytes_read": "Bytes the local tier read through the O_DIRECT path",
+        "page_cache_bytes_written": "Bytes the local tier wrote through the page-cache path",
+        "direct_bytes_written": "Bytes the local tier wrote through the O_DIRECT path",
+        "filled_chunks": "Chunks a lower tier served that were copied into the local tier in the background",
+        "fill_skipped_chunks": "Chunks a lower tier served that were not copied up (no free fill slot, or the write failed)",
+    }.items()},
 }
 TIMINGS = {
     "load_seconds": "Time from a load's start to its hit being readable (bulk: in the KV cache)",
@@ -241,6 +254,12 @@ GAUGES = {
     "read_queue_tokens": "Tokens queued or in flight in this engine's store reads, including reads served for a PE",
     "layer_load_hidden_fraction": "Layerwise loads: 1 - layer_wait_seconds / layer_load_seconds of the latest "
     "forward (1: every byte moved behind compute)",
+    "local_tier_page_cache_budget_bytes": "Local tier: page-cache budget B_pc from the memory cgroup (Dual-Blade Eq. 1-2)",
+    "local_tier_page_cache_layers": "Local tier: n1, the front layers of every chunk on the page-cache path (Algorithm 1)",
+    "local_tier_page_cache_hit_ratio": "Local tier: share of page-cache-path bytes served without a device read "
+    "(from the cgroup's block-I/O counters)",
+    "local_tier_used_bytes": "Local tier: bytes of extents holding chunks",
+    "local_tier_capacity_bytes": "Local tier: the extent file's size (the tier's byte budget)",
 }
 
 

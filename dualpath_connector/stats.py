@@ -39,7 +39,10 @@ class DualPathStats(KVConnectorStats):
         return self
 
     def reduce(self) -> dict[str, int | float]:
-        out: dict[str, int | float] = {name: self.data[name] for name in COUNTERS}
+        # Local-tier counters only where a local tier runs (they stay 0 elsewhere and would only lengthen the line).
+        out: dict[str, int | float] = {
+            name: self.data[name] for name in COUNTERS if self.data[name] or not name.startswith("local_tier_")
+        }
         for name in TIMINGS:
             values = self.data[name]
             out[f"{name}_median"] = round(statistics.median(values), 4) if values else 0.0

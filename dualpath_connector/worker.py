@@ -49,7 +49,7 @@ from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import DualPathMetadata, LoadSpec, PullSpec
 from dualpath_connector.peer import PeerLink
-from dualpath_connector.protocol import StoreKeySpace
+from dualpath_connector.protocol import COUNTERS, GAUGES, StoreKeySpace
 from dualpath_connector.pulls import PromptPuller
 from dualpath_connector.read_path import HitReader, LoadedHit
 from dualpath_connector.saves import ChunkSaver
@@ -123,6 +123,7 @@ class DualPathWorker:
         self._dropped: set[str] = set()
         self._injection: LayerwiseInjection | None = None
         self._rejected_reported = 0
+        self._store_counters: dict[str, int] = {}
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -341,7 +342,16 @@ class DualPathWorker:
             rejected = self.peers.rejected_messages
             self.stats.add(side_channel_rejected_messages=rejected - self._rejected_reported)
             self._rejected_reported = rejected
+        self._add_store_metrics()
         return self.stats.take()
+
+    def _add_store_metrics(self) -> None:
+        # The store keeps totals; hand on what grew since the last call, and its latest gauges.
+        reported = self.store.metrics()
+        counters = {name: value for name, value in reported.counters.items() if name in COUNTERS}
+        self.stats.add(**{name: value - self._store_counters.get(name, 0) for name, value in counters.items()})
+        self._store_counters = counters
+        self.stats.gauge(**{name: value for name, value in reported.gauges.items() if name in GAUGES})
 
     def shutdown(self) -> None:
         if self.reader is not None:

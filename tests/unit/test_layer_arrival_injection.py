@@ -119,7 +119,7 @@ class LayerwiseStore(KVStore):
         self.pace: list[threading.Event] | None = None
 
     def _slot(self, addr: int) -> int:
-        return (addr - self.pool.base_addr) // self.pool.slot_bytes
+        return (addr - self.pool.base_addr) // self.pool.slot_stride
 
     def lookup(self, keys):
         return next((i for i, key in enumerate(keys) if key not in self.objects), len(keys))

@@ -1,0 +1,186 @@
+"""Tiered store: a fast local tier (Dual-Blade on NVMe) in front of a shared one (S3, POSIX), fastest first.
+
+``{"backend": "tiered", "tiers": [{"backend": "dualblade", ...}, {"backend": "s3", ...}]}``
+
+- lookup: the leading run present in *any* tier (a chunk evicted locally is
+  still a hit in the shared tier);
+- read: each tier in turn reads what the tiers before it missed; a chunk a
+  lower tier served is copied into a fill buffer and written to the tiers
+  above it by a background thread, so a fill never delays the load (with no
+  free fill slot the fill is skipped and counted);
+- write: through every tier; the chunk counts as stored when the last (the
+  shared, durable) tier stored it;
+- delete: from every tier.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import queue
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from nixl_backends.buffers import HostBufferPool, PoolExhausted
+from nixl_backends.configuration import ConfigError
+from nixl_backends.layout import BlockLayout
+from nixl_backends.store import KVStore, StoreMetrics
+
+logger = logging.getLogger(__name__)
+
+# How long close() waits for queued fills before dropping them.
+_CLOSE_DRAIN_S = 30.0
+
+
+@dataclass
+class TieredStoreConfig:
+    tiers: list  # store sections, fastest first
+    # Host slots (one chunk object each) for fills in flight; more pending fills are skipped.
+    fill_buffer_chunks: int = 32
+    tier_configs: list = field(init=False, default_factory=list)
+
+    def validate(self) -> None:
+        from nixl_backends.registry import parse_store_config
+
+        if len(self.tiers) < 2:
+            raise ConfigError(f"store.tiers needs at least two store sections, got {len(self.tiers)}")
+        self.tier_configs = [parse_store_config(tier, f"store.tiers[{i}].") for i, tier in enumerate(self.tiers)]
+        if any(isinstance(config, TieredStoreConfig) for config in self.tier_configs):
+            raise ConfigError("store.tiers: a tier cannot itself be tiered")
+        if self.fill_buffer_chunks < 0:
+            raise ConfigError(f"store.fill_buffer_chunks must be >= 0, got {self.fill_buffer_chunks}")
+
+
+def _memory(addr: int, nbytes: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
+
+
+class TieredStore(KVStore):
+    def __init__(self, config: TieredStoreConfig, layout: BlockLayout, agent=None) -> None:
+        from nixl_backends.registry import make_store
+
+        super().__init__(layout)
+        self.config = config
+        self.tiers: list[KVStore] = []
+        try:
+            for tier_config in config.tier_configs:
+                self.tiers.append(make_store(tier_config, layout, agent))
+        except BaseException:
+            for tier in self.tiers:
+                tier.close()
+            raise
+        self._counters: Counter[str] = Counter(local_tier_filled_chunks=0, local_tier_fill_skipped_chunks=0)
+        self._counter_lock = threading.Lock()
+        self._fills: queue.Queue[tuple[int, list[str], list[int]] | None] = queue.Queue()
+        self._pool: HostBufferPool | None = None
+        self._filler: threading.Thread | None = None
+        if agent is not None and config.fill_buffer_chunks:
+            # After the tiers: their backends must exist before memory is registered.
+            self._pool = HostBufferPool(agent, layout.object_bytes, config.fill_buffer_chunks)
+            self._filler = threading.Thread(target=self._fill_loop, name="dualpath-tier-fill", daemon=True)
+            self._filler.start()
+
+    def lookup(self, keys: Sequence[str]) -> int:
+        # Union of the tiers' leading runs: each round advances by the longest run any tier has from here.
+        position = 0
+        while position < len(keys):
+            step = 0
+            for tier in self.tiers:
+                step = max(step, tier.lookup(keys[position:]))
+                if step == len(keys) - position:
+                    break
+            if step == 0:
+                break
+            position += step
+        return position
+
+    def read(self, keys: Sequence[str], dst_addrs: Sequence[int]) -> list[bool]:
+        ok = [False] * len(keys)
+        remaining = list(range(len(keys)))
+        for level, tier in enumerate(self.tiers):
+            if not remaining:
+                break
+            got = tier.read([keys[i] for i in remaining], [dst_addrs[i] for i in remaining])
+            served = [i for i, good in zip(remaining, got) if good]
+            for i in served:
+                ok[i] = True
+            if level and served:
+                self._queue_fill(level, [keys[i] for i in served], [dst_addrs[i] for i in served])
+            remaining = [i for i, good in zip(remaining, got) if not good]
+        return ok
+
+    def _queue_fill(self, level: int, keys: list[str], addrs: list[int]) -> None:
+        """Copy chunks a lower tier served into fill slots (one memcpy each) for the filler to write upwards."""
+        if self._pool is None:
+            return
+        try:
+            slots = self._pool.acquire(len(keys))
+        except PoolExhausted:
+            slots = self._pool.acquire(min(len(keys), self._pool.free_slots))
+        size = self.layout.object_bytes
+        for slot, addr in zip(slots, addrs):
+            np.copyto(self._pool.slot_view(slot), _memory(addr, size))
+        if len(slots) < len(keys):
+            with self._counter_lock:
+                self._counters["local_tier_fill_skipped_chunks"] += len(keys) - len(slots)
+        if slots:
+            self._fills.put((level, keys[: len(slots)], slots))
+
+    def _fill_loop(self) -> None:
+        while (job := self._fills.get()) is not None:
+            level, keys, slots = job
+            try:
+                filled = [True] * len(keys)
+                for tier in self.tiers[:level]:
+                    written = tier.write(keys, [self._pool.slot_addr(s) for s in slots])
+                    filled = [a and b for a, b in zip(filled, written)]
+                with self._counter_lock:
+                    self._counters["local_tier_filled_chunks"] += sum(filled)
+                    self._counters["local_tier_fill_skipped_chunks"] += len(keys) - sum(filled)
+            except Exception:
+                logger.exception("tiered store: filling %d chunk(s) into the upper tiers failed", len(keys))
+            finally:
+                self._pool.release(slots)
+
+    def wait_for_fills(self, timeout_s: float = _CLOSE_DRAIN_S) -> bool:
+        """Whether every queued fill was written within ``timeout_s`` (tests and close)."""
+        from nixl_backends.nixl_io import wait_until
+
+        # A fill holds its slots until written (or failed), so all slots free means no fill is pending.
+        return self._pool is None or wait_until(lambda: self._pool.free_slots == self._pool.num_slots, timeout_s)
+
+    def write(self, keys: Sequence[str], src_addrs: Sequence[int]) -> list[bool]:
+        results = [tier.write(keys, src_addrs) for tier in self.tiers]
+        return results[-1]
+
+    def delete(self, keys: Sequence[str]) -> None:
+        for tier in self.tiers:
+            tier.delete(keys)
+
+    def metrics(self) -> StoreMetrics:
+        merged = StoreMetrics()
+        with self._counter_lock:
+            counters: Counter[str] = Counter(self._counters)
+        for tier in self.tiers:
+            own = tier.metrics()
+            counters.update(own.counters)
+            merged.gauges.update(own.gauges)
+        merged.counters = dict(counters)
+        return merged
+
+    def close(self) -> None:
+        if self._filler is not None:
+            self.wait_for_fills()
+            self._fills.put(None)
+            self._filler.join(timeout=_CLOSE_DRAIN_S)
+            self._filler = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
+        for tier in self.tiers:
+            tier.close()
+
