@@ -291,6 +291,14 @@ def open_chunks(store_config: Any, key_prefix: str, namespaces: Sequence[str] | 
     come from the section or, without keys there, the AWS credential chain.
     """
     keys = KeyPattern(key_prefix, namespaces)
+    from nixl_backends.dualblade import DualBladeStoreConfig
+    from nixl_backends.tiered import TieredStoreConfig
+
+    if isinstance(store_config, TieredStoreConfig):
+        store_config = store_config.tier_configs[-1]  # the shared tier; the local ones bound themselves
+    if isinstance(store_config, DualBladeStoreConfig):
+        raise GcError(f"a dualblade tier bounds itself (store.capacity_bytes, evicting by its ranker): "
+                      f"nothing to collect under {store_config.root}")
     if isinstance(store_config, PosixStoreConfig):
         return PosixChunks(store_config.root, keys)
     # Imported here: collecting a POSIX root needs no boto3.

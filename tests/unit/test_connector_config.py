@@ -43,6 +43,17 @@ def test_shipped_configs_parse(name):
     assert shipped["kv_connector_module_path"] == "dualpath_connector"
 
 
+def test_shipped_tiered_config_parses():
+    from nixl_backends.dualblade import DualBladeStoreConfig
+    from nixl_backends.tiered import TieredStoreConfig
+
+    shipped = json.loads((Path(__file__).resolve().parents[2] / "configs" / "single-tiered.json").read_text())
+    config = parse_config(shipped["kv_connector_extra_config"], shipped["kv_role"])
+    assert isinstance(config.store_config, TieredStoreConfig)
+    local, shared = config.store_config.tier_configs
+    assert isinstance(local, DualBladeStoreConfig) and isinstance(shared, S3StoreConfig)
+
+
 @pytest.mark.parametrize(
     "kv_role, extra, named",
     [
