@@ -39,8 +39,9 @@ _CLOSE_DRAIN_S = 30.0
 @dataclass
 class TieredStoreConfig:
     tiers: list  # store sections, fastest first
-    # Host slots (one chunk object each) for fills in flight; more pending fills are skipped.
-    fill_buffer_chunks: int = 32
+    # Host memory for fills in flight (whole chunk objects); a fill that finds no room is skipped, and the
+    # chunk is filled the next time it is read. 0: no fills.
+    fill_buffer_bytes: int = 256 << 20
     tier_configs: list = field(init=False, default_factory=list)
 
     def validate(self) -> None:
@@ -48,11 +49,21 @@ class TieredStoreConfig:
 
         if len(self.tiers) < 2:
             raise ConfigError(f"store.tiers needs at least two store sections, got {len(self.tiers)}")
-        self.tier_configs = [parse_store_config(tier, f"store.tiers[{i}].") for i, tier in enumerate(self.tiers)]
+        self.tier_configs = [_parse_tier(parse_store_config, tier, i) for i, tier in enumerate(self.tiers)]
         if any(isinstance(config, TieredStoreConfig) for config in self.tier_configs):
             raise ConfigError("store.tiers: a tier cannot itself be tiered")
-        if self.fill_buffer_chunks < 0:
-            raise ConfigError(f"store.fill_buffer_chunks must be >= 0, got {self.fill_buffer_chunks}")
+        if self.fill_buffer_bytes < 0:
+            raise ConfigError(f"store.fill_buffer_bytes must be >= 0, got {self.fill_buffer_bytes}")
+
+
+def _parse_tier(parse, section: dict, index: int):
+    where = f"store.tiers[{index}]."
+    try:
+        return parse(section, where)
+    except ConfigError as exc:
+        # Backends' own cross-field checks name keys as "store.<key>": say which tier's.
+        message = str(exc)
+        raise ConfigError(message if where in message else message.replace("store.", where, 1)) from None
 
 
 def _memory(addr: int, nbytes: int) -> np.ndarray:
@@ -78,9 +89,10 @@ class TieredStore(KVStore):
         self._fills: queue.Queue[tuple[int, list[str], list[int]] | None] = queue.Queue()
         self._pool: HostBufferPool | None = None
         self._filler: threading.Thread | None = None
-        if agent is not None and config.fill_buffer_chunks:
-            # After the tiers: their backends must exist before memory is registered.
-            self._pool = HostBufferPool(agent, layout.object_bytes, config.fill_buffer_chunks)
+        if agent is not None and config.fill_buffer_bytes:
+            # After the tiers: their backends must exist before memory is registered. At least one slot.
+            slots = max(1, config.fill_buffer_bytes // layout.object_bytes)
+            self._pool = HostBufferPool(agent, layout.object_bytes, slots)
             self._filler = threading.Thread(target=self._fill_loop, name="dualpath-tier-fill", daemon=True)
             self._filler.start()
 

@@ -8,7 +8,8 @@ extent. Free extents are handed out lowest first, so the chunks of one write
 that prompt is one sequential sweep.
 
 The journal is append-only text, one record a line with its own checksum:
-``["B", key, extent, xxh3]`` binds, ``["F", key]`` frees. A record is
+``["E", epoch]`` first (a fresh id whenever the file is started anew),
+then ``["B", key, extent, xxh3]`` binds and ``["F", key]`` frees. A record is
 appended (and fsynced) only after what it promises is true: a bind after the
 chunk's bytes are durable in the extent, a free before the extent is reused.
 So a crash at any point leaves a journal whose every bind names an extent
@@ -18,7 +19,8 @@ a reader reject bytes that changed on disk after all.
 
 Processes that only look chunks up (vLLM's scheduler half) share the writer's
 journal and tail it; the writer compacts it into a snapshot of live binds
-once it grows, renamed over the old file (readers notice the new inode).
+once it grows, renamed over the old file under a new epoch (readers compare
+the first line's epoch on every refresh: an inode number may be reused).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import heapq
 import json
 import logging
 import os
+import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -67,9 +70,13 @@ def _parse(line: bytes) -> list | None:
     if isinstance(record, list) and len(record) == 4 and record[0] == "B" and isinstance(record[1], str) \
             and isinstance(record[2], int) and isinstance(record[3], int):
         return record
-    if isinstance(record, list) and len(record) == 2 and record[0] == "F" and isinstance(record[1], str):
+    if isinstance(record, list) and len(record) == 2 and record[0] in ("F", "E") and isinstance(record[1], str):
         return record
     return None
+
+
+def _epoch_line() -> bytes:
+    return _line(["E", uuid.uuid4().hex])
 
 
 class BindMap:
@@ -86,7 +93,7 @@ class BindMap:
         self.bindings: dict[str, Binding] = {}
         self._records = 0
         self._offset = 0
-        self._inode: int | None = None
+        self._epoch: str | None = None
         self.refresh()
         bound = {b.extent for b in self.bindings.values()}
         self._free = [e for e in range(num_extents) if e not in bound]
@@ -96,20 +103,23 @@ class BindMap:
             self._fd = os.open(journal_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             # Appends after a torn tail would never be read: cut it off first.
             os.ftruncate(self._fd, self._offset)
-            if self._inode is None:
-                self._inode = os.fstat(self._fd).st_ino
+            if self._offset == 0:  # a new journal, or nothing in it survived: start an epoch
+                self._append_lines(_epoch_line(), 1)
+                self.refresh()
 
     # -- replay --------------------------------------------------------------------------------
 
     def refresh(self) -> None:
-        """Apply records appended since the last call (a compacted journal is read from the start)."""
+        """Apply records appended since the last call (a journal under a new epoch is read from the start)."""
         try:
             with open(self.journal_path, "rb") as journal:
-                inode = os.fstat(journal.fileno()).st_ino
-                if inode != self._inode:
+                first = _parse(journal.readline())
+                # A journal the writer started always opens with its epoch; one without is replayed as it is.
+                epoch = first[1] if first is not None and first[0] == "E" else ""
+                if epoch != self._epoch:
                     self.bindings.clear()
                     self._records = self._offset = 0
-                    self._inode = inode
+                    self._epoch = epoch
                 journal.seek(self._offset)
                 data = journal.read()
         except FileNotFoundError:
@@ -127,6 +137,8 @@ class BindMap:
 
     def _apply(self, record: list) -> None:
         self._records += 1
+        if record[0] == "E":
+            return
         if record[0] == "B" and 0 <= record[2] < self.num_extents:
             self.bindings[record[1]] = Binding(record[2], record[3])
         else:
@@ -154,30 +166,38 @@ class BindMap:
         self._append([["B", key, b.extent, b.checksum] for key, b in entries])
         for key, binding in entries:
             self.bindings[key] = binding
+        self._maybe_compact()
 
     def unbind(self, keys: Iterable[str]) -> list[int]:
         """Record frees (durably, before anyone reuses the extents); returns the extents now unbound."""
         keys = [key for key in dict.fromkeys(keys) if key in self.bindings]
         self._append([["F", key] for key in keys])
-        return [self.bindings.pop(key).extent for key in keys]
+        extents = [self.bindings.pop(key).extent for key in keys]
+        self._maybe_compact()
+        return extents
 
     def _append(self, records: list[list]) -> None:
-        if not records:
-            return
+        if records:
+            self._append_lines(b"".join(_line(record) for record in records), len(records))
+
+    def _append_lines(self, data: bytes, count: int) -> None:
         if self._fd is None:
             raise RuntimeError("bind map opened for lookups only")
-        data = b"".join(_line(record) for record in records)
         _write_all(self._fd, data)
         os.fsync(self._fd)
         self._offset += len(data)
-        self._records += len(records)
+        self._records += count
+
+    def _maybe_compact(self) -> None:
+        # After the bindings changed: the snapshot must hold the state the records just appended describe.
         if self._records > max(_MIN_COMPACT, _COMPACT_FACTOR * len(self.bindings)):
             self._compact()
 
     def _compact(self) -> None:
-        """Rewrite the journal as the live binds only: a new file renamed over the old one."""
+        """Rewrite the journal as a new epoch with the live binds only: a new file renamed over the old one."""
         temp = f"{self.journal_path}.compact"
-        data = b"".join(_line(["B", key, b.extent, b.checksum]) for key, b in self.bindings.items())
+        epoch = _epoch_line()
+        data = epoch + b"".join(_line(["B", key, b.extent, b.checksum]) for key, b in self.bindings.items())
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             _write_all(fd, data)
@@ -192,8 +212,8 @@ class BindMap:
             os.close(directory)
         os.close(self._fd)
         self._fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND)
-        self._inode = os.fstat(self._fd).st_ino
-        self._offset, self._records = len(data), len(self.bindings)
+        self._epoch = _parse(epoch)[1]
+        self._offset, self._records = len(data), len(self.bindings) + 1
         logger.debug("dualblade: journal compacted to %d binds", len(self.bindings))
 
     def close(self) -> None:

@@ -41,7 +41,6 @@ class MemorySnapshot:
     # the kernel counts tmpfs/shmem pages here too
     page_cache_bytes: int
     available_bytes: int  # MemAvailable
-    read_bytes: int | None  # bytes this cgroup read from block devices so far, None when unknown
 
 
 def _read(path: str) -> str | None:
@@ -86,30 +85,17 @@ def _smallest(limits: list[int | None]) -> int | None:
     return min(known) if known else None
 
 
-def _read_bytes_v2(path: str) -> int | None:
-    """Sum of ``rbytes=`` over the devices of an io.stat."""
-    text = _read(path)
-    if text is None:
-        return None
-    try:
-        return sum(int(field[len("rbytes="):]) for line in text.splitlines() for field in line.split()[1:]
-                   if field.startswith("rbytes="))
-    except ValueError:
-        logger.debug("unparsable %s", path)
-        return None
+def process_read_bytes(proc_root: str = "/proc") -> int | None:
+    """Bytes this process (all its threads, NIXL's included) made the block layer read; None when unknown.
 
-
-def _read_bytes_v1(path: str) -> int | None:
-    """Sum of the per-device ``MAJ:MIN Read N`` lines of blkio.throttle.io_service_bytes (``Total`` has no device)."""
-    text = _read(path)
-    if text is None:
-        return None
-    try:
-        return sum(int(fields[2]) for fields in map(str.split, text.splitlines())
-                   if len(fields) == 3 and fields[1] == "Read")
-    except ValueError:
-        logger.debug("unparsable %s", path)
-        return None
+    The tier's page-cache hit ratio compares it with what its direct path read. The cgroup's own
+    counters would include other processes, and v1's blkio ones stay at 0 without a throttle policy.
+    """
+    for line in (_read(os.path.join(proc_root, "self", "io")) or "").splitlines():
+        name, _, value = line.partition(":")
+        if name == "read_bytes":
+            return int(value)
+    return None
 
 
 class MemoryBudgeter:
@@ -134,7 +120,7 @@ class MemoryBudgeter:
         # Hybrid hosts mount v1 memory at memory/ beside a cgroup2 at unified/; the v1 one is what charges us.
         v1_path = paths.get("memory")
         if v1_path is not None and os.path.isdir(self._join(self._cgroup_root, "memory", v1_path)):
-            return self._snapshot_v1(v1_path, paths.get("blkio"), available)
+            return self._snapshot_v1(v1_path, available)
         v2_path = paths.get("")
         if v2_path is not None:
             # Pure v2 mounts at the root; hybrid hosts at unified/ (where memory.max exists only if delegated).
@@ -142,9 +128,9 @@ class MemoryBudgeter:
                 if os.path.isfile(self._join(mount, v2_path, "memory.max")):
                     return self._snapshot_v2(mount, v2_path, available)
         logger.debug("no memory cgroup found for this process; budgeting from MemAvailable alone")
-        return MemorySnapshot("none", "", None, 0, 0, available, None)
+        return MemorySnapshot("none", "", None, 0, 0, available)
 
-    def _snapshot_v1(self, path: str, blkio_path: str | None, available: int) -> MemorySnapshot:
+    def _snapshot_v1(self, path: str, available: int) -> MemorySnapshot:
         directory = self._join(self._cgroup_root, "memory", path)
         stat = _read_stat(os.path.join(directory, "memory.stat"))
         # Own limit and, with use_hierarchy, the ancestors' folded into hierarchical_memory_limit.
@@ -152,16 +138,10 @@ class MemoryBudgeter:
                            _limit(stat.get("hierarchical_memory_limit"))])
         # total_* include descendant cgroups, which share our limit.
         prefix = "total_" if "total_rss" in stat else ""
-        if blkio_path is None:
-            logger.debug("no blkio cgroup for this process; read bytes unknown")
-            read_bytes = None
-        else:
-            read_bytes = _read_bytes_v1(
-                self._join(self._cgroup_root, "blkio", blkio_path, "blkio.throttle.io_service_bytes"))
         return MemorySnapshot(
             version="v1", cgroup_path=path, limit_bytes=limit,
             anon_shmem_bytes=stat.get(prefix + "rss", 0) + stat.get(prefix + "shmem", 0),
-            page_cache_bytes=stat.get(prefix + "cache", 0), available_bytes=available, read_bytes=read_bytes)
+            page_cache_bytes=stat.get(prefix + "cache", 0), available_bytes=available)
 
     def _snapshot_v2(self, mount: str, path: str, available: int) -> MemorySnapshot:
         directory = self._join(mount, path)
@@ -173,7 +153,7 @@ class MemoryBudgeter:
         return MemorySnapshot(
             version="v2", cgroup_path=path, limit_bytes=limit,
             anon_shmem_bytes=stat.get("anon", 0) + stat.get("shmem", 0), page_cache_bytes=stat.get("file", 0),
-            available_bytes=available, read_bytes=_read_bytes_v2(os.path.join(directory, "io.stat")))
+            available_bytes=available)
 
     def _mem_available(self) -> int:
         path = os.path.join(self._proc_root, "meminfo")

@@ -61,6 +61,9 @@ class ExtentFile:
                 os.posix_fallocate(self.buffered_fd, 0, capacity)
                 if os.fstat(self.buffered_fd).st_size > capacity:
                     os.ftruncate(self.buffered_fd, capacity)
+            # The page-cache path reads exact ranges; readahead would pull the neighbouring direct-path
+            # layers into the page cache too, filling the budget with bytes that are read direct anyway.
+            os.posix_fadvise(self.buffered_fd, 0, 0, os.POSIX_FADV_RANDOM)
             self.direct_fd = self._open_direct(path)
         except BaseException:
             os.close(self.buffered_fd)

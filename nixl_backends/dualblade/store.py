@@ -35,7 +35,7 @@ import xxhash
 
 from nixl_backends.configuration import ConfigError
 from nixl_backends.dualblade.bind_map import BindMap, Binding
-from nixl_backends.dualblade.budget import MemoryBudgeter
+from nixl_backends.dualblade.budget import MemoryBudgeter, process_read_bytes
 from nixl_backends.dualblade.config import DualBladeStoreConfig
 from nixl_backends.dualblade.extents import ALIGNMENT, ExtentFile, align_down, align_up
 from nixl_backends.dualblade.pipeline import AdaptivePipeline, Strategy
@@ -150,11 +150,11 @@ class DualBladeStore(KVStore):
                 local_tier_used_bytes=len(self._map.bindings) * self.extent_bytes,
                 local_tier_capacity_bytes=self._extents.capacity,
             )
-            self._update_hit_ratio(snapshot.read_bytes)
+            self._update_hit_ratio(process_read_bytes())
         return new
 
     def _update_hit_ratio(self, read_bytes: int | None) -> None:
-        # The cgroup's device reads since the last plan, less what the direct path read, were page-cache misses.
+        # This process's device reads since the last plan, less what the direct path read, were page-cache misses.
         page_cache = self._counters["local_tier_page_cache_bytes_read"]
         direct = self._counters["local_tier_direct_bytes_read"]
         last_read, last_pc, last_direct = self._last_read_bytes

@@ -12,8 +12,11 @@ import numpy as np
 import pytest
 
 from dualpath_dev.tiny_model import TINY_LLAMA
+from nixl_backends.dualblade.bind_map import BindMap
+from nixl_backends.dualblade.extents import align_up
+from nixl_backends.dualblade.store import JOURNAL
 from nixl_backends.layout import chunk_hashes, chunk_key
-from tests.conftest import resealed, same
+from tests.conftest import poll, resealed, same
 from tests.vllm_engine import Engine, start_engine_expecting_failure
 
 pytestmark = pytest.mark.engine
@@ -124,13 +127,56 @@ def test_bulk_load_hits_stored_prefix_and_matches(tiny_model, seaweedfs, baselin
     """``load_mode: bulk`` (every layer lands before the load is reported) gives the same outputs."""
     # On a copy of the populated bucket: serving A and the BATCH stores their
     # chunks past the populated ones, which would lengthen the other tests' hits.
-    bucket = f"{BUCKET}-bulk"
+    bucket = _copy_of_populated(s3, f"{BUCKET}-bulk")
+    with Engine(tiny_model, kv_config(seaweedfs, bucket, load_mode="bulk"), s3=seaweedfs) as engine:
+        assert_fresh_engine_hits_and_matches(engine, baseline)
+
+
+def _copy_of_populated(s3, bucket: str) -> str:
     s3.create_bucket(Bucket=bucket)
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
         for stored in page.get("Contents", []):
             s3.copy_object(Bucket=bucket, Key=stored["Key"], CopySource={"Bucket": BUCKET, "Key": stored["Key"]})
-    with Engine(tiny_model, kv_config(seaweedfs, bucket, load_mode="bulk"), s3=seaweedfs) as engine:
-        assert_fresh_engine_hits_and_matches(engine, baseline)
+    return bucket
+
+
+def test_tiered_store_fills_its_local_tier_and_serves_hits_from_it(tiny_model, seaweedfs, baseline, populated, s3,
+                                                                   tmp_path):
+    """``tiered: [dualblade, s3]``: the first engine's hits come from S3 and fill the local tier; with the bucket
+    emptied, a restarted engine's hits come from the local tier alone, and both outputs match."""
+    bucket = _copy_of_populated(s3, f"{BUCKET}-tiered")
+    object_bytes = s3.head_object(Bucket=bucket, Key=populated["key"](A, 0))["ContentLength"]
+    # Room for 64 chunks; page-cache knob for 2 layers of each: both paths carry every hit.
+    local = {"backend": "dualblade", "root": str(tmp_path / "local"), "capacity_bytes": 64 * align_up(object_bytes),
+             "page_cache_bytes": 64 * 2 * object_bytes // TINY_LLAMA["num_hidden_layers"]}
+    config = kv_config(seaweedfs, bucket)
+    config["kv_connector_extra_config"]["store"] = {"backend": "tiered", "tiers": [local, config["kv_connector_extra_config"]["store"]]}
+    hit_chunks = len(P) // CHUNK
+    journal = str(tmp_path / "local" / JOURNAL)
+
+    def locally_bound() -> dict:
+        return BindMap(journal, 64, writer=False).bindings
+
+    with Engine(tiny_model, config, s3=seaweedfs) as engine:
+        out = engine.generate([A], MAX_TOKENS)[0]
+        assert out["num_cached_tokens"] == hit_chunks * CHUNK
+        assert same(out, baseline["A_after_P"])
+        # Fills run behind the load; wait for them through the tier's journal.
+        poll(locally_bound, lambda bound: all(populated["key"](A, i) in bound for i in range(hit_chunks)), 120,
+             "the local tier holding P's chunks")
+
+    # Only P's chunks stay local (A's own were written through too) and nothing is left in S3.
+    extra = [key for key in locally_bound() if key not in {populated["key"](A, i) for i in range(hit_chunks)}]
+    writer = BindMap(journal, 64, writer=True)
+    writer.unbind(extra)
+    writer.close()
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+        for stored in page.get("Contents", []):
+            s3.delete_object(Bucket=bucket, Key=stored["Key"])
+    with Engine(tiny_model, config, s3=seaweedfs) as engine:
+        out = engine.generate([A], MAX_TOKENS)[0]
+        assert out["num_cached_tokens"] == hit_chunks * CHUNK
+        assert same(out, baseline["A_after_P"])
 
 
 def test_fresh_engine_hits_stored_prefix_and_matches(tiny_model, seaweedfs, baseline, populated, s3):

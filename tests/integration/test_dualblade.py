@@ -343,7 +343,7 @@ def test_a_corrupt_local_chunk_is_read_from_the_next_tier(tmp_path, opened, pool
 
 
 def test_fills_without_a_free_slot_are_skipped_not_waited_for(tmp_path, opened, pools):
-    store = opened(tiered(tmp_path, fill_buffer_chunks=1))
+    store = opened(tiered(tmp_path, fill_buffer_bytes=LAYOUT.object_bytes))  # one slot
     shared = store.tiers[1]
     src, dst = pools(), pools()
     shared.write(KEYS[:3], fill(src, KEYS[:3]))

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nixl_backends.dualblade.budget import MemoryBudgeter, MemorySnapshot
+from nixl_backends.dualblade.budget import MemoryBudgeter, MemorySnapshot, process_read_bytes
 
 V1_UNLIMITED = "9223372036854771712"
 
@@ -41,7 +41,7 @@ def test_v1_with_limit(tmp_path: Path) -> None:
     }, reserved=100_000_000)
     s = b.snapshot()
     assert s == MemorySnapshot("v1", "/process_api/abc", 3_000_000_000, 700_000_000, 900_000_000,
-                               4_096_000_000, None)
+                               4_096_000_000)
     # min(4_096_000_000, 3_000_000_000 - 700_000_000) - 100_000_000
     assert b.page_cache_budget(s) == 2_200_000_000
     assert b.page_cache_budget() == 2_200_000_000
@@ -85,7 +85,7 @@ def test_v2_limit_on_parent_only(tmp_path: Path) -> None:
         "cgroup/a/memory.stat": "anon 1\nfile 2\nshmem 3\n",
     }, reserved=50_000_000)
     s = b.snapshot()
-    assert s == MemorySnapshot("v2", "/a/b", 2_000_000_000, 750_000_000, 333_000_000, 3_072_000_000, None)
+    assert s == MemorySnapshot("v2", "/a/b", 2_000_000_000, 750_000_000, 333_000_000, 3_072_000_000)
     # min(3_072_000_000, 2_000_000_000 - 750_000_000) - 50_000_000
     assert b.page_cache_budget(s) == 1_200_000_000
 
@@ -113,7 +113,7 @@ def test_v2_max_is_unlimited(tmp_path: Path) -> None:
         "cgroup/svc/memory.stat": "anon 900000000\nshmem 90000000\nfile 70000000\n",
     }, reserved=24_000_000)
     s = b.snapshot()
-    assert (s.version, s.limit_bytes, s.read_bytes) == ("v2", None, None)
+    assert (s.version, s.limit_bytes) == ("v2", None)
     # anon+shmem counts only against a limit; with none, MemAvailable alone bounds it
     assert b.page_cache_budget(s) == 1_000_000_000
 
@@ -126,12 +126,9 @@ def test_hybrid_prefers_v1_memory(tmp_path: Path) -> None:
         "cgroup/memory/process_api/76bad/memory.stat": "total_rss 200000000\ntotal_shmem 0\ntotal_cache 42\n",
         "cgroup/unified/process_api/76bad/memory.max": "999",
         "cgroup/unified/process_api/76bad/memory.stat": "anon 5\nshmem 5\nfile 5\n",
-        "cgroup/blkio/blkio.throttle.io_service_bytes": (
-            "8:0 Read 4096\n8:0 Write 100\n8:0 Sync 4196\n8:0 Async 0\n8:0 Discard 0\n8:0 Total 4196\n"
-            "259:1 Read 8192\n259:1 Write 7\n259:1 Total 8199\nTotal 12395\n"),
     })
     s = b.snapshot()
-    assert s == MemorySnapshot("v1", "/process_api/76bad", 1_700_000_000, 200_000_000, 42, 6_144_000_000, 12_288)
+    assert s == MemorySnapshot("v1", "/process_api/76bad", 1_700_000_000, 200_000_000, 42, 6_144_000_000)
     assert b.page_cache_budget(s) == 1_500_000_000
 
 
@@ -141,18 +138,16 @@ def test_hybrid_falls_back_to_unified_when_v1_dir_absent(tmp_path: Path) -> None
         "proc/self/cgroup": "4:memory:/gone\n0::/svc\n",
         "cgroup/unified/svc/memory.max": "1300000000",
         "cgroup/unified/svc/memory.stat": "anon 100000000\nshmem 11000000\nfile 3\n",
-        "cgroup/unified/svc/io.stat": (
-            "8:0 rbytes=1000 wbytes=5 rios=2 wios=1 dbytes=0 dios=0\n259:0 rbytes=234 wbytes=9 rios=1 wios=1\n"),
     })
     s = b.snapshot()
-    assert s == MemorySnapshot("v2", "/svc", 1_300_000_000, 111_000_000, 3, 6_144_000_000, 1234)
+    assert s == MemorySnapshot("v2", "/svc", 1_300_000_000, 111_000_000, 3, 6_144_000_000)
     assert b.page_cache_budget(s) == 1_189_000_000
 
 
 def test_no_cgroup(tmp_path: Path) -> None:
     b = _budgeter(tmp_path, {"proc/meminfo": _meminfo(500_000)}, reserved=12_000_000)  # no proc/self/cgroup
     s = b.snapshot()
-    assert s == MemorySnapshot("none", "", None, 0, 0, 512_000_000, None)
+    assert s == MemorySnapshot("none", "", None, 0, 0, 512_000_000)
     assert b.page_cache_budget(s) == 500_000_000
 
 
@@ -167,11 +162,11 @@ def test_reserved_beyond_available_gives_zero(tmp_path: Path) -> None:
 
 
 def test_anon_beyond_limit_gives_zero() -> None:
-    s = MemorySnapshot("v2", "/a", 1_000, 1_500, 0, 10_000, None)
+    s = MemorySnapshot("v2", "/a", 1_000, 1_500, 0, 10_000)
     # and the given snapshot is used: these roots hold nothing to read
     b = MemoryBudgeter(0, proc_root="/nonexistent/proc", cgroup_root="/nonexistent/cgroup")
     assert b.page_cache_budget(s) == 0
-    assert b.page_cache_budget(MemorySnapshot("v2", "/a", 3_000, 1_500, 0, 10_000, None)) == 1_500
+    assert b.page_cache_budget(MemorySnapshot("v2", "/a", 3_000, 1_500, 0, 10_000)) == 1_500
 
 
 def test_missing_stat_files_tolerated(tmp_path: Path) -> None:
@@ -179,10 +174,10 @@ def test_missing_stat_files_tolerated(tmp_path: Path) -> None:
         "proc/meminfo": _meminfo(2_000_000),
         "proc/self/cgroup": "7:blkio:/io\n4:memory:/m\n",
         "cgroup/memory/m/memory.limit_in_bytes": "1000000000",
-        # no memory.stat, no blkio tree
+        # no memory.stat
     }, reserved=1_000)
     s = b.snapshot()
-    assert s == MemorySnapshot("v1", "/m", 1_000_000_000, 0, 0, 2_048_000_000, None)
+    assert s == MemorySnapshot("v1", "/m", 1_000_000_000, 0, 0, 2_048_000_000)
     assert b.page_cache_budget(s) == 999_999_000
 
 
@@ -192,20 +187,16 @@ def test_unparsable_files_tolerated(tmp_path: Path) -> None:
         "proc/self/cgroup": "garbage line\n0::/s\n",
         "cgroup/s/memory.max": "lots\n",
         "cgroup/s/memory.stat": "anon many\n",
-        "cgroup/s/io.stat": "8:0 rbytes=x\n",
     })
-    assert b.snapshot() == MemorySnapshot("v2", "/s", None, 0, 0, 2_048_000_000, None)
+    assert b.snapshot() == MemorySnapshot("v2", "/s", None, 0, 0, 2_048_000_000)
 
 
-def test_v1_blkio_without_read_lines_is_zero(tmp_path: Path) -> None:
-    # an idle cgroup's file holds only "Total 0": known, and nothing read
-    b = _budgeter(tmp_path, {
-        "proc/meminfo": _meminfo(1_000),
-        "proc/self/cgroup": "7:blkio:/\n4:memory:/\n",
-        "cgroup/memory/memory.limit_in_bytes": V1_UNLIMITED,
-        "cgroup/blkio/blkio.throttle.io_service_bytes": "Total 0\n",
-    })
-    assert b.snapshot().read_bytes == 0
+def test_process_read_bytes(tmp_path: Path) -> None:
+    (tmp_path / "self").mkdir()
+    (tmp_path / "self" / "io").write_text("rchar: 900\nwchar: 5\nread_bytes: 12288\nwrite_bytes: 4096\n")
+    assert process_read_bytes(str(tmp_path)) == 12_288
+    assert process_read_bytes(str(tmp_path / "none")) is None
+    assert isinstance(process_read_bytes(), int)  # this machine
 
 
 def test_missing_mem_available_raises(tmp_path: Path) -> None:
@@ -228,6 +219,5 @@ def test_this_machine() -> None:
     for value in (s.anon_shmem_bytes, s.page_cache_bytes, s.available_bytes):
         assert isinstance(value, int) and value >= 0
     assert s.available_bytes > 0
-    assert s.read_bytes is None or (isinstance(s.read_bytes, int) and s.read_bytes >= 0)
     budget = b.page_cache_budget(s)
     assert isinstance(budget, int) and 0 <= budget <= s.available_bytes
