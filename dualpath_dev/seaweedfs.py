@@ -93,6 +93,8 @@ class SeaweedFS:
         namespace) and take their keys from the AWS variables; the harness
         waiting on their saves uses its own.
         """
+        if section.get("backend") == "tiered":
+            section = section["tiers"][-1]  # saves write through: the shared tier holds every stored chunk
         if section.get("backend") == "s3agg":
             section = section["s3"]  # lookups of an s3agg store go to its bucket
         config = {**section, "endpoint": self.endpoint, "access_key": self.access_key, "secret_key": self.secret_key}
