@@ -22,6 +22,12 @@ class DualBladeStoreConfig:
     page_cache_bytes: int | None = None
     # Memory the budget leaves alone (the paper's pinned copy buffers, Eq. 2).
     reserve_bytes: int = 0
+    # Share of the budget left to other file pages charged to the same cgroup (the engine's own libraries,
+    # logs): a page cache filled to the limit makes the kernel reclaim the tier's pages, and every reclaimed
+    # page-cache-path layer becomes a slow buffered miss.
+    page_cache_headroom: float = 0.1
+    # "layers": Algorithm 1, the front n1 layers of every chunk; "ranked": the ranker's hottest chunks whole.
+    residency: Literal["layers", "ranked"] = "layers"
     ranker: str = "recency"
     pipeline: Literal["adaptive", "intra", "cross"] = "adaptive"
     # How often the budget is re-read and the residency re-planned (on I/O; no thread).
@@ -38,6 +44,8 @@ class DualBladeStoreConfig:
             raise ConfigError(f"store.page_cache_bytes must be >= 0 or null, got {self.page_cache_bytes}")
         if self.reserve_bytes < 0:
             raise ConfigError(f"store.reserve_bytes must be >= 0, got {self.reserve_bytes}")
+        if not 0 <= self.page_cache_headroom < 1:
+            raise ConfigError(f"store.page_cache_headroom must be in [0, 1), got {self.page_cache_headroom}")
         if self.ranker not in RANKERS:
             raise ConfigError(f"bad value for store.ranker: {self.ranker!r}; choose one of {sorted(RANKERS)}")
         if self.replan_interval_s < 0:

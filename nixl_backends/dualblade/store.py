@@ -39,7 +39,7 @@ from nixl_backends.dualblade.budget import MemoryBudgeter, process_read_bytes
 from nixl_backends.dualblade.config import DualBladeStoreConfig
 from nixl_backends.dualblade.extents import ALIGNMENT, ExtentFile, align_down, align_up
 from nixl_backends.dualblade.pipeline import AdaptivePipeline, Strategy
-from nixl_backends.dualblade.planner import ResidencyPlan, plan_residency
+from nixl_backends.dualblade.planner import ResidencyPlan, plan_ranked, plan_residency
 from nixl_backends.dualblade.ranker import RANKERS
 from nixl_backends.layout import BlockLayout
 from nixl_backends.nixl_io import TransferAbandoned, descriptors, run_nixl_transfers
@@ -125,13 +125,17 @@ class DualBladeStore(KVStore):
 
     def replan(self) -> ResidencyPlan:
         """Re-read the budget and re-run Algorithm 1; layers that left the page-cache path are dropped from it."""
-        snapshot = self._budgeter.snapshot()
-        budget = self._budgeter.page_cache_budget(snapshot)
+        budget = int(self._budgeter.page_cache_budget() * (1 - self.config.page_cache_headroom))
         knob = budget if self.config.page_cache_bytes is None else min(self.config.page_cache_bytes, budget)
         S, L = self.layout.layer_block_bytes, self.layout.num_layers
         with self._lock:
             old = self._plan
-            new = plan_residency(knob, S, L, len(self._map.bindings), self._ranker.hottest_first())
+            if self.config.residency == "ranked":
+                new = plan_ranked(knob, S, L, self._ranker.hottest_first())
+            else:
+                # Planned over every extent, not just the resident chunks: the page-cache share then stays
+                # within X however many chunks the next saves add before the next plan.
+                new = plan_residency(knob, S, L, self._map.num_extents, self._ranker.hottest_first())
             if new.page_cache_layers < old.page_cache_layers:
                 demoted = list(self._map.bindings)
             else:

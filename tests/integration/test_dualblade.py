@@ -87,15 +87,14 @@ def read_back(store, pool: HostBufferPool, keys: list[str]) -> list[bool]:
 # -- round trips ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("knob,direct_expected", [(0, True), (3 * 4 * 12 * 1024, True), (None, False)])
+@pytest.mark.parametrize("knob,direct_expected", [(0, True), (3 * 8 * 12 * 1024, True), (None, False)])
 def test_round_trip_on_every_split(tmp_path, opened, pools, knob, direct_expected):
-    """X=0: direct only; X for 3 layers of 4 chunks: front layers cached, the rest direct; X=budget: all cached."""
+    """X=0: direct only; X for 3 layers of all 8 extents: front layers cached, the rest direct; X=budget: all cached."""
     store = opened(config(tmp_path, page_cache_bytes=knob))
     src, dst = pools(), pools()
+    if knob:
+        assert store.plan.page_cache_layers == (3 if knob == 3 * 8 * 12 * 1024 else LAYOUT.num_layers)
     assert store.write(KEYS[:4], fill(src, KEYS[:4])) == [True] * 4
-    store.replan()  # four resident chunks now
-    if knob == 3 * 4 * 12 * 1024:
-        assert store.plan.page_cache_layers == 3
     assert read_back(store, dst, KEYS[:4]) == [True] * 4
     counters = store.metrics().counters
     assert (counters["local_tier_direct_bytes_read"] > 0) == direct_expected
@@ -282,17 +281,32 @@ def test_a_byte_changed_on_disk_is_a_miss_and_frees_the_chunk(tmp_path, opened, 
 # -- the page-cache budget ------------------------------------------------------------------------
 
 
-def test_the_plan_follows_the_resident_chunks_and_stays_correct(tmp_path, opened, pools):
-    knob = 4 * 3 * 12 * 1024  # three layers of four chunks
+def test_the_knob_is_spread_over_every_extent_and_the_rest_goes_to_the_hottest(tmp_path, opened, pools):
+    knob = 12 * 12 * 1024  # twelve layers for eight extents: one each, and one more for the four hottest
     store = opened(config(tmp_path, page_cache_bytes=knob, replan_interval_s=3600))
     src, dst = pools(), pools()
-    assert store.plan.page_cache_layers == LAYOUT.num_layers  # an empty tier: a new chunk fits entirely
-    store.write(KEYS[:4], fill(src, KEYS[:4]))
-    assert store.replan().page_cache_layers == 3
-    store.write(KEYS[4:8], fill(src, KEYS[4:8]))
+    assert store.plan.page_cache_layers == 1  # planned for the capacity, before any chunk is resident
+    store.write(KEYS[:8], fill(src, KEYS[:8]))
+    assert read_back(store, dst, KEYS[2:4]) == [True, True]
     plan = store.replan()
-    assert plan.page_cache_layers == 1 and len(plan.boosted) == 4  # 12 layers over 8 chunks: 1 each, 4 get 2
+    assert plan.page_cache_layers == 1 and plan.boosted == set(KEYS[2:4] + KEYS[6:8])  # the four most recent
+    assert [plan.layers_for(key) for key in KEYS[:8]] == [1, 1, 2, 2, 1, 1, 2, 2]
     assert read_back(store, dst, KEYS[:8]) == [True] * 8
+
+
+def test_ranked_residency_caches_the_hottest_chunks_whole(tmp_path, opened, pools):
+    knob = 2 * LAYOUT.full_block_bytes  # two whole chunks
+    store = opened(config(tmp_path, page_cache_bytes=knob, residency="ranked", replan_interval_s=3600))
+    src, dst = pools(), pools()
+    store.write(KEYS[:6], fill(src, KEYS[:6]))
+    assert read_back(store, dst, [KEYS[1]]) == [True]
+    plan = store.replan()
+    assert plan.boosted == {KEYS[1], KEYS[5]} and plan.layers_for(KEYS[0]) == 0
+    assert plan.layers_for(KEYS[1]) == LAYOUT.num_layers
+    before = store.metrics().counters["local_tier_direct_bytes_read"]
+    assert read_back(store, dst, [KEYS[1], KEYS[5]]) == [True, True]
+    assert store.metrics().counters["local_tier_direct_bytes_read"] == before  # all through the page cache
+    assert read_back(store, dst, KEYS[:6]) == [True] * 6
 
 
 # -- tiered ---------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from nixl_backends.dualblade.bind_map import BindMap, Binding
 from nixl_backends.dualblade.config import DualBladeStoreConfig
 from nixl_backends.dualblade.extents import ALIGNMENT, ExtentFile, align_down, align_up
 from nixl_backends.dualblade.pipeline import AdaptivePipeline
-from nixl_backends.dualblade.planner import ResidencyPlan, plan_residency
+from nixl_backends.dualblade.planner import ResidencyPlan, plan_ranked, plan_residency
 from nixl_backends.dualblade.ranker import RANKERS, RecencyRanker
 from nixl_backends.posix import PosixStoreConfig
 from nixl_backends.registry import parse_store_config
@@ -518,6 +518,19 @@ def test_ranker_registry_names_recency():
     assert RANKERS["recency"] is RecencyRanker
 
 
+@pytest.mark.parametrize("knob,whole", [(0, 0), (8 * 100 - 1, 0), (8 * 100, 1), (8 * 100 * 3 + 799, 3), (8 * 100 * 50, 5)])
+def test_plan_ranked_caches_whole_chunks_hottest_first(knob, whole):
+    hottest = ["h0", "h1", "h2", "h3", "h4"]
+    plan = plan_ranked(knob, 100, 8, iter(hottest))
+    assert plan.boosted == frozenset(hottest[:whole]) and plan.page_cache_layers == 0
+    assert [plan.layers_for(key) for key in hottest] == [8] * whole + [0] * (5 - whole)
+
+
+def test_plan_ranked_rejects_a_negative_knob():
+    with pytest.raises(ValueError):
+        plan_ranked(-1, 100, 8, [])
+
+
 def test_recency_order_follows_touches():
     ranker = RecencyRanker()
     for key in ["a", "b", "c"]:
@@ -688,6 +701,9 @@ def test_dualblade_section_accepts_edge_values(tmp_path):
         ({"io_timeout_s": 0}, "io_timeout_s"),
         ({"root": ""}, "root"),
         ({"pipeline": "fast"}, "pipeline"),
+        ({"residency": "mixed"}, "residency"),
+        ({"page_cache_headroom": 1.0}, "page_cache_headroom"),
+        ({"page_cache_headroom": -0.1}, "page_cache_headroom"),
         ({"capacity_bytes": "8G"}, "capacity_bytes"),
         ({"capacityy_bytes": 1}, "capacityy_bytes"),
     ],
