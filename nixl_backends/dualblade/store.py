@@ -263,12 +263,12 @@ class DualBladeStore(KVStore):
             self._unpin([b.extent for _, b in found])
             raise
         ok = [False] * len(keys)
-        corrupt: list[str] = []
+        corrupt: list[tuple[str, Binding]] = []
         for (i, binding), good in zip(found, moved):
             if good and object_checksum(dst_addrs[i], size) == binding.checksum:
                 ok[i] = True
             elif good:
-                corrupt.append(keys[i])
+                corrupt.append((keys[i], binding))
         self._unpin([b.extent for _, b in found])
         with self._lock:
             for i, good in enumerate(ok):
@@ -276,8 +276,9 @@ class DualBladeStore(KVStore):
                     self._ranker.touch(keys[i])
             if corrupt:
                 logger.warning("dualblade: %d chunk(s) changed on disk since written (first %s); dropped",
-                               len(corrupt), corrupt[0])
-                self._unbind(corrupt, trim=True)
+                               len(corrupt), corrupt[0][0])
+                # Only if still bound to what was read: a save may have stored the chunk again meanwhile.
+                self._unbind([key for key, b in corrupt if self._map.bindings.get(key) == b], trim=True)
             self._counters.update(local_tier_hit_chunks=sum(ok), local_tier_miss_chunks=len(keys) - sum(ok),
                                   local_tier_corrupt_chunks=len(corrupt))
         return ok
@@ -338,12 +339,15 @@ class DualBladeStore(KVStore):
                 self._map.release(extents)
             raise
         with self._lock:
+            # Another thread (a save beside a fill) may have stored the same chunk meanwhile: keep its copy.
             bound = [(key, Binding(extent, checksum))
-                     for ((key, _), extent), checksum, good in zip(writing, checksums, written) if good]
+                     for ((key, _), extent), checksum, good in zip(writing, checksums, written)
+                     if good and key not in self._map.bindings]
             self._map.bind(bound)
             for key, _ in bound:
                 self._ranker.touch(key)
-            self._free([extent for (_, extent), good in zip(writing, written) if not good], trim=True)
+            kept = {binding.extent for _, binding in bound}
+            self._free([extent for _, extent in writing if extent not in kept], trim=True)
         stored = {key for ((key, _), _), good in zip(writing, written) if good}
         for (key, _), _ in writing:
             if key not in stored:
