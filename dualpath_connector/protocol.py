@@ -257,7 +257,7 @@ GAUGES = {
     "local_tier_page_cache_budget_bytes": "Local tier: page-cache budget B_pc from the memory cgroup (Dual-Blade Eq. 1-2)",
     "local_tier_page_cache_layers": "Local tier: n1, the front layers of every chunk on the page-cache path (Algorithm 1)",
     "local_tier_page_cache_hit_ratio": "Local tier: share of page-cache-path bytes served without a device read "
-    "(from the cgroup's block-I/O counters)",
+    "(this process's device reads, less the direct path's)",
     "local_tier_used_bytes": "Local tier: bytes of extents holding chunks",
     "local_tier_capacity_bytes": "Local tier: the extent file's size (the tier's byte budget)",
 }

@@ -16,7 +16,7 @@ import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from nixl_backends.configuration import ConfigError
 from nixl_backends.layout import BlockLayout
@@ -33,7 +33,7 @@ IO_ENGINE_PARAMS = {
 }
 
 
-def create_posix_backend(agent, io_engine: str) -> None:
+def create_posix_backend(agent: Any, io_engine: str) -> None:
     """The agent's one POSIX backend; a second store on the same agent (a tier) shares the first's."""
     if "POSIX" not in agent.backends:
         agent.create_backend("POSIX", IO_ENGINE_PARAMS[io_engine])

@@ -4,13 +4,16 @@
 
 - lookup: the leading run present in *any* tier (a chunk evicted locally is
   still a hit in the shared tier);
-- read: each tier in turn reads what the tiers before it missed; a chunk a
-  lower tier served is copied into a fill buffer and written to the tiers
-  above it by a background thread, so a fill never delays the load (with no
-  free fill slot the fill is skipped and counted);
-- write: through every tier; the chunk counts as stored when the last (the
-  shared, durable) tier stored it;
-- delete: from every tier.
+- read: each tier in turn reads what the tiers before it missed (a tier that
+  fails is a miss there); a chunk a lower tier served is copied into a fill
+  buffer (one memcpy, the only cost the load sees) and written to the tiers
+  above it by a background thread (with no free fill slot the fill is skipped
+  and counted);
+- write: through every tier, the shared one first; the chunk counts as stored
+  when the last (the shared, durable) tier stored it, and a local tier's
+  failure is logged, never a failed save;
+- delete: from every tier, and from fills still queued (a reader that found a
+  chunk corrupt must not see it filled back).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import numpy as np
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.configuration import ConfigError
 from nixl_backends.layout import BlockLayout
-from nixl_backends.store import KVStore, StoreMetrics
+from nixl_backends.store import KVStore, StoreMetrics, TransferAbandoned
 
 logger = logging.getLogger(__name__)
 
@@ -86,6 +89,9 @@ class TieredStore(KVStore):
             raise
         self._counters: Counter[str] = Counter(local_tier_filled_chunks=0, local_tier_fill_skipped_chunks=0)
         self._counter_lock = threading.Lock()
+        # Keys in queued fills, and those of them deleted since (under _counter_lock).
+        self._pending: Counter[str] = Counter()
+        self._cancelled: set[str] = set()
         self._fills: queue.Queue[tuple[int, list[str], list[int]] | None] = queue.Queue()
         self._pool: HostBufferPool | None = None
         self._filler: threading.Thread | None = None
@@ -116,7 +122,16 @@ class TieredStore(KVStore):
         for level, tier in enumerate(self.tiers):
             if not remaining:
                 break
-            got = tier.read([keys[i] for i in remaining], [dst_addrs[i] for i in remaining])
+            try:
+                got = tier.read([keys[i] for i in remaining], [dst_addrs[i] for i in remaining])
+            except TransferAbandoned:
+                raise  # NIXL may still write the destinations: no other tier may read into them
+            except Exception:
+                if level == len(self.tiers) - 1:
+                    raise
+                # A failing local tier (a full disk, an I/O error) is a miss there, never a failed load.
+                logger.exception("tiered store: tier %d failed a read; reading from the next tier", level)
+                got = [False] * len(remaining)
             served = [i for i, good in zip(remaining, got) if good]
             for i in served:
                 ok[i] = True
@@ -132,7 +147,10 @@ class TieredStore(KVStore):
         try:
             slots = self._pool.acquire(len(keys))
         except PoolExhausted:
-            slots = self._pool.acquire(min(len(keys), self._pool.free_slots))
+            try:
+                slots = self._pool.acquire(min(len(keys), self._pool.free_slots))
+            except PoolExhausted:  # another reader took them meanwhile
+                slots = []
         size = self.layout.object_bytes
         for slot, addr in zip(slots, addrs):
             np.copyto(self._pool.slot_view(slot), _memory(addr, size))
@@ -140,6 +158,8 @@ class TieredStore(KVStore):
             with self._counter_lock:
                 self._counters["local_tier_fill_skipped_chunks"] += len(keys) - len(slots)
         if slots:
+            with self._counter_lock:
+                self._pending.update(keys[: len(slots)])
             self._fills.put((level, keys[: len(slots)], slots))
 
     def _fill_loop(self) -> None:
@@ -151,11 +171,21 @@ class TieredStore(KVStore):
                     written = tier.write(keys, [self._pool.slot_addr(s) for s in slots])
                     filled = [a and b for a, b in zip(filled, written)]
                 with self._counter_lock:
-                    self._counters["local_tier_filled_chunks"] += sum(filled)
-                    self._counters["local_tier_fill_skipped_chunks"] += len(keys) - sum(filled)
+                    cancelled = [key for key in keys if key in self._cancelled]
+                for tier in self.tiers[:level]:
+                    tier.delete(cancelled)  # deleted while this fill was queued or being written
+                with self._counter_lock:
+                    self._counters["local_tier_filled_chunks"] += sum(filled) - len(cancelled)
+                    self._counters["local_tier_fill_skipped_chunks"] += len(keys) - sum(filled) + len(cancelled)
             except Exception:
                 logger.exception("tiered store: filling %d chunk(s) into the upper tiers failed", len(keys))
             finally:
+                with self._counter_lock:
+                    self._pending.subtract(keys)
+                    for key in keys:
+                        if self._pending[key] <= 0:
+                            del self._pending[key]
+                            self._cancelled.discard(key)
                 self._pool.release(slots)
 
     def wait_for_fills(self, timeout_s: float = _CLOSE_DRAIN_S) -> bool:
@@ -166,10 +196,20 @@ class TieredStore(KVStore):
         return self._pool is None or wait_until(lambda: self._pool.free_slots == self._pool.num_slots, timeout_s)
 
     def write(self, keys: Sequence[str], src_addrs: Sequence[int]) -> list[bool]:
-        results = [tier.write(keys, src_addrs) for tier in self.tiers]
-        return results[-1]
+        # The shared tier first: it decides what counts as stored, and a local failure must not keep a chunk
+        # from it. (A transfer the local tier abandons only reads the sources.)
+        stored = self.tiers[-1].write(keys, src_addrs)
+        for level, tier in enumerate(self.tiers[:-1]):
+            try:
+                tier.write(keys, src_addrs)
+            except Exception:
+                logger.exception("tiered store: tier %d failed a write of %d chunk(s)", level, len(keys))
+        return stored
 
     def delete(self, keys: Sequence[str]) -> None:
+        with self._counter_lock:
+            # A fill still queued for one of these must not bring it back (the reader dropped it as corrupt).
+            self._cancelled.update(key for key in keys if key in self._pending)
         for tier in self.tiers:
             tier.delete(keys)
 

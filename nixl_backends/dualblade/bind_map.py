@@ -211,6 +211,7 @@ class BindMap:
         finally:
             os.close(directory)
         os.close(self._fd)
+        self._fd = None  # a failed reopen must not leave a number the next open() may reuse
         self._fd = os.open(self.journal_path, os.O_WRONLY | os.O_APPEND)
         self._epoch = _parse(epoch)[1]
         self._offset, self._records = len(data), len(self.bindings) + 1

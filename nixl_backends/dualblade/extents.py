@@ -1,8 +1,8 @@
 """The extent file: where the tier's chunks live, opened twice (page-cache path and direct path).
 
 A regular file is preallocated to the tier's capacity, so every extent has
-its blocks before the first write and a direct write never waits for the file
-system to find space. A raw block device may stand in for the file (the
+its blocks before the first write (a disk too small fails at start-up, not
+mid-save). A raw block device may stand in for the file (the
 paper's NVMe namespace): no file system at all under the direct path.
 
 The same bytes are reachable through two descriptors: a buffered one (the
@@ -13,7 +13,10 @@ re-plan that moves a layer from one path to the other needs no data movement.
 
 Freeing an extent is the TRIM of the paper: a hole punched in the file
 (``fallocate(PUNCH_HOLE)``) or ``BLKDISCARD`` on a device, so the SSD learns
-that the blocks hold nothing.
+that the blocks hold nothing. A punched extent's blocks are allocated again by
+the next write into it (a file system that is full by then fails that save,
+which is a miss, never a wrong byte); extents reused at once by an eviction
+are not punched.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ import logging
 import os
 import stat
 import struct
+
+from nixl_backends.configuration import ConfigError
 
 logger = logging.getLogger(__name__)
 
@@ -47,9 +52,12 @@ def align_down(value: int) -> int:
 class ExtentFile:
     """``capacity`` bytes of extents in a preallocated file or on a block device, with both descriptors."""
 
-    def __init__(self, path: str, capacity: int) -> None:
+    def __init__(self, path: str, capacity: int, device: bool = False) -> None:
         self.path = path
         self.is_device = os.path.exists(path) and stat.S_ISBLK(os.stat(path).st_mode)
+        if device and not self.is_device:
+            # A typo must not become a file of `capacity` bytes under /dev (often a tmpfs: memory).
+            raise ConfigError(f"store.device {path!r} is not a block device")
         self.buffered_fd = os.open(path, os.O_RDWR | (0 if self.is_device else os.O_CREAT), 0o644)
         try:
             if self.is_device:

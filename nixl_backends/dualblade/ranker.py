@@ -51,4 +51,4 @@ class RecencyRanker:
 
 
 # Config name -> class; a new ranker is one class and one entry here.
-RANKERS: dict[str, type] = {"recency": RecencyRanker}
+RANKERS: dict[str, type[Ranker]] = {"recency": RecencyRanker}

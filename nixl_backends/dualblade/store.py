@@ -5,8 +5,8 @@ Every chunk object (Full Block and trailer) has one 4 KiB-aligned extent
 through the page cache (a buffered descriptor), the rest through ``O_DIRECT``
 (:mod:`~nixl_backends.dualblade.extents`), both moved by NIXL's POSIX
 backend. ``n1`` comes from Algorithm 1 over the page-cache budget the
-budgeter measures in this process's memory cgroup, re-planned as the budget
-and the number of resident chunks move (:mod:`~nixl_backends.dualblade.planner`).
+budgeter measures in this process's memory cgroup, spread over every extent
+the tier has and re-planned as the budget moves (:mod:`~nixl_backends.dualblade.planner`).
 So under memory pressure the page cache holds only what fits, and the rest is
 read straight from the device instead of thrashing the cache.
 
@@ -29,6 +29,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import xxhash
@@ -40,7 +41,7 @@ from nixl_backends.dualblade.config import DualBladeStoreConfig
 from nixl_backends.dualblade.extents import ALIGNMENT, ExtentFile, align_down, align_up
 from nixl_backends.dualblade.pipeline import AdaptivePipeline, Strategy
 from nixl_backends.dualblade.planner import ResidencyPlan, plan_ranked, plan_residency
-from nixl_backends.dualblade.ranker import RANKERS
+from nixl_backends.dualblade.ranker import RANKERS, Ranker
 from nixl_backends.layout import BlockLayout
 from nixl_backends.nixl_io import TransferAbandoned, descriptors, run_nixl_transfers
 from nixl_backends.posix import create_posix_backend
@@ -62,7 +63,7 @@ def object_checksum(addr: int, nbytes: int) -> int:
 
 
 class DualBladeStore(KVStore):
-    def __init__(self, config: DualBladeStoreConfig, layout: BlockLayout, agent=None) -> None:
+    def __init__(self, config: DualBladeStoreConfig, layout: BlockLayout, agent: Any = None) -> None:
         super().__init__(layout)
         self.config = config
         self.root = os.path.abspath(config.root)
@@ -73,24 +74,37 @@ class DualBladeStore(KVStore):
             raise ConfigError(f"store.capacity_bytes ({config.capacity_bytes}) is smaller than one chunk "
                               f"({self.extent_bytes} bytes with its alignment)")
         self._agent = agent
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the bind map, pins, ranker and plan
+        # Counters and gauges under their own lock: the engine's stats call never waits on a journal fsync.
+        self._stats_lock = threading.Lock()
         self._counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._gauges: dict[str, float] = {}
         journal = os.path.join(self.root, JOURNAL)
         if agent is None:
             self._map = BindMap(journal, num_extents, writer=False)
             return
-        self._lock_fd = self._take_writer_lock()
-        try:
-            self._extents = ExtentFile(config.device or os.path.join(self.root, EXTENTS), num_extents * self.extent_bytes)
+        with contextlib.ExitStack() as undo:  # a failed start-up leaves no fd, lock or registration behind
+            self._lock_fd = self._take_writer_lock()
+            undo.callback(os.close, self._lock_fd)
+            self._extents = ExtentFile(config.device or os.path.join(self.root, EXTENTS), num_extents * self.extent_bytes,
+                                       device=bool(config.device))
+            undo.callback(self._extents.close)
+            if self._extents.capacity < self.extent_bytes:
+                raise ConfigError(f"store.device {config.device} holds less than one chunk ({self.extent_bytes} bytes)")
             self._map = BindMap(journal, self._extents.capacity // self.extent_bytes, writer=True)
-        except BaseException:
-            os.close(self._lock_fd)
-            raise
-        create_posix_backend(agent, config.io_engine)
-        fds = [fd for fd in (self._extents.buffered_fd, self._extents.direct_fd) if fd is not None]
-        self._registration = agent.register_memory([(0, self._extents.capacity, fd, "") for fd in fds], "FILE")
-        self._ranker = RANKERS[config.ranker]()
+            undo.callback(self._map.close)
+            create_posix_backend(agent, config.io_engine)
+            fds = [fd for fd in (self._extents.buffered_fd, self._extents.direct_fd) if fd is not None]
+            self._registration = agent.register_memory([(0, self._extents.capacity, fd, "") for fd in fds], "FILE")
+            undo.callback(agent.deregister_memory, self._registration)
+            self._init_writer(config)
+            undo.pop_all()
+        logger.info("dualblade tier at %s: %d extents of %d bytes (%s), direct path %s",
+                    self.root, self._map.num_extents, self.extent_bytes, self._extents.path,
+                    "on" if self._extents.direct_fd is not None else "off")
+
+    def _init_writer(self, config: DualBladeStoreConfig) -> None:
+        self._ranker: Ranker = RANKERS[config.ranker]()
         for key in self._map.bindings:  # journal order: oldest bind first
             self._ranker.touch(key)
         # Extents of reads in flight: eviction skips them, and a free waits for the read to end.
@@ -103,9 +117,6 @@ class DualBladeStore(KVStore):
         self._last_read_bytes: tuple[int | None, int, int] = (None, 0, 0)
         self._splits: dict[tuple[int, bool], tuple[list[tuple[int, int]], tuple[int, int] | None]] = {}
         self.replan()
-        logger.info("dualblade tier at %s: %d extents of %d bytes (%s), direct path %s",
-                    self.root, self._map.num_extents, self.extent_bytes, self._extents.path,
-                    "on" if self._extents.direct_fd is not None else "off")
 
     def _take_writer_lock(self) -> int:
         fd = os.open(os.path.join(self.root, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
@@ -148,10 +159,12 @@ class DualBladeStore(KVStore):
                 self._pipeline.retry()
             self._plan = new
             self._planned_at = time.monotonic()
+            resident = len(self._map.bindings)
+        with self._stats_lock:
             self._gauges.update(
                 local_tier_page_cache_budget_bytes=budget,
                 local_tier_page_cache_layers=new.page_cache_layers,
-                local_tier_used_bytes=len(self._map.bindings) * self.extent_bytes,
+                local_tier_used_bytes=resident * self.extent_bytes,
                 local_tier_capacity_bytes=self._extents.capacity,
             )
             self._update_hit_ratio(process_read_bytes())
@@ -232,7 +245,7 @@ class DualBladeStore(KVStore):
         for i, path, nbytes, _ in flat:
             if ok[i]:
                 moved[f"local_tier_{path}_bytes_{'read' if op == 'READ' else 'written'}"] += nbytes
-        with self._lock:
+        with self._stats_lock:
             self._counters.update(moved)
         return ok
 
@@ -271,14 +284,16 @@ class DualBladeStore(KVStore):
                 corrupt.append((keys[i], binding))
         self._unpin([b.extent for _, b in found])
         with self._lock:
-            for i, good in enumerate(ok):
-                if good:
+            for (i, binding) in found:
+                # Not a key deleted while this read held its extent: it left the ranker then.
+                if ok[i] and self._map.bindings.get(keys[i]) == binding:
                     self._ranker.touch(keys[i])
             if corrupt:
                 logger.warning("dualblade: %d chunk(s) changed on disk since written (first %s); dropped",
                                len(corrupt), corrupt[0][0])
                 # Only if still bound to what was read: a save may have stored the chunk again meanwhile.
                 self._unbind([key for key, b in corrupt if self._map.bindings.get(key) == b], trim=True)
+        with self._stats_lock:
             self._counters.update(local_tier_hit_chunks=sum(ok), local_tier_miss_chunks=len(keys) - sum(ok),
                                   local_tier_corrupt_chunks=len(corrupt))
         return ok
@@ -291,7 +306,7 @@ class DualBladeStore(KVStore):
                     del self._pins[extent]
                     if extent in self._free_when_unpinned:
                         self._free_when_unpinned.discard(extent)
-                        self._free([extent], trim=True)
+                        self._free([extent])
 
     def _unbind(self, keys: list[str], trim: bool) -> list[int]:
         """Journal the frees (lock held); returns the unpinned extents, trimmed and free unless ``trim`` is False."""
@@ -301,13 +316,13 @@ class DualBladeStore(KVStore):
         reusable = [e for e in extents if e not in self._pins]
         self._free_when_unpinned.update(e for e in extents if e in self._pins)
         if trim:
-            self._free(reusable, trim=True)
+            self._free(reusable)
         return reusable
 
-    def _free(self, extents: list[int], trim: bool) -> None:
+    def _free(self, extents: list[int]) -> None:
+        """TRIM and return to the free list (lock held)."""
         for extent in extents:
-            if trim:
-                self._extents.discard(extent * self.extent_bytes, self.extent_bytes)
+            self._extents.discard(extent * self.extent_bytes, self.extent_bytes)
         self._map.release(extents)
 
     def write(self, keys: Sequence[str], src_addrs: Sequence[int]) -> list[bool]:
@@ -347,7 +362,7 @@ class DualBladeStore(KVStore):
             for key, _ in bound:
                 self._ranker.touch(key)
             kept = {binding.extent for _, binding in bound}
-            self._free([extent for _, extent in writing if extent not in kept], trim=True)
+            self._free([extent for _, extent in writing if extent not in kept])
         stored = {key for ((key, _), _), good in zip(writing, written) if good}
         for (key, _), _ in writing:
             if key not in stored:
@@ -366,17 +381,20 @@ class DualBladeStore(KVStore):
                 break
             victims.append(victim)
             skip.add(victim)
-        self._counters["local_tier_evicted_chunks"] += len(victims)
+        with self._stats_lock:
+            self._counters["local_tier_evicted_chunks"] += len(victims)
         # Reused at once by this write: no TRIM (it would only make the file system allocate again).
-        return self._unbind(victims, trim=False)
+        # Lowest first, as allocate() hands them out: the write stays as sequential as the free extents allow.
+        return sorted(self._unbind(victims, trim=False))
 
     def delete(self, keys: Sequence[str]) -> None:
+        # Unlike a POSIX or S3 store, only the writer (the process with the agent) can free: it owns the journal.
         self._require_agent()
         with self._lock:
             self._unbind(list(keys), trim=True)
 
     def metrics(self) -> StoreMetrics:
-        with self._lock:
+        with self._stats_lock:
             return StoreMetrics(dict(self._counters), dict(self._gauges))
 
     def close(self) -> None:

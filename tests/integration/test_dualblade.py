@@ -22,6 +22,7 @@ import pytest
 from nixl_backends.buffers import HostBufferPool
 from nixl_backends.configuration import ConfigError
 from nixl_backends.dualblade.bind_map import BindMap
+from nixl_backends.dualblade.extents import ExtentFile
 from nixl_backends.dualblade.store import EXTENTS, JOURNAL
 from nixl_backends.layout import BlockLayout
 from nixl_backends.registry import make_store, parse_store_config
@@ -153,6 +154,14 @@ def test_a_capacity_below_one_chunk_is_refused_naming_the_key(tmp_path, nixl_age
                    LAYOUT, nixl_agent)
 
 
+def test_a_device_that_is_not_a_block_device_is_refused(tmp_path, nixl_agent):
+    typo = tmp_path / "nvme0n1p9"
+    with pytest.raises(ConfigError, match="not a block device"):
+        make_store(config(tmp_path / "root", device=str(typo)), LAYOUT, nixl_agent)
+    assert not typo.exists()  # nothing created in its place
+    make_store(config(tmp_path / "root"), LAYOUT, nixl_agent).close()  # and the failed start left no lock behind
+
+
 def test_one_writer_per_root(tmp_path, opened, nixl_agent):
     opened(config(tmp_path))
     with pytest.raises(RuntimeError, match="written by another process"):
@@ -178,24 +187,62 @@ def test_restart_replays_the_journal_and_lookup_only_instances_follow(tmp_path, 
         again.close()
 
 
-def test_a_crash_between_the_data_and_its_bind_leaves_no_chunk(tmp_path, nixl_agent, pools, monkeypatch):
+def test_the_bytes_are_durable_before_the_bind_names_them(tmp_path, opened, pools, monkeypatch):
+    store = opened(config(tmp_path))
+    src = pools()
+    calls = []
+    for cls, name in ((ExtentFile, "sync"), (BindMap, "bind")):
+        original = getattr(cls, name)
+        monkeypatch.setattr(cls, name, lambda self, *a, _o=original, _n=name: (calls.append(_n), _o(self, *a))[1])
+    store.write(KEYS[:2], fill(src, KEYS[:2]))
+    assert calls == ["sync", "bind"]
+
+
+def test_a_crash_before_the_bytes_are_durable_leaves_no_chunk(tmp_path, nixl_agent, pools, monkeypatch):
     store = make_store(config(tmp_path), LAYOUT, nixl_agent)
     src = pools()
 
-    def crash(self, entries):
+    def power_cut(self):
         raise KeyboardInterrupt("power cut")
 
-    monkeypatch.setattr(BindMap, "bind", crash)
+    monkeypatch.setattr(ExtentFile, "sync", power_cut)
     with pytest.raises(KeyboardInterrupt):
         store.write(KEYS[:2], fill(src, KEYS[:2]))
     monkeypatch.undo()
     store.close()
-    # The bytes are in the extent file, but nothing names them: after a restart they are not a chunk.
+    # The bytes may be in the extent file, but no bind names them: after a restart they are not a chunk.
     again = make_store(config(tmp_path), LAYOUT, nixl_agent)
     try:
-        assert again.lookup(KEYS[:2]) == 0
+        assert again.lookup(KEYS[:1]) == 0 and again.lookup(KEYS[1:2]) == 0
     finally:
         again.close()
+
+
+def test_a_read_keeps_its_extent_while_a_delete_and_a_save_race_it(tmp_path, opened, pools, monkeypatch):
+    """Mid-read, the chunk is deleted and a save needs room: the save must evict another chunk, not reuse the
+    extent the read still moves bytes out of."""
+    store = opened(config(tmp_path))  # 8 extents
+    src, dst = pools(16), pools()
+    store.write(KEYS[:8], fill(src, KEYS[:8]))
+    extent = BindMap(str(tmp_path / JOURNAL), 8, writer=False).bindings[KEYS[0]].extent
+    transfer = store._transfer
+    raced = []
+
+    def racing(op, chunks):
+        if op == "READ" and not raced:
+            raced.append(True)
+            store.delete([KEYS[0]])
+            assert store.write(KEYS[8:10], fill(src, KEYS[8:10])) == [True, True]
+        return transfer(op, chunks)
+
+    monkeypatch.setattr(store, "_transfer", racing)
+    assert read_back(store, dst, KEYS[:1]) == [True]  # the bytes it had when the read began
+    assert store.lookup(KEYS[:1]) == 0
+    bound = BindMap(str(tmp_path / JOURNAL), 8, writer=False).bindings
+    assert extent not in {bound[key].extent for key in KEYS[8:10]}
+    assert read_back(store, dst, KEYS[8:10]) == [True, True]
+    # Once the read ended, the deleted chunk's extent is free again: a save may take it.
+    assert store.write(KEYS[10:11], fill(src, KEYS[10:11])) == [True]
 
 
 def test_a_torn_journal_record_is_dropped(tmp_path, nixl_agent, pools):
