@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from nixl_backends.layout import KVNamespace, chunk_hashes
 from nixl_backends.lookup import PresentChunks
-from nixl_backends.registry import make_store
+from nixl_backends.registry import for_rank, make_store
 from nixl_backends.store import KVStore
 
 from dualpath_connector.config import ChunkGeometry, DualPathConfig, namespace_for
@@ -81,7 +81,7 @@ class DualPathScheduler:
         # of the same chunks at the same time.
         namespace = namespace_for(vllm_config, config, geometry.chunk_tokens, tp_rank=0, pp_rank=0)
         # Lookup only: no NIXL agent here.
-        store = make_store(config.store_config, StoreKeySpace.of(namespace, config.key_prefix).layout)
+        store = make_store(for_rank(config.store_config, 0, 0), StoreKeySpace.of(namespace, config.key_prefix).layout)
         return cls(config, kv_role, geometry, namespace, store)
 
     # -- hashing and lookup ---------------------------------------------------

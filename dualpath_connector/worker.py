@@ -37,7 +37,7 @@ import torch
 
 from nixl_backends.buffers import HostBufferPool
 from nixl_backends.integrity import ChunkIntegrity
-from nixl_backends.registry import make_store
+from nixl_backends.registry import for_rank, make_store
 from nixl_backends.transport import UCX, add_ucx_backend
 
 from dualpath_connector.affinity import kv_transfer_cores, threads_started_on
@@ -69,9 +69,8 @@ class DualPathWorker:
         self.config = config
         self.kv_role = kv_role
         self.geometry = ChunkGeometry.of(config, vllm_config)
-        namespace = namespace_for(
-            vllm_config, config, self.geometry.chunk_tokens, get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
-        )
+        tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+        namespace = namespace_for(vllm_config, config, self.geometry.chunk_tokens, tp_rank, pp_rank)
         self.key_space = StoreKeySpace.of(namespace, config.key_prefix)
         self.layout = self.key_space.layout
         # The I/O lanes, the side channel and (layerwise) the forward all use
@@ -90,7 +89,7 @@ class DualPathWorker:
                 # Before any registration: pools and KV cache must be readable by peers.
                 add_ucx_backend(self.agent)
             # The backend must exist before the pools register memory with the agent.
-            self.store = make_store(config.store_config, self.layout, self.agent)
+            self.store = make_store(for_rank(config.store_config, tp_rank, pp_rank), self.layout, self.agent)
             # A slot holds a whole stored object: the Full Block and its integrity trailer.
             self.load_pool = HostBufferPool(self.agent, self.layout.object_bytes, config.load_buffer_chunks)
             self.save_pool = HostBufferPool(self.agent, self.layout.object_bytes, config.save_buffer_chunks)

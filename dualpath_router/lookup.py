@@ -15,7 +15,7 @@ import time
 from collections.abc import Sequence
 
 from nixl_backends.lookup import PresentChunks
-from nixl_backends.registry import make_store
+from nixl_backends.registry import make_store, shared_tier
 from nixl_backends.store import KVStore
 
 from dualpath_connector.protocol import StoreKeySpace
@@ -68,7 +68,8 @@ class HitLookup:
             if self._store is None or self._store.layout != layout:
                 # No NIXL agent: lookup only. Opened lazily so that a store
                 # down at start-up is an outage, not a failed start.
-                self._store = make_store(self._store_config, layout)
+                # A tiered store: its shared tier (the local ones are on the engines' nodes).
+                self._store = make_store(shared_tier(self._store_config), layout)
             return self._store
 
     def _log_outage(self, exc: Exception) -> None:

@@ -45,6 +45,20 @@ def parse_store_config(data: dict[str, Any], where: str = "store.") -> Any:
     return from_dict(_resolve(name)[0], rest, where)
 
 
+def for_rank(config: Any, tp_rank: int, pp_rank: int) -> Any:
+    """The store config one engine rank opens: per-rank parts (a local tier's ``{tp_rank}`` root) filled in."""
+    specialise = getattr(config, "for_rank", None)
+    return specialise(tp_rank, pp_rank) if specialise is not None else config
+
+
+def shared_tier(config: Any) -> Any:
+    """What another machine (a router) can look chunks up in: a tiered store's last, shared tier.
+
+    Saves write through, so it holds every stored chunk; the local tiers live on one engine's node.
+    """
+    return config.tier_configs[-1] if hasattr(config, "tier_configs") else config
+
+
 def make_store(config: Any, layout: BlockLayout, agent=None) -> KVStore:
     """Open the store for a parsed config. Without ``agent`` only ``lookup`` works."""
     for name in _BACKENDS:

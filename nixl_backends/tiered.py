@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import logging
 import queue
@@ -25,6 +26,7 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -58,8 +60,16 @@ class TieredStoreConfig:
         if self.fill_buffer_bytes < 0:
             raise ConfigError(f"store.fill_buffer_bytes must be >= 0, got {self.fill_buffer_bytes}")
 
+    def for_rank(self, tp_rank: int, pp_rank: int) -> TieredStoreConfig:
+        """The section one engine rank opens: each tier's own (a local tier's root per rank)."""
+        from nixl_backends.registry import for_rank
 
-def _parse_tier(parse, section: dict, index: int):
+        ranked = copy.copy(self)
+        ranked.tier_configs = [for_rank(config, tp_rank, pp_rank) for config in self.tier_configs]
+        return ranked
+
+
+def _parse_tier(parse: Any, section: dict, index: int) -> Any:
     where = f"store.tiers[{index}]."
     try:
         return parse(section, where)

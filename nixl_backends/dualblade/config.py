@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from nixl_backends.configuration import ConfigError
@@ -11,7 +11,8 @@ from nixl_backends.dualblade.ranker import RANKERS
 
 @dataclass
 class DualBladeStoreConfig:
-    # Directory for the journal and lock, and for the extent file unless ``device`` is set.
+    # Directory for the journal and lock, and for the extent file unless ``device`` is set. One writer per
+    # root: with several ranks per engine, ``{tp_rank}`` and ``{pp_rank}`` in it give each rank its own.
     root: str
     # The tier's byte budget: the extent file is preallocated to it; chunks past it evict by the ranker.
     capacity_bytes: int = 8 << 30
@@ -38,6 +39,11 @@ class DualBladeStoreConfig:
     def validate(self) -> None:
         if not self.root:
             raise ConfigError("store.root must name a directory")
+        try:
+            self.root.format(tp_rank=0, pp_rank=0)
+        except (KeyError, IndexError, ValueError) as exc:
+            raise ConfigError(f"store.root {self.root!r}: the only placeholders are {{tp_rank}} and {{pp_rank}} "
+                              f"({exc})") from None
         if self.capacity_bytes <= 0:
             raise ConfigError(f"store.capacity_bytes must be positive, got {self.capacity_bytes}")
         if self.page_cache_bytes is not None and self.page_cache_bytes < 0:
@@ -52,3 +58,7 @@ class DualBladeStoreConfig:
             raise ConfigError(f"store.replan_interval_s must be >= 0, got {self.replan_interval_s}")
         if self.io_timeout_s <= 0:
             raise ConfigError(f"store.io_timeout_s must be positive, got {self.io_timeout_s}")
+
+    def for_rank(self, tp_rank: int, pp_rank: int) -> DualBladeStoreConfig:
+        """The section one engine rank opens (its placeholders filled in)."""
+        return replace(self, root=self.root.format(tp_rank=tp_rank, pp_rank=pp_rank))

@@ -831,3 +831,27 @@ def test_drop_cached_keeps_the_bytes(extent_file):
     extent_file.drop_cached(0, EXTENT)
     extent_file.drop_cached(0, extent_file.capacity)
     assert os.pread(extent_file.buffered_fd, EXTENT, 0) == b"\x07" * EXTENT
+
+
+def test_root_placeholders_give_each_rank_its_own_root(tmp_path):
+    from nixl_backends.registry import for_rank
+
+    tiered = parse_store_config({"backend": "tiered", "tiers": [
+        _dualblade(tmp_path, root=str(tmp_path / "tier-tp{tp_rank}-pp{pp_rank}")), _posix(tmp_path)]})
+    local, shared = for_rank(tiered, 3, 1).tier_configs
+    assert local.root == str(tmp_path / "tier-tp3-pp1") and shared == tiered.tier_configs[1]
+    assert tiered.tier_configs[0].root.endswith("tier-tp{tp_rank}-pp{pp_rank}")  # the parsed section is unchanged
+    assert for_rank(shared, 3, 1) is shared  # stores without per-rank parts are opened as they are
+
+
+def test_a_router_looks_tiered_chunks_up_in_the_shared_tier(tmp_path):
+    from nixl_backends.registry import shared_tier
+
+    tiered = parse_store_config({"backend": "tiered", "tiers": [_dualblade(tmp_path), _posix(tmp_path)]})
+    assert shared_tier(tiered) is tiered.tier_configs[1]
+    assert shared_tier(tiered.tier_configs[1]) is tiered.tier_configs[1]
+
+
+@pytest.mark.parametrize("root", ["/nvme/{rank}", "/nvme/{0}", "/nvme/{tp_rank"])
+def test_root_with_another_placeholder_is_refused(tmp_path, root):
+    assert "store.root" in _config_error(_dualblade(tmp_path, root=root))
