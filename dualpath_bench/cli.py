@@ -4,6 +4,7 @@
     dualpath-bench run --router http://127.0.0.1:8000 --model tiny-llama --trace trace.jsonl --out run.json
     dualpath-bench run ... --mode online --rate 0.5 --slo-ttft-s 4 --slo-tpot-ms 50
     dualpath-bench cluster --topologies 1P1D,1P2D,2P1D     # root: builds network namespaces
+    dualpath-bench pd-range --gpus-per-node 8 --snic 1       # the bottleneck-free P/D range (paper §4.2)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import signal
 import sys
 import urllib.request
 from dataclasses import fields
+from fractions import Fraction
 from pathlib import Path
 
 from nixl_backends.registry import make_store, parse_store_config
@@ -22,6 +24,7 @@ from nixl_backends.registry import make_store, parse_store_config
 from dualpath_connector.protocol import StoreKeySpace
 
 from dualpath_bench.errors import BenchUsageError
+from dualpath_bench.pd_range import Hardware, fraction, link_loads, pd_range
 from dualpath_bench.replay import ReplayConfig, StoreWatcher, replay
 from dualpath_bench.trace import TraceConfig, generate, read_jsonl, summarize, write_jsonl
 
@@ -132,6 +135,36 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def cmd_pd_range(args: argparse.Namespace) -> int:
+    hw = Hardware(args.gpus_per_node, args.snic, args.cnic_gbps, args.memory_gbps)
+    found = pd_range(hw)
+    print(f"g={hw.gpus_per_node} GPUs/node, storage s={hw.storage_per_node} x B={hw.compute_nic_gbps} GB/s "
+          f"= {float(hw.storage_gbps):g} GB/s/node, M={hw.memory_gbps} GB/s/node")
+    if found.empty and found.lower_bound_by == found.upper_bound_by:
+        print(f"no bottleneck-free P/D: {found.lower_bound_by} is over its bandwidth at any ratio")
+    elif found.empty:
+        print(f"no bottleneck-free P/D: {found.lower_bound_by} needs P/D >= {found.lower}, "
+              f"{found.upper_bound_by} needs P/D <= {found.upper}")
+    else:
+        print(f"bottleneck-free: {found.lower} <= P/D <= {found.upper}  "
+              f"({float(found.lower):.3g} .. {float(found.upper):.3g})")
+        print(f"  lower end: {found.lower_bound_by}; upper end: {found.upper_bound_by}")
+    ratios = args.ratio or ([found.lower, Fraction(1), found.upper] if not found.empty else [Fraction(1)])
+    for ratio in dict.fromkeys(ratios):
+        loads = link_loads(hw, ratio)
+        worst = max(loads, key=loads.__getitem__)
+        print(f"P/D {ratio}: " + ", ".join(f"{name} {float(load):.2f}" for name, load in loads.items())
+              + f"  -> {'ok' if loads[worst] <= 1 else 'over: ' + worst}")
+    return 0
+
+
+def _positive_fraction(text: str) -> Fraction:
+    try:
+        return fraction(text)
+    except (ValueError, ZeroDivisionError) as exc:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive number or fraction, e.g. 8, 0.5, 1/2 ({exc})")
+
+
 def parser() -> argparse.ArgumentParser:
     top = argparse.ArgumentParser(prog="dualpath-bench", description=__doc__.splitlines()[0])
     top.add_argument("-v", "--verbose", action="store_true")
@@ -169,6 +202,17 @@ def parser() -> argparse.ArgumentParser:
     _trace_args(p, CLUSTER_TRACE)
     _replay_args(p)
     p.set_defaults(func=cmd_cluster)
+
+    p = sub.add_parser("pd-range", help="the P/D ratios whose compute NICs and DRAM keep up with saturated storage")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="g: GPUs (and compute NICs) per node")
+    p.add_argument("--snic", type=_positive_fraction, default=Fraction(1),
+                   help="s: a node's storage bandwidth in compute-NIC units (s x B)")
+    p.add_argument("--cnic-gbps", type=_positive_fraction, default=Fraction(50),
+                   help="B: one compute NIC's bandwidth, GB/s (400 Gbps = 50)")
+    p.add_argument("--memory-gbps", type=_positive_fraction, default=Fraction(500), help="M: a node's DRAM bandwidth, GB/s")
+    p.add_argument("--ratio", type=_positive_fraction, action="append",
+                   help="a P/D to show every link's load at (repeatable; default: both ends and 1)")
+    p.set_defaults(func=cmd_pd_range)
     return top
 
 

@@ -33,6 +33,8 @@ REQUIRED_FILES = [
     "dualpath_connector/plugin.py",
     "dualpath_router/app.py",
     "nixl_backends/store.py",
+    "nixl_backends/tiered.py",
+    "nixl_backends/dualblade/store.py",  # a subpackage: setuptools needs it listed
     "s3agg_gateway_ext/app.py",
     "dualpath_bench/cli.py",
 ]
