@@ -222,11 +222,6 @@ def read_sequence(num_runs: int, reads: int, exponent: float, seed: int) -> np.n
     return hot_first[rng.choice(num_runs, size=reads, p=weights / weights.sum())]
 
 
-def _device_read_bytes() -> int:
-    """Bytes this process (all its threads) made the block layer read, from ``/proc/self/io``."""
-    return _read_keyed(Path("/proc/self/io"))["read_bytes:"]
-
-
 def _peak_rss_bytes() -> int:
     """The worker's peak resident set (``VmHWM``): what any limit must leave room for besides page cache."""
     line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("VmHWM:"))
@@ -237,8 +232,8 @@ def worker(spec: dict) -> dict:
     """Fill one store with the working set and time the read sequence; the result for the parent."""
     from nixl._api import nixl_agent, nixl_agent_config
 
-    from nixl_backends.buffers import HostBufferPool
-    from nixl_backends.dualblade.budget import MemoryBudgeter
+    from nixl_backends.buffers import HostBufferPool, align_up
+    from nixl_backends.dualblade.budget import MemoryBudgeter, process_read_bytes
     from nixl_backends.layout import BlockLayout
     from nixl_backends.registry import make_store, parse_store_config
 
@@ -249,7 +244,7 @@ def worker(spec: dict) -> dict:
     if spec["store"] == "posix":
         section: dict = {"backend": "posix", "root": spec["root"]}
     else:
-        extent = -(-layout.object_bytes // 4096) * 4096
+        extent = align_up(layout.object_bytes)
         section = {"backend": "dualblade", "root": spec["root"], "capacity_bytes": num_chunks * extent,
                    "page_cache_bytes": 0 if spec["store"] == "direct" else None,
                    "residency": "ranked" if spec["store"] == "ranked" else "layers"}
@@ -280,7 +275,7 @@ def worker(spec: dict) -> dict:
 
         sequence = read_sequence(num_chunks // run_length, spec["reads"], spec["zipf"], spec["seed"])
         latencies = []
-        device_before = _device_read_bytes()
+        device_before = process_read_bytes()
         started = time.perf_counter()
         for run in sequence:
             chunks = range(run * run_length, (run + 1) * run_length)
@@ -296,7 +291,7 @@ def worker(spec: dict) -> dict:
                     raise RuntimeError(f"{spec['store']}: chunk {index} read back with wrong bytes "
                                        f"(stamps {words[slot][stamps].tolist()})")
         read_seconds = time.perf_counter() - started
-        device_bytes = _device_read_bytes() - device_before
+        device_bytes = process_read_bytes() - device_before
         metrics = store.metrics()
         cgroup_page_cache = MemoryBudgeter().snapshot().page_cache_bytes
     finally:

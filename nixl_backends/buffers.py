@@ -16,7 +16,16 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-_ALIGNMENT = 4096  # page alignment keeps the region usable for O_DIRECT paths
+# Page alignment keeps the region usable for O_DIRECT paths (covers 512 B and 4 KiB logical blocks).
+ALIGNMENT = 4096
+
+
+def align_up(value: int) -> int:
+    return -(-value // ALIGNMENT) * ALIGNMENT
+
+
+def align_down(value: int) -> int:
+    return value // ALIGNMENT * ALIGNMENT
 
 
 class PoolExhausted(RuntimeError):
@@ -32,9 +41,9 @@ class HostBufferPool:
         self.slot_bytes = slot_bytes
         self.num_slots = num_slots
         # Slot i spans [i*stride, i*stride + slot_bytes); the padding after it is never used.
-        self.slot_stride = -(-slot_bytes // _ALIGNMENT) * _ALIGNMENT
-        raw = np.zeros(self.slot_stride * num_slots + _ALIGNMENT, dtype=np.uint8)
-        start = (-raw.ctypes.data) % _ALIGNMENT
+        self.slot_stride = align_up(slot_bytes)
+        raw = np.zeros(self.slot_stride * num_slots + ALIGNMENT, dtype=np.uint8)
+        start = (-raw.ctypes.data) % ALIGNMENT
         self._raw = raw  # owns the memory; `array` is an aligned view of it
         self.array = raw[start : start + self.slot_stride * num_slots]
         self.base_addr = self.array.ctypes.data

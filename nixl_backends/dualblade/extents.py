@@ -30,23 +30,15 @@ import os
 import stat
 import struct
 
+from nixl_backends.buffers import align_down
 from nixl_backends.configuration import ConfigError
 
 logger = logging.getLogger(__name__)
 
-ALIGNMENT = 4096  # O_DIRECT offset, length and memory alignment (covers 512 B and 4 KiB logical blocks)
 _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 _BLKDISCARD, _BLKGETSIZE64 = 0x1277, 0x80081272
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
-
-
-def align_up(value: int) -> int:
-    return -(-value // ALIGNMENT) * ALIGNMENT
-
-
-def align_down(value: int) -> int:
-    return value // ALIGNMENT * ALIGNMENT
 
 
 class ExtentFile:

@@ -38,7 +38,8 @@ from nixl_backends.configuration import ConfigError
 from nixl_backends.dualblade.bind_map import BindMap, Binding
 from nixl_backends.dualblade.budget import MemoryBudgeter, process_read_bytes
 from nixl_backends.dualblade.config import DualBladeStoreConfig
-from nixl_backends.dualblade.extents import ALIGNMENT, ExtentFile, align_down, align_up
+from nixl_backends.buffers import ALIGNMENT, align_down, align_up
+from nixl_backends.dualblade.extents import ExtentFile
 from nixl_backends.dualblade.pipeline import AdaptivePipeline, Strategy
 from nixl_backends.dualblade.planner import ResidencyPlan, plan_ranked, plan_residency
 from nixl_backends.dualblade.ranker import RANKERS, Ranker

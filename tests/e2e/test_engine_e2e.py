@@ -13,7 +13,7 @@ import pytest
 
 from dualpath_dev.tiny_model import TINY_LLAMA
 from nixl_backends.dualblade.bind_map import BindMap
-from nixl_backends.dualblade.extents import align_up
+from nixl_backends.buffers import align_up
 from nixl_backends.dualblade.store import JOURNAL
 from nixl_backends.layout import chunk_hashes, chunk_key
 from tests.conftest import poll, resealed, same

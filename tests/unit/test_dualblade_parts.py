@@ -22,7 +22,8 @@ import pytest
 from nixl_backends.configuration import ConfigError
 from nixl_backends.dualblade.bind_map import BindMap, Binding
 from nixl_backends.dualblade.config import DualBladeStoreConfig
-from nixl_backends.dualblade.extents import ALIGNMENT, ExtentFile, align_down, align_up
+from nixl_backends.buffers import ALIGNMENT, align_down, align_up
+from nixl_backends.dualblade.extents import ExtentFile
 from nixl_backends.dualblade.pipeline import AdaptivePipeline
 from nixl_backends.dualblade.planner import ResidencyPlan, plan_ranked, plan_residency
 from nixl_backends.dualblade.ranker import RANKERS, RecencyRanker
