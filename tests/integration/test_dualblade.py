@@ -341,6 +341,20 @@ def test_the_knob_is_spread_over_every_extent_and_the_rest_goes_to_the_hottest(t
     assert read_back(store, dst, KEYS[:8]) == [True] * 8
 
 
+def test_a_shrinking_budget_drops_exactly_the_layers_that_left_the_page_cache(tmp_path, opened, pools, monkeypatch):
+    store = opened(config(tmp_path, page_cache_bytes=3 * 8 * 12 * 1024, replan_interval_s=3600))  # n1 = 3
+    src = pools()
+    store.write(KEYS[:2], fill(src, KEYS[:2]))
+    dropped = []
+    monkeypatch.setattr(ExtentFile, "drop_cached", lambda self, offset, length: dropped.append((offset, length)))
+    # The cgroup's budget falls to one layer of every extent (the headroom is taken off what it says).
+    monkeypatch.setattr(store._budgeter, "page_cache_budget", lambda: int(8 * 12 * 1024 / 0.9) + 1)
+    assert store.replan().page_cache_layers == 1
+    extents = BindMap(str(tmp_path / JOURNAL), 8, writer=False).bindings
+    # Layers 1 and 2 (bytes 12 KiB .. 36 KiB, both ends on page boundaries) of each resident chunk, nothing else.
+    assert sorted(dropped) == sorted((extents[key].extent * EXTENT + 12 * 1024, 24 * 1024) for key in KEYS[:2])
+
+
 def test_ranked_residency_caches_the_hottest_chunks_whole(tmp_path, opened, pools):
     knob = 2 * LAYOUT.full_block_bytes  # two whole chunks
     store = opened(config(tmp_path, page_cache_bytes=knob, residency="ranked", replan_interval_s=3600))
