@@ -1,8 +1,10 @@
 """The wheel built from this checkout: what it ships and what it leaves out, its dependencies, extras and
-entry points, and that what it ships stands without the checkout's dev scaffolding (``dualpath_dev``).
+entry points, and that what it ships stands without the checkout's dev scaffolding (``dualpath_dev``); that it
+carries ``libmma_preload.so`` and that the ``mma-run`` it installs preloads it (a fresh virtual environment with the
+wheel installed, no dependencies: ``dualpath_mma`` needs none).
 
 The wheel is built once per module (``python -m build --wheel --no-isolation``; it compiles the small
-``nixl_backends._cuobj_compat`` extension, a couple of seconds). setuptools' scratch directories
+``nixl_backends._cuobj_compat`` extension and, with mma_preload/Makefile, libmma_preload.so: 20-30 s here). setuptools' scratch directories
 (``build/``, the ``.egg-info``, the bdist tree) and TMPDIR are pointed under the test's temporary
 directory, so the checkout is left as it was; a ``build/`` that appears in the repo root anyway is
 removed afterwards, unless it was there before.
@@ -27,7 +29,7 @@ from packaging.utils import canonicalize_name
 
 from tests.conftest import REPO_ROOT
 
-PACKAGES = {"nixl_backends", "dualpath_connector", "dualpath_router", "s3agg_gateway_ext", "dualpath_bench"}
+PACKAGES = {"nixl_backends", "dualpath_connector", "dualpath_router", "s3agg_gateway_ext", "dualpath_bench", "dualpath_mma"}
 REQUIRED_FILES = [
     "dualpath_connector/connector.py",
     "dualpath_connector/plugin.py",
@@ -37,7 +39,10 @@ REQUIRED_FILES = [
     "nixl_backends/dualblade/store.py",  # a subpackage: setuptools needs it listed
     "s3agg_gateway_ext/app.py",
     "dualpath_bench/cli.py",
+    "dualpath_mma/__init__.py",
+    "dualpath_mma/launcher.py",
 ]
+MMA_LIBRARY = "dualpath_mma/libmma_preload.so"
 EXCLUDED_DIRS = ["dualpath_dev/", "tests/", "examples/", "benchmarks/", "configs/"]
 EXCLUDED_NAMES = {"devstack.py", "demo.py", "disagg_demo.py", "devserver.py"}
 NOT_CORE = {"fastapi", "uvicorn", "starlette", "httpx", "tqdm", "matplotlib", "pyyaml"}
@@ -47,6 +52,7 @@ CONSOLE_SCRIPTS = {
     "s3agg-gateway": "s3agg_gateway_ext.app:main",
     "dualpath-bench": "dualpath_bench.cli:main",
     "dualpath-kv": "nixl_backends.cli:main",
+    "mma-run": "dualpath_mma.launcher:main",
 }
 PLUGIN_ENTRY = ("dualpath_kv", "dualpath_connector.plugin:register")
 
@@ -79,7 +85,7 @@ def wheel(tmp_path_factory, request) -> Path:
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
     )
     assert proc.returncode == 0, f"wheel build failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     wheels = list(out.glob("*.whl"))
@@ -117,6 +123,18 @@ def test_ships_the_packages_and_the_compiled_extension(wheel, names, dist_info):
     binary = read(wheel, so[0])
     assert binary[:4] == b"\x7fELF"
     assert b"libcuobjclient.so.1" in binary  # the soname setup.py links it with
+
+
+def test_ships_the_multipath_copy_library(wheel, names, tmp_path):
+    assert MMA_LIBRARY in names, "libmma_preload.so is not in the wheel"
+    library = tmp_path / "libmma_preload.so"
+    library.write_bytes(read(wheel, MMA_LIBRARY))
+    assert library.read_bytes()[:4] == b"\x7fELF"
+    # Built with the Makefile's flags: only the CUDA copy entry points are exported (-fvisibility=hidden).
+    nm = subprocess.run(["nm", "-D", "--defined-only", str(library)], capture_output=True, text=True, timeout=30)
+    exported = {line.split()[-1] for line in nm.stdout.splitlines() if " T " in line}
+    assert {"cudaMemcpy", "cudaMemcpyAsync"} <= exported, nm.stdout
+    assert not any(name.startswith("_Z") for name in exported), exported
 
 
 def test_leaves_out_dev_scaffolding_tests_and_demos(names):
@@ -238,3 +256,90 @@ def test_console_script_imports_without_the_checkout(script_imports, script):
     assert "error" not in outcome, f"{script}: {outcome['error']}"
     assert Path(outcome["file"]).is_relative_to(unpacked), outcome["file"]
     assert outcome["callable"]
+
+
+# -- mma-run from an installed copy --------------------------------------------------------------------
+
+_REPORT_PRELOAD = """
+import json, os
+maps = open("/proc/self/maps").read()
+print(json.dumps({"LD_PRELOAD": os.environ.get("LD_PRELOAD", ""),
+                  "mapped": sorted({line.split()[-1] for line in maps.splitlines() if "libmma_preload" in line})}))
+"""
+
+
+@pytest.fixture(scope="module")
+def installed(wheel, tmp_path_factory) -> dict:
+    """The wheel installed (without dependencies) into a fresh virtual environment: its bin/ and the library."""
+    venv = tmp_path_factory.mktemp("venv") / "env"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    proc = subprocess.run(
+        [venv / "bin" / "python", "-m", "pip", "install", "--no-deps", "--no-index", "--quiet", str(wheel)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (library,) = venv.glob("lib/python*/site-packages/dualpath_mma/libmma_preload.so")
+    return {"bin": venv / "bin", "library": library}
+
+
+def _clean_env(bin_dir: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MMA_", "LD_")) and k != "PYTHONPATH"}
+    return {**env, "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}", **extra}
+
+
+def _report(argv: list[str], env: dict[str, str]) -> dict:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_mma_run_preloads_the_installed_library(installed):
+    python, library = str(installed["bin"] / "python"), str(installed["library"])
+    env = _clean_env(installed["bin"])
+    preloaded = _report([str(installed["bin"] / "mma-run"), python, "-c", _REPORT_PRELOAD], env)
+    assert preloaded == {"LD_PRELOAD": library, "mapped": [library]}
+    # Negative control: the same child without mma-run has nothing of it mapped.
+    assert _report([python, "-c", _REPORT_PRELOAD], env) == {"LD_PRELOAD": "", "mapped": []}
+    # An existing LD_PRELOAD stays, after the library (mma-run found on PATH); the library is listed once.
+    for existing in ("libm.so.6", f"libm.so.6:{library}"):
+        assert _report(["mma-run", python, "-c", _REPORT_PRELOAD], {**env, "LD_PRELOAD": existing}) == {
+            "LD_PRELOAD": f"{library}:libm.so.6", "mapped": [library]}  # fmt: skip
+
+
+def test_mma_run_without_a_command_prints_usage(installed):
+    proc = subprocess.run([str(installed["bin"] / "mma-run")], capture_output=True, text=True, timeout=30,
+                          env=_clean_env(installed["bin"]))  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("usage: mma-run COMMAND [ARGS...]")
+
+
+def test_mma_run_with_the_library_missing_exits_127(installed, tmp_path):
+    env = _clean_env(installed["bin"])
+    mma_run, library = str(installed["bin"] / "mma-run"), installed["library"]
+    missing = tmp_path / "nowhere" / "libmma_preload.so"
+    proc = subprocess.run([mma_run, "true"], capture_output=True, text=True, timeout=30,
+                          env={**env, "MMA_PRELOAD_LIB": str(missing)})  # fmt: skip
+    assert (proc.returncode, proc.stderr.strip()) == (127, f"mma-run: MMA_PRELOAD_LIB={missing}: no such file")
+    moved = tmp_path / "moved.so"
+    library.rename(moved)
+    try:
+        proc = subprocess.run([mma_run, "true"], capture_output=True, text=True, timeout=30, env=env)
+    finally:
+        moved.rename(library)
+    assert proc.returncode == 127
+    assert "libmma_preload.so not found" in proc.stderr and str(library) in proc.stderr, proc.stderr
+    # The command's own status comes back; an unknown command is 127 with its name.
+    assert subprocess.run([mma_run, "sh", "-c", "exit 7"], env=env, timeout=30).returncode == 7
+    proc = subprocess.run([mma_run, "no-such-command-here"], capture_output=True, text=True, timeout=30, env=env)
+    assert (proc.returncode, proc.stderr.strip()) == (127, "mma-run: no-such-command-here: command not found")
+
+
+def test_the_editable_install_finds_the_checkouts_build():
+    """`make mma` builds mma_preload/build/libmma_preload.so; the checkout's dualpath_mma falls back to it."""
+    proc = subprocess.run(["make", "-C", str(REPO_ROOT / "mma_preload"), "build/libmma_preload.so"],
+                          capture_output=True, text=True, timeout=280)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = subprocess.run([sys.executable, "-c", "import dualpath_mma; print(dualpath_mma.library_path())"],
+                          capture_output=True, text=True, timeout=60, cwd="/")  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(REPO_ROOT / "mma_preload" / "build" / "libmma_preload.so")
