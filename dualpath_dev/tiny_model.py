@@ -3,6 +3,9 @@
 Their outputs depend on every token of the context, so a wrong KV cache changes
 tokens and logprobs (vLLM's dummy weights would not). A Llama (separate K and V
 per layer) and a DeepSeek-V2-style MLA model (one latent vector per token per layer).
+Each directory is a complete Hugging Face model: weights, config and a tokenizer
+of exactly the vocabulary (:mod:`dualpath_dev.tokenizer`), so text and chat work;
+the weights are random, so the text a model writes is gibberish.
 """
 
 from __future__ import annotations
@@ -12,6 +15,8 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from dualpath_dev.tokenizer import save_tokenizer, tokenizer_spec
 
 TINY_LLAMA = {
     "vocab_size": 1024,
@@ -24,6 +29,9 @@ TINY_LLAMA = {
     "max_position_embeddings": 32768,
     "initializer_range": 0.2,
     "tie_word_embeddings": False,
+    # The tokenizer's <s> and </s> (Llama's defaults): </s> is an id the model can emit.
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 # vLLM's CPU MLA decode kernel is compiled for one latent size only:
 # kv_lora_rank + qk_rope_head_dim = 512 + 64 = 576 (DeepSeek V2/V3's own).
@@ -45,6 +53,9 @@ TINY_DEEPSEEK_V2 = {
     "max_position_embeddings": 32768,
     "initializer_range": 0.2,
     "tie_word_embeddings": False,
+    # DeepSeek's own ids (100000, 100001) are past this vocabulary; the tokenizer's <s> and </s>.
+    "bos_token_id": 1,
+    "eos_token_id": 2,
 }
 _SEED = 0
 
@@ -61,7 +72,9 @@ def make_tiny_deepseek_v2(target: str | os.PathLike[str]) -> Path:
 
 def _make(name: str, config: dict, config_class: str, model_class: str, target: Path) -> Path:
     marker = target / f"dualpath-tiny-{name}.json"
-    wanted = json.dumps({"config": config, "seed": _SEED}, sort_keys=True)
+    # The tokenizer is part of the model: a new one (or a new training text) rebuilds the directory.
+    wanted = json.dumps({"config": config, "seed": _SEED, "tokenizer": tokenizer_spec(config["vocab_size"])},
+                        sort_keys=True)
     if marker.exists() and marker.read_text() == wanted:
         return target
     # Imported here: a checkout that already has the model never pays for them.
@@ -74,6 +87,7 @@ def _make(name: str, config: dict, config_class: str, model_class: str, target: 
     # Made beside the target and renamed into place: a reader never sees half a checkpoint.
     staging = Path(tempfile.mkdtemp(prefix=f"tiny-{name}-", dir=target.parent))
     model.save_pretrained(staging, safe_serialization=True)
+    save_tokenizer(staging, config)
     (staging / marker.name).write_text(wanted)
     shutil.rmtree(target, ignore_errors=True)
     staging.rename(target)
