@@ -80,6 +80,15 @@ class DualPathConfig:
     # order their bytes differently never share chunks. An attention backend
     # that cannot use it fails start-up, naming the layouts it can.
     kv_cache_layout: str = "LBHNC"
+    # vLLM KV events for the store (BlockStored/BlockRemoved, medium "STORAGE"):
+    # None follows vLLM's --kv-events-config (enable_kv_cache_events); false
+    # keeps vLLM's own GPU-tier events only; true requires them enabled.
+    kv_events: bool | None = None
+    # Events queued between two engine steps at most; more are dropped (counted).
+    kv_events_max_queued: int = 10_000
+    # How often the scheduler looks for `dualpath-kv gc` removal records, to
+    # announce BlockRemoved for the chunks gc deleted; 0: never.
+    kv_events_gc_poll_s: float = 10.0
     # Parsed from `store` by validate(); not a user key.
     store_config: Any = field(default=None, init=False, repr=False)
     # Derived from `integrity` and the environment by validate(); never logged.
@@ -96,7 +105,7 @@ class DualPathConfig:
         self.integrity_key = integrity_key_from_env(self.integrity, _WHERE)
         if self.chunk_tokens is not None and self.chunk_tokens <= 0:
             raise ConfigError(f"{_WHERE}chunk_tokens must be positive, got {self.chunk_tokens}")
-        for name in ("load_buffer_chunks", "save_buffer_chunks", "lookup_cache_chunks"):
+        for name in ("load_buffer_chunks", "save_buffer_chunks", "lookup_cache_chunks", "kv_events_max_queued"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{_WHERE}{name} must be positive, got {getattr(self, name)}")
         if self.load_mode not in LOAD_MODES:
@@ -119,6 +128,8 @@ class DualPathConfig:
             raise ConfigError(
                 f"bad value for {_WHERE}'kv_cache_layout': {self.kv_cache_layout!r}; supported: {KV_CACHE_LAYOUTS}"
             )
+        if self.kv_events_gc_poll_s < 0:
+            raise ConfigError(f"{_WHERE}kv_events_gc_poll_s must not be negative, got {self.kv_events_gc_poll_s}")
         if self.side_channel_port is not None and not 0 < self.side_channel_port < 65536:
             raise ConfigError(f"{_WHERE}side_channel_port must be a TCP port, got {self.side_channel_port}")
 
@@ -161,6 +172,20 @@ class ChunkGeometry:
     @property
     def blocks_per_chunk(self) -> int:
         return self.chunk_tokens // self.block_size
+
+
+def kv_events_enabled(vllm_config: Any, config: DualPathConfig) -> bool:
+    """Whether this engine announces the store's blocks as vLLM KV events: ``kv_events``, by default vLLM's setting."""
+    events_config = vllm_config.kv_events_config
+    vllm_publishes = bool(events_config is not None and events_config.enable_kv_cache_events)
+    if config.kv_events is None:
+        return vllm_publishes
+    if config.kv_events and not vllm_publishes:
+        raise ConfigError(
+            f"{_WHERE}kv_events is true but vLLM publishes no KV events: start the engine with "
+            '--kv-events-config \'{"enable_kv_cache_events": true, "publisher": "zmq", ...}\''
+        )
+    return config.kv_events
 
 
 def expected_kv_cache_layout(config: DualPathConfig) -> str:

@@ -8,6 +8,7 @@ half (:mod:`dualpath_connector.scheduler`) or the worker half
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -18,11 +19,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from dualpath_connector.config import expected_kv_cache_layout, parse_config
-from dualpath_connector.metadata import DualPathMetadata
+from dualpath_connector.metadata import DualPathMetadata, SavedChunks
 from dualpath_connector.stats import DualPathPromMetrics, DualPathStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -89,7 +91,11 @@ class DualPathConnector(KVConnectorBase_V1):
         return self._worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> DualPathStats | None:
-        return self._worker.get_stats() if self._worker else None
+        # Both halves count: vLLM asks the scheduler's connector too and merges the two.
+        return self._worker.get_stats() if self._worker else self._scheduler.get_stats()
+
+    def build_connector_worker_meta(self) -> SavedChunks | None:
+        return self._worker.take_saved_chunks()
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -119,6 +125,10 @@ class DualPathConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         super().update_connector_output(connector_output)
         self._scheduler.update_connector_output(connector_output.invalid_block_ids)
+        self._scheduler.saves_finished(connector_output.kv_connector_worker_meta)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        return self._scheduler.take_events()
 
     # -- class-level hooks ----------------------------------------------------
 

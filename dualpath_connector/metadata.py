@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 
 @dataclass
@@ -80,3 +80,24 @@ class DualPathMetadata(KVConnectorMetadata):
     # Requests that ended before their loaded KV was injected: their blocks
     # may already belong to another request, so the injection is dropped.
     dropped_req_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class SavedChunks(KVConnectorWorkerMetadata):
+    """Worker -> scheduler, per step: the chunks whose store writes finished since the last step.
+
+    ``stored`` counts the ranks that wrote each chunk hash (every TP/PP rank
+    writes its own shard, so a chunk is durable once all ranks counted it);
+    ``failed`` holds chunks some rank could not write (or skipped: full save buffer).
+    vLLM merges the ranks' metadata with :meth:`aggregate`.
+    """
+
+    stored: dict[str, int] = field(default_factory=dict)
+    failed: set[str] = field(default_factory=set)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> SavedChunks:
+        assert isinstance(other, SavedChunks)
+        for chunk_hash, ranks in other.stored.items():
+            self.stored[chunk_hash] = self.stored.get(chunk_hash, 0) + ranks
+        self.failed |= other.failed
+        return self

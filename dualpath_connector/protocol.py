@@ -227,6 +227,12 @@ COUNTERS = {
     "misses and deleted)",
     "side_channel_rejected_messages": "Side-channel messages dropped unanswered: unsigned, wrong key, stale, "
     "replayed or malformed",
+    "kv_events_stored_blocks": "vLLM blocks announced in BlockStored KV events (medium STORAGE) once their chunk "
+    "was written by every rank",
+    "kv_events_removed_blocks": "vLLM blocks announced in BlockRemoved KV events (medium STORAGE) after gc deleted "
+    "their chunk",
+    "kv_events_dropped": "KV events (and chunks awaiting their write) dropped because kv_events_max_queued was reached",
+    "gc_records_rejected": "gc removal records ignored: unreadable, malformed, another version or namespace, bad checksum",
     # Reported by the store itself (StoreMetrics): the Dual-Blade local tier and the tiered store in front of it.
     **{f"local_tier_{name}": doc for name, doc in {
         "hit_chunks": "Chunks read from the local (Dual-Blade) tier",

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 import numpy as np
 
@@ -43,6 +44,7 @@ class ChunkSaver:
         lane: IOLane,
         stats: StatsRecorder,
         save_stream: CopyStream | None = None,
+        on_written: Callable[[list[str], list[bool]], None] | None = None,
     ) -> None:
         self.view = view
         self.pool = pool
@@ -52,6 +54,8 @@ class ChunkSaver:
         self.blocks_per_chunk = blocks_per_chunk
         self.lane = lane
         self.stats = stats
+        # Told which chunks each write stored (True) or not, once it finished (KV events).
+        self.on_written = on_written
         self._host = view.host_blocks(pool.array, pool.num_slots, blocks_per_chunk)
         self.device = DeviceCopier(view, self._host, save_stream) if save_stream is not None else None
 
@@ -63,6 +67,7 @@ class ChunkSaver:
             except PoolExhausted:
                 logger.debug("request %s: save buffer full, skipping %d chunks", spec.req_id, len(spec.chunk_hashes))
                 self.stats.add(save_skipped_chunks=len(spec.chunk_hashes))
+                self._written(spec, [False] * len(spec.chunk_hashes))
                 continue
             bpc = self.blocks_per_chunk
             plan = self.view.plan(
@@ -95,6 +100,7 @@ class ChunkSaver:
             self.pool.release(slots)
         else:
             self.pool.release(slots)
+        self._written(spec, ok)
         written = sum(ok)
         self.stats.add(
             saved_chunks=written,
@@ -102,3 +108,7 @@ class ChunkSaver:
             bytes_written=written * self.key_space.layout.full_block_bytes,
         )
         self.stats.time("save_seconds", time.perf_counter() - started)
+
+    def _written(self, spec: SaveSpec, ok: list[bool]) -> None:
+        if self.on_written is not None:
+            self.on_written(spec.chunk_hashes, ok)

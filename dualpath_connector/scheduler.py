@@ -7,17 +7,30 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from nixl_backends.gc import GcError, open_chunks
 from nixl_backends.layout import KVNamespace, chunk_hashes
 from nixl_backends.lookup import PresentChunks
 from nixl_backends.registry import for_rank, make_store
+from nixl_backends.removals import RemovalLog
 from nixl_backends.store import KVStore
 
-from dualpath_connector.config import ChunkGeometry, DualPathConfig, namespace_for
-from dualpath_connector.metadata import ChunkLoad, DualPathMetadata, LoadSpec, PullSpec, SaveSpec, SendSpec
+from dualpath_connector.config import ChunkGeometry, DualPathConfig, kv_events_enabled, namespace_for
+from dualpath_connector.kv_events import RemovalWatcher, StorageEvents
+from dualpath_connector.metadata import (
+    ChunkLoad,
+    DualPathMetadata,
+    LoadSpec,
+    PullSpec,
+    SavedChunks,
+    SaveSpec,
+    SendSpec,
+)
 from dualpath_connector.protocol import PrefillHandoff, PrefillRequest, ProtocolError, StoreKeySpace
+from dualpath_connector.stats import DualPathStats, StatsRecorder
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -51,7 +64,15 @@ class DualPathScheduler:
     """The scheduler half, built from its collaborators (no vLLM config needed: unit-testable)."""
 
     def __init__(
-        self, config: DualPathConfig, kv_role: str, geometry: ChunkGeometry, namespace: KVNamespace, store: KVStore
+        self,
+        config: DualPathConfig,
+        kv_role: str,
+        geometry: ChunkGeometry,
+        namespace: KVNamespace,
+        store: KVStore,
+        *,
+        world_size: int = 1,
+        kv_events: bool = False,
     ) -> None:
         self.config = config
         self.kv_role = kv_role
@@ -67,6 +88,19 @@ class DualPathScheduler:
         self._sends: list[SendSpec] = []
         self._dropped: list[str] = []
         self._last_lookup_error_log = 0.0
+        self.stats = StatsRecorder()
+        # vLLM KV events for the store's blocks (kv_events.py); None: not announced.
+        self.events = None
+        if kv_events:
+            self.events = StorageEvents(
+                block_size=geometry.block_size,
+                blocks_per_chunk=geometry.blocks_per_chunk,
+                world_size=world_size,
+                max_queued=config.kv_events_max_queued,
+                tracked_chunks=config.lookup_cache_chunks,
+                stats=self.stats,
+            )
+        self.removal_watcher: RemovalWatcher | None = None
         logger.info(
             "DualPath scheduler: namespace %s, chunk %d tokens, store %s",
             self.key_space.digest,
@@ -82,7 +116,32 @@ class DualPathScheduler:
         namespace = namespace_for(vllm_config, config, geometry.chunk_tokens, tp_rank=0, pp_rank=0)
         # Lookup only: no NIXL agent here.
         store = make_store(for_rank(config.store_config, 0, 0), StoreKeySpace.of(namespace, config.key_prefix).layout)
-        return cls(config, kv_role, geometry, namespace, store)
+        kv_events = kv_events_enabled(vllm_config, config)
+        world_size = vllm_config.parallel_config.world_size
+        scheduler = cls(config, kv_role, geometry, namespace, store, world_size=world_size, kv_events=kv_events)
+        if kv_events and config.kv_events_gc_poll_s > 0:
+            scheduler.watch_removals(config.kv_events_gc_poll_s)
+        return scheduler
+
+    def watch_removals(self, interval_s: float) -> None:
+        """Announce ``BlockRemoved`` for announced chunks that ``dualpath-kv gc`` deleted (its removal records)."""
+        assert self.events is not None
+        try:
+            objects = open_chunks(self.config.store_config, self.config.key_prefix, [self.key_space.digest])
+        except GcError:
+            logger.info("KV events: the store is a local tier only (no gc); no BlockRemoved from gc")
+            return
+        # Its own store: the watcher's lookups run on its thread.
+        store = make_store(for_rank(self.config.store_config, 0, 0), self.key_space.layout)
+        self.removal_watcher = RemovalWatcher(
+            RemovalLog(objects, self.config.key_prefix),
+            self.key_space.digest,
+            store,
+            self.key_space.key,
+            self.events,
+            self.stats,
+            interval_s,
+        )
 
     # -- hashing and lookup ---------------------------------------------------
 
@@ -280,6 +339,25 @@ class DualPathScheduler:
             state.stored_chunks = min(state.stored_chunks, first)
             self._present.forget([self.key_space.key(h) for h in state.hashes[first:]])
 
+    def saves_finished(self, saved: SavedChunks | None) -> None:
+        """The workers' finished writes this step (vLLM's worker metadata): durable chunks are announced."""
+        if self.events is not None and isinstance(saved, SavedChunks):
+            self.events.saved(saved)
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The store's KV events since the last step (vLLM publishes them with its own)."""
+        if self.events is None:
+            return []
+        if self.removal_watcher is not None:
+            removed = self.removal_watcher.take_removed()
+            # Gone from the store: the lookup cache must not call them present either.
+            self._present.forget([self.key_space.key(h) for h in removed])
+            self.events.removed(removed)
+        return self.events.take()
+
+    def get_stats(self) -> DualPathStats | None:
+        return self.stats.take()
+
     def _plan_save(self, state: _RequestState, computed_after_step: int, meta: DualPathMetadata) -> None:
         if state.remote_decode is not None:
             return  # its DE persists the chunks, with the decoded ones
@@ -301,6 +379,8 @@ class DualPathScheduler:
             )
         )
         state.saved_chunks = complete
+        if self.events is not None:
+            self.events.planned(state.request, first, hashes[first:complete])
 
     def _log_lookup_error(self, exc: Exception) -> None:
         now = time.monotonic()
@@ -336,4 +416,7 @@ class DualPathScheduler:
         ).to_dict()
 
     def shutdown(self) -> None:
+        if self.removal_watcher is not None:
+            self.removal_watcher.close()
+            self.removal_watcher.store.close()
         self.store.close()

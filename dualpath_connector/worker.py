@@ -43,11 +43,11 @@ from nixl_backends.transport import UCX, add_ucx_backend
 from dualpath_connector.affinity import kv_transfer_cores, threads_started_on
 from dualpath_connector.compute_window import ComputeWindow
 from dualpath_connector.copy_stream import CudaCopyStream, pinned
-from dualpath_connector.config import ChunkGeometry, DualPathConfig, namespace_for
+from dualpath_connector.config import ChunkGeometry, DualPathConfig, kv_events_enabled, namespace_for
 from dualpath_connector.injection import Injector, LayerwiseInjection
 from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.kv_cache_view import KVCacheView
-from dualpath_connector.metadata import DualPathMetadata, LoadSpec, PullSpec
+from dualpath_connector.metadata import DualPathMetadata, LoadSpec, PullSpec, SavedChunks
 from dualpath_connector.peer import PeerLink
 from dualpath_connector.protocol import COUNTERS, GAUGES, StoreKeySpace
 from dualpath_connector.pulls import PromptPuller
@@ -123,6 +123,9 @@ class DualPathWorker:
         self._injection: LayerwiseInjection | None = None
         self._rejected_reported = 0
         self._store_counters: dict[str, int] = {}
+        # KV events: finished writes, handed to the scheduler as worker metadata each step.
+        self._kv_events = kv_events_enabled(vllm_config, config)
+        self._saved = SavedChunks()
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -172,6 +175,7 @@ class DualPathWorker:
             view=view, pool=self.save_pool, store=self.store, key_space=self.key_space, integrity=self.integrity,
             blocks_per_chunk=self.geometry.blocks_per_chunk, lane=self._lanes["save"], stats=self.stats,
             save_stream=CudaCopyStream(view.device) if on_cuda else None,
+            on_written=self._note_written if self._kv_events else None,
         )  # fmt: skip
         if self.peers is not None:
             self.puller = PromptPuller(
@@ -332,6 +336,23 @@ class DualPathWorker:
 
     def wait_for_save(self, meta: DualPathMetadata) -> None:
         self.saver.save(meta.saves)
+
+    def _note_written(self, chunk_hashes: list[str], ok: list[bool]) -> None:
+        # On the save lane.
+        with self._lock:
+            for chunk_hash, stored in zip(chunk_hashes, ok):
+                if stored:
+                    self._saved.stored[chunk_hash] = 1
+                else:
+                    self._saved.failed.add(chunk_hash)
+
+    def take_saved_chunks(self) -> SavedChunks | None:
+        """The writes finished since the last step, for the scheduler's KV events (None: nothing new)."""
+        with self._lock:
+            if not (self._saved.stored or self._saved.failed):
+                return None
+            taken, self._saved = self._saved, SavedChunks()
+        return taken
 
     # -- lifecycle --------------------------------------------------------------------
 

@@ -1,13 +1,14 @@
-"""dualpath-kv: store maintenance from the command line.
+"""dualpath-kv: store maintenance and pre-launch checks from the command line.
 
     dualpath-kv gc --store '{"backend": "posix", "root": "/mnt/kv"}' --all-namespaces --max-bytes 500GiB
     dualpath-kv gc --store-file store.json --namespace 3f2a... --max-age 7d --dry-run
+    dualpath-kv doctor --config-file configs/pe.json      # or --kv-transfer-config JSON, --store JSON; --json
 
 The store is named by the connector's ``store`` section (JSON). S3 credentials
 come from the AWS credential chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
 the AWS config files, an instance role), never from the command line, which
 every user of the machine can read. Exit status: 0 done, 1 the store failed
-(unreachable, a deletion refused), 2 bad arguments (the message names the option).
+(unreachable, a deletion refused) or a doctor check failed, 2 bad arguments (the message names the option).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from nixl_backends.configuration import ConfigError
 from nixl_backends.gc import GcError, GcPolicy, GcReport, StoredObject, Tally, open_chunks, run_gc
 from nixl_backends.registry import parse_store_config
+from nixl_backends.removals import RemovalLog
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,7 @@ def _key_prefix(text: str) -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dualpath-kv", description="dualpath-kv store maintenance")
+    parser = argparse.ArgumentParser(prog="dualpath-kv", description="dualpath-kv store maintenance and checks")
     commands = parser.add_subparsers(dest="command", required=True)
     gc = commands.add_parser(
         "gc",
@@ -92,24 +94,51 @@ def _parser() -> argparse.ArgumentParser:
     gc.add_argument("--max-age", type=parse_duration, metavar="AGE", help="delete chunks unused for longer, e.g. 7d")
     gc.add_argument("--tmp-max-age", type=parse_duration, default=1800.0, metavar="AGE",
                     help="POSIX: remove interrupted writes' *.tmp files older than this (default 30m)")  # fmt: skip
+    gc.add_argument("--record-max-age", type=parse_duration, default=86400.0, metavar="AGE",
+                    help="prune gc's removal records (which engines announce as KV events) older than this "
+                    "(default 1d)")  # fmt: skip
     gc.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
     # Errors found after parsing are reported by the subcommand's parser, with its usage.
     gc.set_defaults(run=cmd_gc, parser=gc)
+
+    doctor = commands.add_parser(
+        "doctor",
+        help="check a configuration before a launch: it parses, NIXL's plugins load, the store is reachable and writable",
+        description="Checks what would stop an engine, one line each: the configuration parses (the connector's "
+        "own parser), the side-channel key is set (PD roles), NIXL's UCX/POSIX/OBJ plugins load, each store is "
+        "reachable with the credentials the engine would use (the AWS credential chain) and writable (a probe "
+        "object written, read back, compared and deleted). Exit status 0 when every check passes, else 1. "
+        "Secrets never appear in the output.",
+    )
+    source = doctor.add_mutually_exclusive_group(required=True)
+    source.add_argument("--kv-transfer-config", metavar="JSON",
+                        help="vLLM's --kv-transfer-config value, or the connector's kv_connector_extra_config")  # fmt: skip
+    source.add_argument("--config-file", metavar="PATH", help="a file holding that JSON, e.g. configs/pe.json")
+    source.add_argument("--store", metavar="JSON", help="a bare store section, as gc takes it")
+    doctor.add_argument("--kv-role", choices=("kv_both", "kv_producer", "kv_consumer"),
+                        help="the engine's role (default: the config's kv_role, or kv_both for an extra config)")  # fmt: skip
+    doctor.add_argument("--key-prefix", type=_key_prefix, default="dualpath",
+                        help="with --store: the connector's key_prefix (default: dualpath)")  # fmt: skip
+    doctor.add_argument("--json", action="store_true", help="print the results as JSON")
+    doctor.set_defaults(run=cmd_doctor, parser=doctor)
     return parser
 
 
-def _store_section(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
-    option = "--store" if args.store is not None else "--store-file"
+def _load_json(parser: argparse.ArgumentParser, option: str, text: str | None, path: str | None) -> Any:
+    """The JSON given inline (``text``) or in the file at ``path``; a usage error naming ``option`` if not."""
     try:
-        if args.store is not None:
-            section = json.loads(args.store)
-        else:
-            with open(args.store_file, encoding="utf-8") as file:
-                section = json.load(file)
+        if text is not None:
+            return json.loads(text)
+        with open(path, encoding="utf-8") as file:
+            return json.load(file)
     except OSError as exc:
-        parser.error(f"{option}: cannot read {args.store_file!r}: {exc.strerror}")
+        parser.error(f"{option}: cannot read {path!r}: {exc.strerror}")
     except json.JSONDecodeError as exc:
-        parser.error(f"{option}: not JSON: {exc}")
+        # The position only: the text may hold a secret.
+        parser.error(f"{option}: not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
+
+
+def _refuse_inline_credentials(parser: argparse.ArgumentParser, option: str, section: Any) -> None:
     for where, part in (("store.", section), ("store.s3.", section.get("s3") if isinstance(section, dict) else None)):
         for key in _CREDENTIAL_KEYS:
             if isinstance(part, dict) and key in part:
@@ -117,6 +146,12 @@ def _store_section(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
                     f"{option}: {where}{key} is not accepted here; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY "
                     "or another AWS credential source"
                 )
+
+
+def _store_section(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Any:
+    option = "--store" if args.store is not None else "--store-file"
+    section = _load_json(parser, option, args.store, args.store_file)
+    _refuse_inline_credentials(parser, option, section)
     try:
         return parse_store_config(section)
     except ConfigError as exc:
@@ -163,10 +198,30 @@ def cmd_gc(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         chunks = open_chunks(config, args.key_prefix, args.namespace)
     except GcError as exc:
         parser.error(f"{'--store' if args.store is not None else '--store-file'}: {exc}")
-    report = run_gc(chunks, policy, dry_run=args.dry_run, on_selected=_print_selected if args.dry_run else None)
+    # Engines announce the deletions (vLLM KV events) from these records.
+    removals = RemovalLog(chunks, args.key_prefix)
+    report = run_gc(chunks, policy, dry_run=args.dry_run, on_selected=_print_selected if args.dry_run else None,
+                    on_deleted=removals.record)  # fmt: skip
+    if not args.dry_run:
+        removals.prune(args.namespace or sorted(report.before_by_namespace), args.record_max_age)
     _print_report(report, f"{chunks.describe()}, key prefix {args.key_prefix!r}, namespaces: "
                   f"{'all' if args.namespace is None else ', '.join(args.namespace)}")  # fmt: skip
     return 1 if report.failed else 0
+
+
+def cmd_doctor(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from nixl_backends.doctor import diagnose, exit_code, format_report
+
+    if args.store is not None:
+        section = _load_json(parser, "--store", args.store, None)
+        _refuse_inline_credentials(parser, "--store", section)
+        results = diagnose(section, store_only=True, key_prefix=args.key_prefix)
+    else:
+        option = "--kv-transfer-config" if args.kv_transfer_config is not None else "--config-file"
+        document = _load_json(parser, option, args.kv_transfer_config, args.config_file)
+        results = diagnose(document, kv_role=args.kv_role)
+    print(format_report(results, as_json=args.json))
+    return exit_code(results)
 
 
 def main(argv: list[str] | None = None) -> int:

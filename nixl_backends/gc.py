@@ -47,6 +47,7 @@ still held would only fail that one save.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -154,7 +155,11 @@ class Selection:
 
 
 class ChunkObjects(Protocol):
-    """The chunk objects of a store, as gc sees them: listed, deleted, described."""
+    """The chunk objects of a store, as gc sees them: listed, deleted, described.
+
+    The small-object calls (``put``, ``get``, ``list_keys``, ``delete_keys``)
+    carry gc's removal records (:mod:`nixl_backends.removals`) beside the chunks.
+    """
 
     def scan(self) -> Iterator[StoredObject]: ...
 
@@ -163,6 +168,20 @@ class ChunkObjects(Protocol):
         ...
 
     def describe(self) -> str: ...
+
+    def put(self, key: str, data: bytes) -> None:
+        """Store ``data`` under ``key`` whole (a reader sees all of it or nothing)."""
+        ...
+
+    def get(self, key: str, limit: int) -> bytes | None:
+        """At most ``limit`` + 1 bytes of ``key`` (so a caller can tell it is too long); None if absent."""
+        ...
+
+    def list_keys(self, prefix: str) -> list[str]:
+        """Every key under ``prefix`` (a ``/``-terminated key prefix)."""
+        ...
+
+    def delete_keys(self, keys: Sequence[str]) -> None: ...
 
 
 class KeyPattern:
@@ -235,6 +254,36 @@ class PosixChunks:
                         continue  # deleted since the directory was listed
                     yield StoredObject(key, ns, stat.st_size, stat.st_mtime_ns, parsed[1])
 
+    def put(self, key: str, data: bytes) -> None:
+        path = os.path.join(self.root, key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        # Renamed into place: a reader never sees part of it.
+        tmp = f"{path}.{os.urandom(4).hex()}.part"
+        try:
+            with open(tmp, "wb") as file:
+                file.write(data)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def get(self, key: str, limit: int) -> bytes | None:
+        try:
+            with open(os.path.join(self.root, key), "rb") as file:
+                return file.read(limit + 1)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+
+    def list_keys(self, prefix: str) -> list[str]:
+        directory = os.path.join(self.root, prefix)
+        return [prefix + e.name for e in _scandir(directory) if e.is_file(follow_symlinks=False)]
+
+    def delete_keys(self, keys: Sequence[str]) -> None:
+        for key in keys:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(os.path.join(self.root, key))
+
     def delete(self, batch: Sequence[StoredObject]) -> list[StoredObject]:
         deleted = []
         for obj in batch:
@@ -282,6 +331,32 @@ class S3Chunks:
         for key, code in errors.items():
             logger.warning("gc: could not delete s3://%s/%s: %s", self.bucket, key, code)
         return [obj for obj in batch if obj.key not in errors]
+
+    def put(self, key: str, data: bytes) -> None:
+        self._client.put_object(Bucket=self.bucket, Key=key, Body=data)
+
+    def get(self, key: str, limit: int) -> bytes | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            response = self._client.get_object(Bucket=self.bucket, Key=key, Range=f"bytes=0-{limit}")
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return None
+            raise
+        with contextlib.closing(response["Body"]) as body:
+            return body.read(limit + 1)
+
+    def list_keys(self, prefix: str) -> list[str]:
+        paginator = self._client.get_paginator("list_objects_v2")
+        return [item["Key"] for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix)
+                for item in page.get("Contents", ())]  # fmt: skip
+
+    def delete_keys(self, keys: Sequence[str]) -> None:
+        from nixl_backends.s3_endpoint import delete_objects
+
+        for key, code in delete_objects(self._client, self.bucket, list(keys)).items():
+            logger.warning("could not delete s3://%s/%s: %s", self.bucket, key, code)
 
 
 def open_chunks(store_config: Any, key_prefix: str, namespaces: Sequence[str] | None = None) -> ChunkObjects:
@@ -346,10 +421,13 @@ def run_gc(
     dry_run: bool = False,
     now_ns: int | None = None,
     on_selected: Callable[[StoredObject], None] | None = None,
+    on_deleted: Callable[[list[StoredObject]], None] | None = None,
 ) -> GcReport:
     """One collection: list, plan the cutoff, list again and delete (or, dry, only select).
 
-    ``on_selected`` sees every object chosen, in listing order, before it is deleted.
+    ``on_selected`` sees every object chosen, in listing order, before it is deleted;
+    ``on_deleted`` every batch of chunks actually deleted (never in a dry run), e.g.
+    to write the removal records engines announce (:mod:`nixl_backends.removals`).
     """
     now_ns = time.time_ns() if now_ns is None else now_ns
     report = GcReport(dry_run)
@@ -374,6 +452,9 @@ def run_gc(
         for obj in done:
             (report.partial_deleted if obj.partial else report.deleted).add(obj)
         batch.clear()
+        deleted_chunks = [obj for obj in done if not obj.partial]
+        if on_deleted is not None and not dry_run and deleted_chunks:
+            on_deleted(deleted_chunks)
 
     for obj in chunks.scan():
         if not obj.partial:
