@@ -21,6 +21,7 @@ def main() -> None:
     parser.add_argument("--kv-transfer-config", default=None, help="JSON, as for vllm serve")
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--kv-events-config", default=None, help="JSON, as for vllm serve")
     args = parser.parse_args()
 
     # vLLM logs to stdout: keep the real stdout for the protocol and send
@@ -30,7 +31,7 @@ def main() -> None:
     sys.stdout = sys.stderr
 
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
+    from vllm.config import KVEventsConfig, KVTransferConfig
 
     kv_config = json.loads(args.kv_transfer_config) if args.kv_transfer_config else None
     llm = LLM(
@@ -44,6 +45,7 @@ def main() -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=512 << 20,
         kv_transfer_config=KVTransferConfig(**kv_config) if kv_config else None,
+        kv_events_config=KVEventsConfig(**json.loads(args.kv_events_config)) if args.kv_events_config else None,
     )
     namespace = None
     key_prefix = None

@@ -26,7 +26,9 @@ from nixl_backends.buffers import HostBufferPool
 from nixl_backends.cli import main
 from nixl_backends.integrity import ChunkIntegrity, chunk_hash_of
 from nixl_backends.layout import BlockLayout, chunk_key
+from nixl_backends.gc import open_chunks
 from nixl_backends.registry import make_store, parse_store_config
+from nixl_backends.removals import RECORDS_DIR, RemovalLog
 
 from tests.conftest import REPO_ROOT
 
@@ -66,10 +68,15 @@ class PosixKV:
                 os.utime(self.root / key, ns=(now - age * 100 * 10**9,) * 2)
 
     def keys(self) -> set[str]:
-        return {p.relative_to(self.root).as_posix() for p in self.root.rglob("*") if p.is_file()}
+        return chunk_keys_only({p.relative_to(self.root).as_posix() for p in self.root.rglob("*") if p.is_file()})
 
     def lookup_store(self):
         return make_store(parse_store_config(self.section), LAYOUT)
+
+
+def chunk_keys_only(keys: set[str]) -> set[str]:
+    """Without gc's removal records (test_gc_records_exactly_the_deleted_chunks checks those)."""
+    return {key for key in keys if f"/{RECORDS_DIR}/" not in key}
 
 
 class S3KV:
@@ -111,13 +118,14 @@ class S3KV:
 
     def keys(self) -> set[str]:
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket)
-        return {item["Key"] for page in pages for item in page.get("Contents", ())} - {f"{PREFIX}/not-a-chunk"}
+        return chunk_keys_only({item["Key"] for page in pages for item in page.get("Contents", ())}) - {f"{PREFIX}/not-a-chunk"}
 
     def lookup_store(self):
         return self.seaweedfs.lookup_store({**self.section, "create_bucket": False}, LAYOUT)
 
     def remove(self) -> None:
-        for key in self.keys() | {f"{PREFIX}/not-a-chunk"}:
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket)
+        for key in {item["Key"] for page in pages for item in page.get("Contents", ())}:
             self.client.delete_object(Bucket=self.bucket, Key=key)
         self.client.delete_bucket(Bucket=self.bucket)
 
@@ -162,6 +170,32 @@ def test_budget_keeps_the_most_recently_used(kv, capsys):
 
     code, out = gc(capsys, kv.section, "--namespace", NS_A, "--max-bytes", "1MiB")  # already fits
     assert code == 0 and said(out, "deleted: 0 objects") and len(kv.keys()) == 4
+
+
+def _recorded(kv, namespace: str) -> tuple[list[str], set[str]]:
+    """gc's removal records of ``namespace``: their keys and the chunk keys they name."""
+    log = RemovalLog(open_chunks(parse_store_config(kv.section), PREFIX, [namespace]), PREFIX)
+    keys = log.keys(namespace)
+    return keys, {chunk_key(PREFIX, namespace, h) for key in keys for h in log.read(key, namespace).chunk_hashes}
+
+
+def test_gc_records_exactly_the_deleted_chunks(kv, capsys):
+    """Engines announce gc's deletions (vLLM KV events) from these records: they must name what went, only that."""
+    old, new = make_keys(NS_A, 3, "old"), make_keys(NS_A, 2, "new")
+    kv.write_generations([old, new])
+    code, out = gc(capsys, kv.section, "--namespace", NS_A, "--max-bytes", str(2 * SIZE), "--dry-run")
+    assert code == 0, out
+    assert _recorded(kv, NS_A) == ([], set())  # a dry run deletes nothing, so it records nothing
+    code, out = gc(capsys, kv.section, "--namespace", NS_A, "--max-bytes", str(2 * SIZE))
+    assert code == 0, out
+    assert kv.keys() == set(new)
+    records, named = _recorded(kv, NS_A)
+    assert len(records) == 1 and named == set(old)
+    assert _recorded(kv, NS_B) == ([], set())
+    # Nothing left to delete: no new record; --record-max-age 0 prunes the old one.
+    code, out = gc(capsys, kv.section, "--namespace", NS_A, "--max-bytes", str(2 * SIZE), "--record-max-age", "0")
+    assert code == 0, out
+    assert _recorded(kv, NS_A) == ([], set()) and kv.keys() == set(new)
 
 
 def test_other_namespaces_are_untouched_unless_asked(kv, capsys):
