@@ -210,7 +210,9 @@ def cmd_gc(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from nixl_backends.doctor import diagnose, exit_code, format_report
+    from nixl_backends.doctor import diagnose, exit_code, format_report, nixl_logs_to_stderr
+
+    nixl_logs_to_stderr()
 
     if args.store is not None:
         section = _load_json(parser, "--store", args.store, None)

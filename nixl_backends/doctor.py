@@ -1,0 +1,421 @@
+"""``dualpath-kv doctor``: what would stop an engine, checked before it is launched.
+
+One line per check, in order: the configuration parses (the connector's own parser, so the
+verdict is the engine's), the PD side channel's key is set (producer/consumer roles), NIXL's
+UCX, POSIX and OBJ plugins load, every store the configuration names is reachable with the
+credentials the engine would use, and writable: a probe object is written, read back and
+compared, and deleted, all through the store's own code (NIXL for the bytes; a missing bucket
+is created, as the engine would with ``create_bucket``). A check that
+depends on a failed one is skipped. A plugin the configuration does not use only warns.
+
+Secrets never reach the output: the configured secret keys, the AWS credential chain's secret
+and session token, and the project's key variables are replaced by ``<redacted>`` in every line,
+whatever produced the message (the stores' own errors already omit them; this is the second wall).
+
+A Dual-Blade tier is not opened here: its extent file is carved by the engine's layout, which
+only the engine knows, so the doctor checks that its root directory is writable instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import uuid
+from collections.abc import Iterator, Mapping
+from contextlib import ExitStack
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from nixl_backends.configuration import ConfigError
+from nixl_backends.layout import HASH_HEX_CHARS, BlockLayout, chunk_key
+from nixl_backends.registry import for_rank, parse_store_config
+
+logger = logging.getLogger(__name__)
+
+OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"
+CONNECTOR = "DualPathConnector"
+PD_ROLES = ("kv_producer", "kv_consumer")
+PLUGINS = ("UCX", "POSIX", "OBJ")
+# Environment variables whose values never appear in the output.
+SECRET_ENV = ("AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "DUALPATH_CLUSTER_KEY", "DUALPATH_INTEGRITY_KEY",
+              "VLLM_API_KEY", "DUALPATH_ENGINE_API_KEY", "S3AGG_CLIENT_SECRET_KEY")  # fmt: skip
+REDACTED = "<redacted>"
+# The probe: one small object, named like a chunk under a namespace no engine has (gc leaves it alone).
+PROBE_LAYOUT = BlockLayout(num_layers=2, layer_block_bytes=4096)
+PROBE_NAMESPACE = "doctor-probe"
+CONFIG_DOCS = "see README.md, 'Configuration reference'"
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    """One line of the report: ``fix`` says what to do when ``status`` is fail or warn."""
+
+    name: str
+    status: str
+    detail: str
+    fix: str = ""
+
+
+@dataclass
+class Target:
+    """What the checks after parsing need: the role, the key prefix and the parsed store section."""
+
+    kv_role: str
+    key_prefix: str
+    store: Any
+
+
+class Redactor:
+    """Replaces every known secret value in a text; built from a config document and the environment."""
+
+    def __init__(self, environ: Mapping[str, str] = os.environ) -> None:
+        self._secrets: set[str] = {environ[name] for name in SECRET_ENV if environ.get(name)}
+
+    def add(self, value: Any) -> None:
+        # Short values would blank out ordinary words; no real secret is that short.
+        if isinstance(value, str) and len(value) >= 4:
+            self._secrets.add(value)
+
+    def add_from_document(self, document: Any) -> None:
+        """Every value under a key that names a secret (secret_key, session_token, ...), at any depth."""
+        if isinstance(document, dict):
+            for key, value in document.items():
+                if isinstance(key, str) and any(word in key.lower() for word in ("secret", "token", "password")):
+                    self.add(value)
+                self.add_from_document(value)
+        elif isinstance(document, list):
+            for item in document:
+                self.add_from_document(item)
+
+    def __call__(self, text: str) -> str:
+        for secret in sorted(self._secrets, key=len, reverse=True):
+            text = text.replace(secret, REDACTED)
+        return text
+
+    def result(self, result: CheckResult) -> CheckResult:
+        return CheckResult(result.name, result.status, self(result.detail), self(result.fix))
+
+
+# -- parsing ---------------------------------------------------------------------------------------------
+
+
+def connector_section(document: Any, kv_role: str | None) -> tuple[dict, str]:
+    """The DualPathConnector's ``kv_connector_extra_config`` and role in a document: a whole
+    ``--kv-transfer-config`` (also a ``MultiConnector`` holding DualPathConnector) or the extra config itself."""
+    if not isinstance(document, dict):
+        raise ConfigError(f"the configuration must be a JSON object, got {type(document).__name__}")
+    if "kv_connector" not in document and "kv_connector_extra_config" not in document:
+        return document, kv_role or "kv_both"  # the connector's extra config itself
+    connector = document.get("kv_connector")
+    if connector == "MultiConnector":
+        children = (document.get("kv_connector_extra_config") or {}).get("connectors")
+        ours = [c for c in children or () if isinstance(c, dict) and c.get("kv_connector") == CONNECTOR]
+        if len(ours) != 1:
+            raise ConfigError(f"MultiConnector: kv_connector_extra_config.connectors must hold one {CONNECTOR}, "
+                              f"found {len(ours)}")  # fmt: skip
+        return connector_section({"kv_role": document.get("kv_role"), **ours[0]}, kv_role)
+    if connector != CONNECTOR:
+        raise ConfigError(f"kv_connector is {connector!r}; the doctor checks {CONNECTOR} configurations")
+    role = kv_role or document.get("kv_role")
+    if role is None:
+        raise ConfigError("missing kv_role (vLLM requires it with kv_connector): kv_both, kv_producer or kv_consumer")
+    return document.get("kv_connector_extra_config") or {}, role
+
+
+def parse_target(document: Any, kv_role: str | None = None) -> Target:
+    """Parse as the engine would: the connector's own parser (its validation and messages)."""
+    # The connector's parser ships in the same wheel; it is imported here, in the command, and not at
+    # module level, so the storage layer's modules still import nothing above them.
+    from dualpath_connector.config import parse_config
+
+    extra, role = connector_section(document, kv_role)
+    config = parse_config(extra, role)
+    return Target(role, config.key_prefix, config.store_config)
+
+
+def parse_store_target(section: Any, key_prefix: str) -> Target:
+    """A bare ``store`` section (as ``dualpath-kv gc`` takes it)."""
+    return Target("kv_both", key_prefix, parse_store_config(section))
+
+
+# -- the stores a configuration names --------------------------------------------------------------------
+
+
+def _stores(config: Any) -> list[Any]:
+    """The store configs to check, for rank 0 of the engine: a tiered store's tiers, each on its own."""
+    config = for_rank(config, 0, 0)
+    return list(getattr(config, "tier_configs", None) or [config])
+
+
+def _backend(config: Any) -> str:
+    return type(config).__name__.removesuffix("StoreConfig").lower()
+
+
+def describe(config: Any) -> str:
+    """A store in a few words; no credential."""
+    backend = _backend(config)
+    if hasattr(config, "bucket"):
+        return f"{backend} {config.endpoint or 'AWS'} bucket {config.bucket!r}"
+    if hasattr(config, "gateway"):
+        return f"{backend} gateway {config.gateway}, bucket {config.s3_config.bucket!r}"
+    return f"{backend} {getattr(config, 'root', None) or getattr(config, 'device', '')}"
+
+
+def _needs(target: Target | None) -> set[str]:
+    if target is None:
+        return set(PLUGINS)
+    needed = {"UCX"} if target.kv_role in PD_ROLES else set()
+    for config in _stores(target.store):
+        needed.add("POSIX" if _backend(config) in ("posix", "dualblade") else "OBJ")
+    return needed
+
+
+def _is_dualblade(config: Any) -> bool:
+    return _backend(config) == "dualblade"
+
+
+# -- the checks ------------------------------------------------------------------------------------------
+
+
+def check_cluster_key(target: Target) -> CheckResult | None:
+    if target.kv_role not in PD_ROLES:
+        return None
+    from dualpath_connector.cluster_auth import CLUSTER_KEY_ENV, ClusterKey
+
+    try:
+        ClusterKey.from_env()
+    except ConfigError as exc:
+        return CheckResult("cluster key", FAIL, str(exc), f"export {CLUSTER_KEY_ENV} on every PE and DE")
+    return CheckResult("cluster key", OK, f"{CLUSTER_KEY_ENV} is set ({target.kv_role} signs its side channel)")
+
+
+def _check_plugin(agent: Any, name: str, io_engine: str) -> str:
+    """Load plugin ``name`` on ``agent`` as the project does; raises with the reason."""
+    if name not in agent.get_plugin_list():
+        raise RuntimeError(f"NIXL found no {name} plugin (NIXL_PLUGIN_DIR={os.environ.get('NIXL_PLUGIN_DIR', 'unset')})")
+    if name == "UCX":
+        from nixl_backends.transport import add_ucx_backend
+
+        add_ucx_backend(agent)
+        return "backend created"
+    if name == "POSIX":
+        from nixl_backends.posix import create_posix_backend
+
+        create_posix_backend(agent, io_engine)
+        return f"backend created ({io_engine})"
+    # OBJ: the backend needs a bucket and credentials, so the store check creates it; here the plugin is loaded.
+    from nixl_backends.obj_backend import ensure_obj_plugin_loadable
+
+    ensure_obj_plugin_loadable()
+    agent.get_plugin_params(name)
+    return "plugin loaded"
+
+
+def check_plugins(agent: Any, target: Target | None) -> Iterator[CheckResult]:
+    needed = _needs(target)
+    io_engine = next((c.io_engine for c in _stores(target.store) if hasattr(c, "io_engine")), "aio") if target else "aio"
+    for name in PLUGINS:
+        label = f"nixl {name}"
+        try:
+            yield CheckResult(label, OK, _check_plugin(agent, name, io_engine))
+        except Exception as exc:  # NIXL raises its own types (nixlNotFoundError, ...), or a RuntimeError
+            use = "this configuration uses it" if name in needed else "this configuration does not use it"
+            yield CheckResult(label, FAIL if name in needed else WARN, f"{type(exc).__name__}: {exc} ({use})",
+                              "install NIXL with its plugins (pip install nixl) or point NIXL_PLUGIN_DIR at them")  # fmt: skip
+
+
+def _open_failure(config: Any, exc: BaseException) -> CheckResult:
+    where = describe(config)
+    if isinstance(exc, ConfigError):
+        fix = ("check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or the AWS config files, an instance role), the "
+               "endpoint and the bucket's policy") if hasattr(config, "bucket") or hasattr(config, "gateway") \
+            else CONFIG_DOCS  # fmt: skip
+        return CheckResult(f"store {where}", FAIL, str(exc), fix)
+    if isinstance(exc, OSError):
+        return CheckResult(f"store {where}", FAIL, f"{type(exc).__name__}: {exc}",
+                           "create the directory (or mount the file system) with access for the engine's user")  # fmt: skip
+    return CheckResult(f"store {where}", FAIL, f"{type(exc).__name__}: {exc}", "see the message")
+
+
+def _s3_credentials(config: Any, redact: Redactor) -> CheckResult | None:
+    """An S3 store with no credentials anywhere fails here, naming where they are looked for."""
+    s3 = getattr(config, "s3_config", config)
+    if not hasattr(s3, "bucket"):
+        return None
+    from nixl_backends.s3_endpoint import s3_session
+
+    credentials = s3_session(s3).get_credentials()
+    if credentials is None:
+        return CheckResult(f"store {describe(config)}", FAIL, "no S3 credentials in the config or the AWS chain",
+                           "export AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or use the AWS config files "
+                           "or an instance role)")  # fmt: skip
+    frozen = credentials.get_frozen_credentials()
+    redact.add(frozen.secret_key)
+    redact.add(frozen.token)
+    return None
+
+
+def _probe_directory(config: Any) -> CheckResult:
+    """A Dual-Blade root: create it, write, read back and remove a probe file (the engine opens the tier)."""
+    label = f"store {describe(config)}"
+    root = config.root
+    path = os.path.join(root, f".doctor-probe-{uuid.uuid4().hex}")
+    data = os.urandom(PROBE_LAYOUT.object_bytes)
+    try:
+        os.makedirs(root, exist_ok=True)
+        with open(path, "wb") as file:
+            file.write(data)
+        with open(path, "rb") as file:
+            back = file.read()
+        os.unlink(path)
+    except OSError as exc:
+        return CheckResult(label, FAIL, f"cannot write under the root: {type(exc).__name__}: {exc}",
+                           f"make {root} writable for the engine's user (uid {os.geteuid()})")  # fmt: skip
+    if back != data:
+        return CheckResult(label, FAIL, "a probe file read back different bytes", "check the device and file system")
+    return CheckResult(label, OK, f"root writable ({len(data)}-byte probe file written, read back, removed); "
+                       "the tier itself is opened by the engine")  # fmt: skip
+
+
+def _probe_store(store: Any, key_prefix: str, pool: Any) -> str:
+    """Write, read back and delete one probe object through ``store``; returns what was done, raises why not."""
+    key = chunk_key(key_prefix, PROBE_NAMESPACE, uuid.uuid4().hex.ljust(HASH_HEX_CHARS, "0"))
+    slots = pool.acquire(2)
+    try:
+        out, back = (pool.array[s * pool.slot_stride :][: PROBE_LAYOUT.object_bytes] for s in slots)
+        out[:] = np.frombuffer(os.urandom(out.nbytes), dtype=np.uint8)
+        back[:] = ~out  # differs everywhere, so a read that moved nothing cannot compare equal
+        if store.write([key], [pool.slot_addr(slots[0])]) != [True]:
+            raise ProbeFailed(f"writing probe object {key} failed (see the warnings above)")
+        try:
+            if store.read([key], [pool.slot_addr(slots[1])]) != [True]:
+                raise ProbeFailed(f"reading probe object {key} back failed")
+            if not np.array_equal(out, back):
+                raise ProbeFailed(f"probe object {key} read back different bytes")
+        finally:
+            store.delete([key])
+        if store.lookup([key]) != 0:
+            raise ProbeFailed(f"probe object {key} is still there after its delete")
+    finally:
+        pool.release(slots)
+    return f"{PROBE_LAYOUT.object_bytes}-byte probe object written, read back equal, deleted"
+
+
+class ProbeFailed(RuntimeError):
+    """The probe's write, read-back or delete did not do what it should; the message says which."""
+
+
+def check_stores(agent: Any, target: Target, redact: Redactor, stack: ExitStack) -> Iterator[CheckResult]:
+    """Reachable (opened with the engine's credentials), then writable, per store."""
+    from nixl_backends.buffers import HostBufferPool
+    from nixl_backends.registry import make_store
+
+    opened = []
+    for config in _stores(target.store):
+        if _is_dualblade(config):
+            yield _probe_directory(config)
+            continue
+        missing = _s3_credentials(config, redact)
+        if missing is not None:
+            yield missing
+            continue
+        try:
+            store = make_store(config, PROBE_LAYOUT, agent)
+        except Exception as exc:  # ConfigError (refused, unreachable), OSError (a root), NIXL errors
+            yield _open_failure(config, exc)
+            continue
+        stack.callback(store.close)
+        opened.append((config, store))
+        yield CheckResult(f"store {describe(config)}", OK, "reachable" + (
+            " with the configured credentials" if hasattr(getattr(config, "s3_config", config), "bucket") else ""))
+    if not opened:
+        return
+    # After the stores: a backend must exist on the agent before the pool registers memory with it.
+    pool = HostBufferPool(agent, PROBE_LAYOUT.object_bytes, 2)
+    for config, store in opened:
+        label = f"store {describe(config)} writable"
+        try:
+            yield CheckResult(label, OK, _probe_store(store, target.key_prefix, pool))
+        except OSError as exc:
+            yield CheckResult(label, FAIL, f"{type(exc).__name__}: {exc}",
+                              f"make the store writable for the engine's user (uid {os.geteuid()})")  # fmt: skip
+        except Exception as exc:  # ProbeFailed, TransferAbandoned, NIXL errors
+            yield CheckResult(label, FAIL, f"{type(exc).__name__}: {exc}",
+                              "check that the credentials may write and delete under the key prefix")  # fmt: skip
+
+
+def run_checks(target: Target | None, config_result: CheckResult, redact: Redactor) -> list[CheckResult]:
+    """Every check after the config's, in order; those needing what failed are skipped."""
+    results = [config_result]
+    if target is not None:
+        cluster = check_cluster_key(target)
+        if cluster is not None:
+            results.append(cluster)
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+
+        agent = nixl_agent(f"dualpath-doctor-{os.getpid()}", nixl_agent_config(backends=[]))
+    except Exception as exc:
+        results += [CheckResult(f"nixl {name}", FAIL, f"cannot create a NIXL agent: {type(exc).__name__}: {exc}",
+                                "install NIXL (pip install nixl)") for name in PLUGINS]  # fmt: skip
+        agent = None
+    else:
+        results += check_plugins(agent, target)
+    if target is None:
+        results.append(CheckResult("store", SKIP, "the configuration did not parse"))
+    elif agent is None:
+        results.append(CheckResult("store", SKIP, "no NIXL agent"))
+    else:
+        with ExitStack() as stack:
+            results += check_stores(agent, target, redact, stack)
+    return [redact.result(result) for result in results]
+
+
+def nixl_logs_to_stderr() -> None:
+    """NIXL's Python logger writes to stdout; a command whose stdout is its report (``--json``) moves it to stderr."""
+    try:
+        import nixl._api  # noqa: F401  (sets the "nixl" logger up on import)
+    except ImportError:
+        return  # the plugin checks report it
+    for handler in logging.getLogger("nixl").handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream is sys.stdout:
+            handler.setStream(sys.stderr)
+
+
+# -- reporting -------------------------------------------------------------------------------------------
+
+_MARK = {OK: "OK  ", FAIL: "FAIL", WARN: "WARN", SKIP: "SKIP"}
+
+
+def format_line(result: CheckResult) -> str:
+    line = f"[{_MARK[result.status]}] {result.name}: {result.detail}"
+    return f"{line} -> {result.fix}" if result.fix and result.status in (FAIL, WARN) else line
+
+
+def format_report(results: list[CheckResult], as_json: bool = False) -> str:
+    if as_json:
+        return json.dumps({"ok": exit_code(results) == 0, "checks": [asdict(r) for r in results]}, indent=2)
+    return "\n".join(map(format_line, results))
+
+
+def exit_code(results: list[CheckResult]) -> int:
+    return 1 if any(result.status == FAIL for result in results) else 0
+
+
+def diagnose(document: Any, *, kv_role: str | None = None, store_only: bool = False, key_prefix: str = "dualpath",
+             environ: Mapping[str, str] = os.environ) -> list[CheckResult]:  # fmt: skip
+    """Every check on a config ``document`` (a ``--kv-transfer-config``, the connector's extra config, or with
+    ``store_only`` a bare store section); the results, secrets redacted."""
+    redact = Redactor(environ)
+    redact.add_from_document(document)
+    try:
+        target = parse_store_target(document, key_prefix) if store_only else parse_target(document, kv_role)
+    except ConfigError as exc:
+        return run_checks(None, CheckResult("config", FAIL, str(exc), CONFIG_DOCS), redact)
+    stores = ", ".join(describe(config) for config in _stores(target.store))
+    parsed = CheckResult("config", OK, f"parses: kv_role {target.kv_role}, key prefix {target.key_prefix!r}, {stores}")
+    return run_checks(target, parsed, redact)

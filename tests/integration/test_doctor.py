@@ -1,0 +1,133 @@
+"""``dualpath-kv doctor`` against real stores: SeaweedFS on 127.0.0.1 with good and wrong credentials, a POSIX
+root that cannot be written. The command runs as a user runs it (a subprocess; its whole stdout and stderr,
+NIXL's own log lines included, are searched for the secret)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from botocore.exceptions import ClientError
+
+from tests.conftest import REPO_ROOT
+
+CLUSTER_KEY = "doctor-test-cluster-key-0123456789abcdef"
+WRONG_SECRET = "wrong-secret-for-doctor-test-0123456789"
+
+
+def doctor(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "nixl_backends.cli", "doctor", *args], capture_output=True,
+                          text=True, timeout=180, env=env, cwd=REPO_ROOT)  # fmt: skip
+
+
+def lines(proc: subprocess.CompletedProcess[str]) -> dict[str, str]:
+    """check name -> its status mark and detail ("[OK  ] name: detail")."""
+    found = {}
+    for line in proc.stdout.splitlines():
+        mark, _, rest = line.partition("] ")
+        name, _, detail = rest.partition(": ")
+        found[name] = f"{mark}] {detail}"
+    return found
+
+
+def environment(access_key: str, secret_key: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "DUALPATH_"))}
+    # No AWS config files: the credentials are exactly these.
+    return {**env, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key,
+            "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
+            "DUALPATH_CLUSTER_KEY": CLUSTER_KEY}  # fmt: skip
+
+
+@pytest.fixture
+def pe_config(seaweedfs, s3_bucket) -> str:
+    """configs/pe.json pointed at the test server and a fresh bucket (credentials from the environment)."""
+    pe = json.loads((REPO_ROOT / "configs" / "pe.json").read_text())
+    pe["kv_connector_extra_config"]["store"].update(endpoint=seaweedfs.endpoint, bucket=s3_bucket)
+    yield json.dumps(pe)
+    client = seaweedfs.client()
+    with contextlib.suppress(ClientError):
+        for obj in client.list_objects_v2(Bucket=s3_bucket).get("Contents", []):
+            client.delete_object(Bucket=s3_bucket, Key=obj["Key"])
+        client.delete_bucket(Bucket=s3_bucket)
+
+
+def test_good_credentials_pass_every_check_and_leave_nothing_behind(seaweedfs, s3_bucket, pe_config):
+    proc = doctor("--kv-transfer-config", pe_config, env=environment(seaweedfs.access_key, seaweedfs.secret_key))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    found = lines(proc)
+    store = f"store s3 {seaweedfs.endpoint} bucket {s3_bucket!r}"
+    assert list(found) == ["config", "cluster key", "nixl UCX", "nixl POSIX", "nixl OBJ", store, f"{store} writable"]
+    assert all(status.startswith("[OK  ]") for status in found.values()), proc.stdout
+    assert found[f"{store} writable"] == "[OK  ] 8224-byte probe object written, read back equal, deleted"
+    # The probe went through the bucket and was deleted.
+    assert seaweedfs.client().list_objects_v2(Bucket=s3_bucket).get("KeyCount") == 0
+    assert seaweedfs.secret_key not in proc.stdout + proc.stderr
+
+
+def test_a_wrong_secret_fails_the_store_check_without_showing_it(seaweedfs, s3_bucket, pe_config):
+    proc = doctor("--kv-transfer-config", pe_config, env=environment(seaweedfs.access_key, WRONG_SECRET))
+    assert proc.returncode == 1, proc.stdout
+    found = lines(proc)
+    store = f"store s3 {seaweedfs.endpoint} bucket {s3_bucket!r}"
+    assert found[store].startswith("[FAIL] ") and "refused the credentials" in found[store], proc.stdout
+    assert "-> check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY" in found[store]
+    assert f"{store} writable" not in found  # nothing to write to
+    assert all(found[name].startswith("[OK  ]") for name in ("config", "cluster key", "nixl OBJ"))
+    assert WRONG_SECRET not in proc.stdout + proc.stderr
+    # The same secret in the JSON report is not shown either.
+    proc = doctor("--kv-transfer-config", pe_config, "--json", env=environment(seaweedfs.access_key, WRONG_SECRET))
+    report = json.loads(proc.stdout)
+    assert proc.returncode == 1 and report["ok"] is False
+    assert [c["status"] for c in report["checks"] if c["name"] == store] == ["fail"]
+    assert WRONG_SECRET not in proc.stdout + proc.stderr
+
+
+def test_no_cluster_key_fails_a_pd_role(seaweedfs, pe_config):
+    env = environment(seaweedfs.access_key, seaweedfs.secret_key)
+    del env["DUALPATH_CLUSTER_KEY"]
+    proc = doctor("--kv-transfer-config", pe_config, env=env)
+    assert proc.returncode == 1
+    assert lines(proc)["cluster key"].startswith("[FAIL] DUALPATH_CLUSTER_KEY is not set")
+
+
+@pytest.fixture
+def read_only_dir(tmp_path) -> Path:
+    """A directory nobody may write in: mode 0555, or for root (whom modes do not stop) a read-only tmpfs."""
+    path = tmp_path / "read-only"
+    path.mkdir()
+    if os.geteuid() != 0:
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(path)], capture_output=True,
+                             text=True, timeout=30)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"running as root and cannot mount a read-only tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", str(path)], check=True, timeout=30)
+
+
+def test_an_unwritable_posix_root_fails_the_writable_check(read_only_dir, tmp_path):
+    env = environment("unused", "unused-secret")
+    proc = doctor("--store", json.dumps({"backend": "posix", "root": str(read_only_dir)}), env=env)
+    assert proc.returncode == 1, proc.stdout
+    found = lines(proc)
+    store = f"store posix {read_only_dir}"
+    assert found[store] == "[OK  ] reachable"
+    assert found[f"{store} writable"].startswith("[FAIL] "), proc.stdout
+    assert "Read-only file system" in found[f"{store} writable"] or "Permission denied" in found[f"{store} writable"]
+    assert "-> make the store writable for the engine's user" in found[f"{store} writable"]
+    # Negative control: a writable root passes the same check.
+    writable = tmp_path / "writable"
+    proc = doctor("--store", json.dumps({"backend": "posix", "root": str(writable)}), env=env)
+    assert proc.returncode == 0, proc.stdout
+    assert lines(proc)[f"store posix {writable} writable"].startswith("[OK  ] ")
+    assert list(writable.rglob("*.*")) == []  # the probe file is gone (directories may stay)
