@@ -1,17 +1,23 @@
-"""Text prompts and chat through the router's tokenizer, in front of tokenizer-less stand-in engines.
+"""Text prompts and chat through the router's tokenizer, in front of stand-in engines.
 
-The tokenizer is a word-level one built here (no download): the engines
-only ever see token ids, and the router turns their ``token_ids`` back into
-chat messages.
+Two tokenizers, both built here (no download): a word-level one whose ids
+the tests spell out, and the tiny test models' own byte-level BPE with its
+chat template (dualpath_dev/tokenizer.py), driven by the official ``openai``
+client and examples/chat_client.py. The engines only ever see token ids,
+and the router turns their ``token_ids`` back into text and chat messages.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import httpx
 import pytest
 
+from tests.conftest import REPO_ROOT
 from tests.integration.test_router_http import MODEL, standin_stack
 
 WORDS = ["hello", "world", "how", "are", "you", "user", "assistant", "fine", "thanks", ":"]
@@ -106,3 +112,87 @@ def test_chat_needs_messages(stack):
     response = httpx.post(f"{router.url}/v1/chat/completions", json={"model": MODEL, "messages": []}, timeout=30.0)
     assert response.status_code == 400
     assert "`messages`" in response.json()["error"]["message"]
+
+
+# The tiny test models' own tokenizer (dualpath_dev/tokenizer.py), as the dev stack and `make demo` use it:
+# byte-level BPE with a chat template, so answers with multi-byte characters come token by token.
+MODEL_ANSWER = "Grüße from the store ✓ 数据"
+
+
+@pytest.fixture(scope="module")
+def model_tokenizer(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    from dualpath_dev.tiny_model import TINY_LLAMA
+    from dualpath_dev.tokenizer import save_tokenizer
+
+    path = tmp_path_factory.mktemp("model-tokenizer")
+    save_tokenizer(path, TINY_LLAMA)
+    return path, AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def model_stack(tmp_path_factory, model_tokenizer):
+    path, tokenizer = model_tokenizer
+    with standin_stack(tmp_path_factory.mktemp("router"), tokenizer=str(path)) as (pe, de, router):
+        # The answer ends with </s>, as a model stops: the client never sees it.
+        de.decode_tokens = lambda body: [*tokenizer.encode(MODEL_ANSWER, add_special_tokens=False),
+                                         tokenizer.eos_token_id]
+        yield pe, de, router
+
+
+def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
+def test_model_tokenizer_text_prompt(model_stack, model_tokenizer):
+    pe, de, router = model_stack
+    _, tokenizer = model_tokenizer
+    response = httpx.post(f"{router.url}/v1/completions",
+                          json={"model": MODEL, "prompt": "Où est le cache?", "max_tokens": 8}, timeout=30.0)
+    assert response.status_code == 200, response.text
+    assert pe.received[-1]["prompt"] == tokenizer.encode("Où est le cache?")
+    assert pe.received[-1]["prompt"][0] == tokenizer.bos_token_id
+    assert response.json()["choices"][0]["text"] == MODEL_ANSWER
+
+
+def test_chat_client_example_streams_a_conversation(model_stack, model_tokenizer):
+    """examples/chat_client.py, as a user runs it: two streamed turns, the second's prompt extends the first's."""
+    pe, de, router = model_stack
+    _, tokenizer = model_tokenizer
+    before = len(pe.received)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "examples" / "chat_client.py"), "--base-url", f"{router.url}/v1",
+         "--system", "Be brief.", "Hello there", "Tell me more"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    answer_tokens = len(tokenizer.encode(MODEL_ANSWER, add_special_tokens=False))
+    assert done.stdout.count(f"assistant> {MODEL_ANSWER}\n") == 2, done.stdout
+    # One chunk per engine event (the role chunk carries the first token's text; U+FFFD halves wait).
+    assert f"[turn 2: {answer_tokens + 1} streamed chunks, {len(MODEL_ANSWER)} characters, read side " in done.stdout
+    first = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello there"}]
+    second = [*first, {"role": "assistant", "content": MODEL_ANSWER}, {"role": "user", "content": "Tell me more"}]
+    prompts = [body["prompt"] for body in pe.received[before:]]
+    assert prompts == [chat_ids(tokenizer, first), chat_ids(tokenizer, second)]
+    # What makes the second turn a cache hit: its prompt starts with the first's, token for token.
+    assert prompts[1][: len(prompts[0])] == prompts[0]
+
+
+def test_openai_client_headers_and_text(model_stack, monkeypatch):
+    """The client library's own streaming call, through the example's helper: text whole, headers there."""
+    from openai import OpenAI
+
+    _, _, router = model_stack
+    monkeypatch.syspath_prepend(str(REPO_ROOT / "examples"))  # as when the example runs as a script
+    import chat_client
+    client = OpenAI(base_url=f"{router.url}/v1", api_key="none")
+    turn = chat_client.stream_turn(client, MODEL, [{"role": "user", "content": "Hi"}], max_tokens=8)
+    assert turn.text == MODEL_ANSWER and "\ufffd" not in turn.text and "</s>" not in turn.text
+    assert turn.read_side in ("pe", "de") and turn.headers["x-dualpath-decode-engine"] == "de0"
+    whole = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8)
+    assert whole.choices[0].message.content == MODEL_ANSWER
+    # Control: without the template's roles the request is refused, with the template's reason.
+    with pytest.raises(Exception, match="roles are system, user and assistant, not tool"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "42"}], max_tokens=8)
