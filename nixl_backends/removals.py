@@ -146,8 +146,8 @@ class RemovalLog:
 
     def keys(self, namespace: str) -> list[str]:
         """The namespace's record keys, oldest first; other names under the records prefix are left out."""
-        keys = [k for k in self.objects.list_keys(records_prefix(self.key_prefix, namespace)) if record_written_ns(k) is not None]
-        return sorted(keys)
+        listed = self.objects.list_keys(records_prefix(self.key_prefix, namespace))
+        return sorted(k for k in listed if record_written_ns(k) is not None)
 
     def read(self, key: str, namespace: str) -> RemovalRecord | None:
         """The record under ``key``; None if it is gone (pruned); :class:`RecordError` if it is bad."""

@@ -118,7 +118,8 @@ class S3KV:
 
     def keys(self) -> set[str]:
         pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket)
-        return chunk_keys_only({item["Key"] for page in pages for item in page.get("Contents", ())}) - {f"{PREFIX}/not-a-chunk"}
+        listed = {item["Key"] for page in pages for item in page.get("Contents", ())}
+        return chunk_keys_only(listed) - {f"{PREFIX}/not-a-chunk"}
 
     def lookup_store(self):
         return self.seaweedfs.lookup_store({**self.section, "create_bucket": False}, LAYOUT)
