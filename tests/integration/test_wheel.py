@@ -3,7 +3,9 @@ entry points, and that what it ships stands without the checkout's dev scaffoldi
 carries ``libmma_preload.so`` and that the ``mma-run`` it installs preloads it (a fresh virtual environment with the
 wheel installed, no dependencies: ``dualpath_mma`` needs none).
 
-The wheel is built once per module (``python -m build --wheel --no-isolation``; it compiles the small
+The wheel is built once per module, the way pip builds from a source distribution: ``python -m build
+--no-isolation`` makes the sdist, then the wheel from the unpacked sdist (so the sdist must carry what the build
+needs: mma_preload/'s Makefile and sources, MANIFEST.in). The build compiles the small
 ``nixl_backends._cuobj_compat`` extension and, with mma_preload/Makefile, libmma_preload.so: 20-30 s here). setuptools' scratch directories
 (``build/``, the ``.egg-info``, the bdist tree) and TMPDIR are pointed under the test's temporary
 directory, so the checkout is left as it was; a ``build/`` that appears in the repo root anyway is
@@ -20,6 +22,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tarfile
 import zipfile
 from pathlib import Path
 
@@ -80,7 +83,7 @@ def wheel(tmp_path_factory, request) -> Path:
     env = {**os.environ, "DIST_EXTRA_CONFIG": str(extra_config), "TMPDIR": str(tmp / "tmp")}
     out = tmp / "dist"
     proc = subprocess.run(
-        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), str(REPO_ROOT)],
+        [sys.executable, "-m", "build", "--no-isolation", "--outdir", str(out), str(REPO_ROOT)],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
@@ -135,6 +138,15 @@ def test_ships_the_multipath_copy_library(wheel, names, tmp_path):
     exported = {line.split()[-1] for line in nm.stdout.splitlines() if " T " in line}
     assert {"cudaMemcpy", "cudaMemcpyAsync"} <= exported, nm.stdout
     assert not any(name.startswith("_Z") for name in exported), exported
+
+
+def test_the_sdist_carries_the_library_sources(wheel):
+    (sdist,) = wheel.parent.glob("*.tar.gz")
+    with tarfile.open(sdist) as tf:
+        names = {name.split("/", 1)[1] for name in tf.getnames() if "/" in name}
+    assert {"setup.py", "mma_preload/Makefile", "mma_preload/src/mma_preload.cpp", "mma_preload/src/cuda_min.h",
+            "nixl_backends/csrc/cuobj_compat.cpp", "dualpath_mma/launcher.py"} <= names  # fmt: skip
+    assert not any(name.startswith("mma_preload/build/") for name in names)  # built, never shipped as source
 
 
 def test_leaves_out_dev_scaffolding_tests_and_demos(names):
