@@ -34,8 +34,6 @@ from nixl_backends.configuration import ConfigError
 from nixl_backends.layout import HASH_HEX_CHARS, BlockLayout, chunk_key
 from nixl_backends.registry import for_rank, parse_store_config
 
-logger = logging.getLogger(__name__)
-
 OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"
 CONNECTOR = "DualPathConnector"
 PD_ROLES = ("kv_producer", "kv_consumer")
@@ -281,6 +279,10 @@ def _probe_directory(config: Any) -> CheckResult:
                        "the tier itself is opened by the engine")  # fmt: skip
 
 
+class ProbeFailed(RuntimeError):
+    """The probe's write, read-back or delete did not do what it should; the message says which."""
+
+
 def _probe_store(store: Any, key_prefix: str, pool: Any) -> str:
     """Write, read back and delete one probe object through ``store``; returns what was done, raises why not."""
     key = chunk_key(key_prefix, PROBE_NAMESPACE, uuid.uuid4().hex.ljust(HASH_HEX_CHARS, "0"))
@@ -303,10 +305,6 @@ def _probe_store(store: Any, key_prefix: str, pool: Any) -> str:
     finally:
         pool.release(slots)
     return f"{PROBE_LAYOUT.object_bytes}-byte probe object written, read back equal, deleted"
-
-
-class ProbeFailed(RuntimeError):
-    """The probe's write, read-back or delete did not do what it should; the message says which."""
 
 
 def check_stores(agent: Any, target: Target, redact: Redactor, stack: ExitStack) -> Iterator[CheckResult]:
