@@ -257,6 +257,26 @@ def _s3_credentials(config: Any, redact: Redactor) -> CheckResult | None:
     return None
 
 
+def _check_gateway(config: Any) -> CheckResult:
+    """An s3agg store's gateway answers ``/healthz``; without it reads still work, as plain S3 GETs."""
+    import urllib.error
+    import urllib.request
+
+    label = f"gateway {config.gateway}"
+    try:
+        with urllib.request.urlopen(f"{config.gateway.rstrip('/')}/healthz", timeout=config.connect_timeout_s) as answer:
+            status = answer.status
+    except urllib.error.HTTPError as exc:
+        status = exc.code
+    except (OSError, ValueError) as exc:  # refused, unreachable, timed out
+        return CheckResult(label, WARN, f"not reachable ({exc}); reads fall back to plain S3 GETs, without "
+                           "layerwise aggregation", "start s3agg-gateway there or fix store.gateway")  # fmt: skip
+    if status != 200:
+        return CheckResult(label, WARN, f"/healthz answered {status}; reads may fall back to plain S3 GETs",
+                           "see the gateway's log")  # fmt: skip
+    return CheckResult(label, OK, "/healthz answered 200")
+
+
 def _probe_directory(config: Any) -> CheckResult:
     """A Dual-Blade root: create it, write, read back and remove a probe file (the engine opens the tier)."""
     label = f"store {describe(config)}"
@@ -330,6 +350,8 @@ def check_stores(agent: Any, target: Target, redact: Redactor, stack: ExitStack)
         opened.append((config, store))
         yield CheckResult(f"store {describe(config)}", OK, "reachable" + (
             " with the configured credentials" if hasattr(getattr(config, "s3_config", config), "bucket") else ""))
+        if hasattr(config, "gateway"):
+            yield _check_gateway(config)
     if not opened:
         return
     # After the stores: a backend must exist on the agent before the pool registers memory with it.

@@ -14,7 +14,10 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError
 
+from dualpath_dev.processes import free_port
+from nixl_backends.doctor import diagnose, exit_code, format_report
 from tests.conftest import REPO_ROOT
+from tests.s3agg_fixtures import CLIENT_ACCESS_KEY, CLIENT_SECRET_KEY, gateway, s3agg_bucket, start_gateway  # noqa: F401
 
 CLUSTER_KEY = "doctor-test-cluster-key-0123456789abcdef"
 WRONG_SECRET = "wrong-secret-for-doctor-test-0123456789"
@@ -131,3 +134,21 @@ def test_an_unwritable_posix_root_fails_the_writable_check(read_only_dir, tmp_pa
     assert proc.returncode == 0, proc.stdout
     assert lines(proc)[f"store posix {writable} writable"].startswith("[OK  ] ")
     assert list(writable.rglob("*.*")) == []  # the probe file is gone (directories may stay)
+
+
+def test_an_s3agg_store_checks_its_gateway(seaweedfs, s3agg_bucket, gateway):
+    """Through the gateway: reachable, /healthz, and the probe read back through it; a gateway that is not there
+    only warns (reads fall back to plain S3), the exit status stays 0."""
+    section = {"backend": "s3agg", "gateway": gateway.url, "s3": seaweedfs.store_config(s3agg_bucket),
+               "access_key": CLIENT_ACCESS_KEY, "secret_key": CLIENT_SECRET_KEY}  # fmt: skip
+    results = {r.name: r for r in diagnose(section, store_only=True)}
+    store = f"store s3agg gateway {gateway.url}, bucket {s3agg_bucket!r}"
+    assert [results[name].status for name in (store, f"gateway {gateway.url}", f"{store} writable")] == ["ok"] * 3
+    assert exit_code(list(results.values())) == 0
+    assert CLIENT_SECRET_KEY not in format_report(list(results.values()))
+
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    results = {r.name: r for r in diagnose({**section, "gateway": nowhere}, store_only=True)}
+    assert results[f"gateway {nowhere}"].status == "warn", results
+    assert "reads fall back to plain S3 GETs" in results[f"gateway {nowhere}"].detail
+    assert exit_code(list(results.values())) == 0
