@@ -169,6 +169,8 @@ def _needs(target: Target | None) -> set[str]:
     needed = {"UCX"} if target.kv_role in PD_ROLES else set()
     for config in _stores(target.store):
         needed.add("POSIX" if _backend(config) in ("posix", "dualblade") else "OBJ")
+        if _backend(config) == "s3agg":
+            needed.add("UCX")  # the gateway WRITEs layers into the reader's buffers
     return needed
 
 
