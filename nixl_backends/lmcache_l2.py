@@ -38,7 +38,9 @@ How LMCache's objects map onto ours:
   second size fails to open (its writer lock is held) and its tasks fail.
 - Locks: ``submit_lookup_and_lock_task`` answers a bit per key (every present
   key, not only a leading run: LMCache plans the prefix itself) and counts a
-  lock on each hit; ``submit_unlock`` releases one. ``delete`` (LMCache's
+  lock on each hit; objects this adapter stored or found are answered from
+  memory (:class:`~nixl_backends.lookup.PresentChunks`), the rest by the store
+  (S3: HEADs in parallel); a failed load forgets its answer; ``submit_unlock`` releases one. ``delete`` (LMCache's
   eviction) skips locked keys, as LMCache's own nixl_store adapter does. A
   store's own eviction (a full dualblade tier) and ``dualpath-kv gc`` do not
   ask LMCache: a locked key they removed is a failed load bit, as with
@@ -78,6 +80,7 @@ from nixl_backends.buffers import HostBufferPool
 from nixl_backends.configuration import ConfigError, from_dict
 from nixl_backends.integrity import ChunkIntegrity, integrity_key_from_env, integrity_tag
 from nixl_backends.layout import BlockLayout, chunk_key
+from nixl_backends.lookup import PresentChunks
 from nixl_backends.registry import make_store, parse_store_config
 from nixl_backends.store import KVStore, TransferAbandoned
 
@@ -106,6 +109,11 @@ class LMCacheL2Params:
     staging_buffer_bytes: int = 128 << 20
     # Presence checks in flight at once during a lookup (S3: HEADs).
     lookup_concurrency: int = 16
+    # Objects remembered as present (stored or found by this adapter), answered without a store round trip.
+    lookup_cache_chunks: int = 100_000
+    # A remembered answer expires this long after the store gave it (null: never). Set it when something
+    # else deletes objects (`dualpath-kv gc`, a lifecycle rule): until then a deleted object is a failed load.
+    lookup_cache_ttl_s: float | None = None
     # Capacity LMCache's L2 eviction may enforce through delete(); 0: unbounded (the store bounds itself).
     max_capacity_bytes: int = 0
     store_config: Any = field(default=None, init=False, repr=False)
@@ -121,9 +129,11 @@ class LMCacheL2Params:
             )
         self.store_config = parse_store_config(self.store, f"{_WHERE}store.")
         self.integrity_key = integrity_key_from_env(self.integrity, _WHERE)
-        for name in ("staging_buffer_bytes", "lookup_concurrency"):
+        for name in ("staging_buffer_bytes", "lookup_concurrency", "lookup_cache_chunks"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{_WHERE}{name} must be positive, got {getattr(self, name)}")
+        if self.lookup_cache_ttl_s is not None and self.lookup_cache_ttl_s <= 0:
+            raise ConfigError(f"{_WHERE}lookup_cache_ttl_s must be positive or null, got {self.lookup_cache_ttl_s}")
         if self.max_capacity_bytes < 0:
             raise ConfigError(f"{_WHERE}max_capacity_bytes must be >= 0, got {self.max_capacity_bytes}")
         if not self.key_prefix.strip("/"):
@@ -248,7 +258,8 @@ class DualPathL2Adapter(L2AdapterInterface):
         self._task_ids = itertools.count()
         self._locks: Counter[ObjectKey] = Counter()
         self._stored: dict[ObjectKey, int] = {}  # objects this adapter stored: key -> bytes (for accounting)
-        self._group_bytes: dict[tuple[str, int], int] = {}  # (model, object group) -> object size seen
+        self._group_bytes: dict[tuple[str, int], int] = {}
+        self._known = PresentChunks(self.params.lookup_cache_chunks, ttl_s=self.params.lookup_cache_ttl_s)  # (model, object group) -> object size seen
         self._store_results: dict[L2TaskId, L2StoreResult] = {}
         self._lookup_results: dict[L2TaskId, Bitmap] = {}
         self._load_results: dict[L2TaskId, Bitmap] = {}
@@ -327,6 +338,7 @@ class DualPathL2Adapter(L2AdapterInterface):
         for key, size in doomed:
             by_size.setdefault(size, []).append(store_key(self._prefix, key, size, self._tag)[0])
         for size, store_keys in by_size.items():
+            self._known.forget(store_keys)
             try:
                 self._sized_store(size).store.delete(store_keys)
             except Exception:
@@ -418,6 +430,7 @@ class DualPathL2Adapter(L2AdapterInterface):
             raise
         pool.release(slots)
         stored = [key for key, written in zip(keys, ok) if written]
+        self._known.remember([name for name, written in zip(names, ok) if written])
         with self._state:
             for key in stored:
                 self._stored[key] = size
@@ -453,8 +466,14 @@ class DualPathL2Adapter(L2AdapterInterface):
         self._finish(self._lookup_results, task_id, bitmap, self._lookup_efd)
 
     def _present(self, key: ObjectKey, size: int) -> bool:
+        name = store_key(self._prefix, key, size, self._tag)[0]
+        if self._known.known_run([name]):
+            return True
         try:
-            return self._sized_store(size).store.lookup([store_key(self._prefix, key, size, self._tag)[0]]) == 1
+            found = self._sized_store(size).store.lookup([name]) == 1
+            if found:
+                self._known.remember([name])
+            return found
         except Exception:
             logger.exception("dualpath L2 adapter: lookup of %s failed", key)
             return False
@@ -498,6 +517,9 @@ class DualPathL2Adapter(L2AdapterInterface):
             pool.release(slots)
             raise
         pool.release(slots)
+        # A failed read is asked of the store again next time.
+        failed = set(range(len(keys))).difference(loaded)
+        self._known.forget([names[i][0] for i in sorted(failed)])
         if corrupt:
             self._drop_corrupt(sized, [keys[i] for i in corrupt], [names[i][0] for i in corrupt])
         self._count(loaded_objects=len(loaded), loaded_bytes=size * len(loaded),

@@ -217,14 +217,25 @@ def test_corrupt_and_truncated_objects_are_failed_bits(adapter, store_section, r
     _tamper(store_section, seaweedfs, keys(3)[1], _flip)
     _tamper(store_section, seaweedfs, keys(3)[2], lambda data: data[:-100])
 
-    # A truncated object is not complete: the lookup misses it; a flipped bit is only found by the load.
-    assert lookup(adapter, keys(3)) == [1, 1, 0]
+    # This adapter stored all three and remembers them as present; only the load finds out.
+    assert lookup(adapter, keys(3)) == [1, 1, 1]
     targets = memory_objects(3, seed=None)
     assert load(adapter, keys(3), targets) == [1, 0, 0]
     assert same_bytes(targets[0], stored[0])
     assert not targets[1].raw_data.any() and not targets[2].raw_data.any()  # never wrong bytes
-    assert adapter.report_status()["corrupt_objects"] == 1
+    status = adapter.report_status()
+    assert status["corrupt_objects"] == 1 and status["missing_objects"] == 1  # the short one fails its read
     adapter.submit_unlock(keys(3))
+
+    # Failed loads are forgotten: the store is asked again. The corrupt one was deleted, the short one is
+    # not a complete object; a fresh adapter (nothing remembered) agrees.
+    assert lookup(adapter, keys(3)) == [1, 0, 0]
+    adapter.submit_unlock(keys(1))
+    fresh = build(spec(store_section))
+    try:
+        assert lookup(fresh, keys(3)) == [1, 0, 0]
+    finally:
+        fresh.close()
 
     # The corrupt object was deleted, so the next store writes it again and it loads.
     assert lookup(adapter, keys(3)[1:2]) == [0]
@@ -292,6 +303,7 @@ def test_staging_rounds_and_two_sizes(tmp_path):
                                                    {"backend": "s3", "bucket": "kvb", "secret_key": "s3cr3t-value"}]}},
          "adapter_params.store.tiers[1].secret_key would be written"),
         ({"store": {"backend": "posix", "root": "/tmp/x"}, "staging_buffer_bytes": 0}, "adapter_params.staging_buffer_bytes must be positive"),
+        ({"store": {"backend": "posix", "root": "/tmp/x"}, "lookup_cache_ttl_s": 0}, "adapter_params.lookup_cache_ttl_s must be positive"),
         ({"store": {"backend": "posix", "root": "/tmp/x"}, "integrity": "md5"}, "bad value for adapter_params.'integrity'"),
         ({"store": {"backend": "posix", "root": "/tmp/x"}, "integrity": "keyed"}, INTEGRITY_KEY_ENV),
     ],

@@ -1,0 +1,216 @@
+"""LMCache L2 adapters side by side on one SeaweedFS: ours (nixl_backends.lmcache_l2, NIXL OBJ) vs LMCache's s3.
+
+Both adapters are driven by LMCache's own ``lmcache bench l2`` runners (``bench_store``, ``bench_lookup``,
+``bench_load``: one producer submits a task of N keys, waits on the adapter's eventfd) on the same
+SeaweedFS, for each object (chunk) size; every repetition stores fresh keys, looks them up, loads them into
+zeroed buffers and checks the bytes against what was stored (no figure is ever reported for wrong data).
+
+Why our own harness around LMCache's runners and not the ``lmcache bench l2`` command: the built-in s3
+adapter only speaks virtual-hosted addressing (``s3_endpoint`` is the Host header, ``<bucket>.<host>``),
+and ``<bucket>.127.0.0.1`` does not resolve here. What works against 127.0.0.1 is
+``s3_endpoint: "127.0.0.1:PORT"`` (no bucket in the host) with the bucket as the first component of the
+object name, which that adapter builds as ``<model_name>@<rank>@<group>@<hash>`` and URL-quotes keeping
+``/``: so keys whose model name is ``<bucket>/<model>`` land in ``<bucket>`` path-style. The command makes
+its keys with the fixed model name ``bench-model``; the runners take our keys.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
+from _common import bar_chart, environment, exit_on_sigterm, markdown_table, median, run_and_report  # noqa: E402
+
+from nixl_backends.cli import parse_size  # noqa: E402
+
+MB = 1e6
+KIB, MIB = 1024, 1024 * 1024
+ADAPTERS = ("dualpath-s3", "lmcache-s3")
+OPS = ("store", "lookup", "load")
+
+
+def human(size: int) -> str:
+    return f"{size // MIB} MiB" if size % MIB == 0 else f"{size // KIB} KiB"
+
+
+def make_adapter(name: str, server, bucket: str, io_threads: int | None):
+    from lmcache.v1.distributed.l2_adapters import create_l2_adapter
+    from lmcache.v1.distributed.l2_adapters.s3_l2_adapter import S3L2AdapterConfig
+
+    from nixl_backends.lmcache_l2 import DualPathL2Adapter, DualPathL2AdapterConfig
+
+    if name == "dualpath-s3":
+        # Credentials come from AWS_* in the environment (run() sets them): adapter_params refuse a secret.
+        section = {"backend": "s3", "endpoint": server.endpoint, "bucket": bucket}
+        if io_threads is not None:
+            section["io_threads"] = io_threads
+        return DualPathL2Adapter(DualPathL2AdapterConfig.from_dict({"store": section}))
+    server.client().create_bucket(Bucket=bucket)
+    return create_l2_adapter(S3L2AdapterConfig.from_dict({
+        "s3_endpoint": f"127.0.0.1:{server.s3_port}", "s3_region": "us-east-1", "disable_tls": True,
+        "s3_prefer_http2": False, "aws_access_key_id": server.access_key, "aws_secret_access_key": server.secret_key,
+    }))  # fmt: skip
+
+
+def staging_rate(size: int, total: int) -> float:
+    """GB/s of what our adapter adds per stored object in host memory: a memcpy into the slot and its seal."""
+    from nixl_backends.integrity import ChunkIntegrity
+    from nixl_backends.layout import BlockLayout
+
+    layout = BlockLayout(1, size)
+    integrity = ChunkIntegrity(layout)
+    src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+    slot = np.zeros(layout.object_bytes, dtype=np.uint8)
+    count = max(1, total // size)
+    start = time.perf_counter()
+    for _ in range(count):
+        np.copyto(slot[:size], src)
+        integrity.seal("ab" * 32, slot)
+    return count * size / (time.perf_counter() - start) / 1e9
+
+
+def measure(name: str, server, size: int, num_keys: int, reps: int, warmup: int, io_threads: int | None) -> dict:
+    import torch
+    from lmcache.cli.commands.bench.l2_adapter_bench import data, runner
+
+    bucket = f"bench-{name.split('-')[0]}-{uuid.uuid4().hex[:8]}"
+    adapter = make_adapter(name, server, bucket, io_threads)
+    quiet = lambda _line: None  # noqa: E731
+    rounds = warmup + reps
+    stored_buf = data.make_aligned_tensor(num_keys * size, 4096)
+    stored = data.make_memory_objects(stored_buf, num_keys, size, 0)
+    loaded_buf = data.make_aligned_tensor(num_keys * size, 4096)
+    loaded = data.make_memory_objects(loaded_buf, num_keys, size, 0)
+    samples: dict[str, list[float]] = {op: [] for op in OPS}
+    try:
+        for r in range(rounds):
+            # Fresh keys and fresh random bytes every round: every store is a real PUT of new data.
+            keys = data.make_object_keys(num_keys, model_name=f"{bucket}/bench", key_offset=r * num_keys)
+            stored_buf.copy_(torch.randint(0, 256, (num_keys * size,), dtype=torch.uint8))
+            results = {
+                "store": runner.bench_store(adapter, 1, num_keys, size, 1, lambda _: [keys], lambda _: [stored], quiet),
+                "lookup": runner.bench_lookup(adapter, 1, num_keys, 1, lambda _: [keys], quiet),
+                "load": runner.bench_load(adapter, 1, num_keys, size, 1, lambda _: [keys], lambda _: [loaded], quiet),
+            }
+            adapter.submit_unlock(keys)  # the lookup locked them
+            for op, result in results.items():
+                if result.timed_out_rounds or result.success_counts != [num_keys]:
+                    raise RuntimeError(f"{name} {op} of {num_keys} x {human(size)}: {result.success_counts} succeeded")
+            if not torch.equal(stored_buf, loaded_buf):
+                raise RuntimeError(f"{name}: loaded bytes differ from the stored ones ({human(size)})")
+            if r >= warmup:
+                for op, result in results.items():
+                    samples[op].append(result.round_durations[0])
+        status = adapter.report_status()
+    finally:
+        adapter.close()
+        with contextlib.suppress(Exception):
+            client = server.client()
+            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
+                objects = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+                if objects:
+                    client.delete_objects(Bucket=bucket, Delete={"Objects": objects})
+    out: dict = {"adapter": name, "chunk_bytes": size, "num_keys": num_keys, "samples_s": samples,
+                 "adapter_status": {k: v for k, v in status.items() if isinstance(v, (int, float, str, bool))}}  # fmt: skip
+    for op in OPS:
+        seconds = median(samples[op])
+        out[f"{op}_chunks_per_s"] = num_keys / seconds
+        if op != "lookup":
+            out[f"{op}_MBps"] = num_keys * size / seconds / MB
+    return out
+
+
+def run(args: argparse.Namespace) -> dict:
+    import os
+
+    from dualpath_dev.seaweedfs import SeaweedFS
+
+    sizes = [parse_size(s) for s in args.chunk_sizes]
+    total = parse_size(args.total)
+    results, staging = [], {}
+    server = SeaweedFS().start()
+    os.environ.update(AWS_ACCESS_KEY_ID=server.access_key, AWS_SECRET_ACCESS_KEY=server.secret_key)
+    print(f"S3 (SeaweedFS) on {server.endpoint}", file=sys.stderr)
+    try:
+        for size in sizes:
+            num_keys = max(1, total // size)
+            staging[size] = staging_rate(size, total)
+            for name in args.adapters:
+                print(f"{name}: {num_keys} x {human(size)}, {args.reps} repetitions ...", file=sys.stderr)
+                results.append(measure(name, server, size, num_keys, args.reps, args.warmup, args.io_threads))
+    finally:
+        server.stop()
+    return {"config": vars(args) | {"chunk_bytes": sizes, "total_bytes": total}, "environment": environment(),
+            "staging_GBps": {str(k): v for k, v in staging.items()}, "results": results}  # fmt: skip
+
+
+def table(payload: dict) -> str:
+    by_key = {(r["adapter"], r["chunk_bytes"]): r for r in payload["results"]}
+    adapters = [a for a in ADAPTERS if any(k[0] == a for k in by_key)]
+    headers = ["chunk", "keys/task", "adapter", "store MB/s", "store chunks/s", "load MB/s", "load chunks/s",
+               "lookup keys/s"]  # fmt: skip
+    rows = []
+    for size in payload["config"]["chunk_bytes"]:
+        for name in adapters:
+            r = by_key[(name, size)]
+            rows.append([human(size), r["num_keys"], name, f"{r['store_MBps']:.0f}", f"{r['store_chunks_per_s']:.0f}",
+                         f"{r['load_MBps']:.0f}", f"{r['load_chunks_per_s']:.0f}", f"{r['lookup_chunks_per_s']:.0f}"])  # fmt: skip
+    cfg = payload["config"]
+    staging = ", ".join(f"{human(int(k))} {v:.1f}" for k, v in payload["staging_GBps"].items())
+    caption = (
+        f"LMCache L2 adapters on one SeaweedFS (127.0.0.1, {payload['environment']['cpu_count']}-core machine shared "
+        f"with the client), driven by LMCache's `lmcache bench l2` runners: one task of all keys per operation, "
+        f"median of {cfg['reps']} repetitions after {cfg['warmup']} warm-up, {human(cfg['total_bytes'])} per task, "
+        f"MB = 10^6 bytes, every load checked byte for byte. Our adapter's own host-memory work per object "
+        f"(memcpy into a registered slot + XXH3 seal), GB/s: {staging}."
+    )
+    return markdown_table(headers, rows, caption)
+
+
+def chart(payload: dict, path: Path) -> Path | None:
+    sizes = payload["config"]["chunk_bytes"]
+    by_key = {(r["adapter"], r["chunk_bytes"]): r for r in payload["results"]}
+    adapters = [a for a in ADAPTERS if any(k[0] == a for k in by_key)]
+    series = {f"{a} {op}": [by_key[(a, s)][f"{op}_MBps"] for s in sizes] for op in ("store", "load") for a in adapters}
+    return bar_chart(path, [human(s) for s in sizes], series, "object (chunk) size",
+                     "LMCache L2 adapters on SeaweedFS: store and load", ylabel="MB/s")  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--chunk-sizes", nargs="+", default=["512KiB", "2MiB", "8MiB"],
+                        help="object sizes (an LMCache chunk of 256 tokens: 512 KiB for the tiny test Llama, "
+                             "32 MiB for an 8B model at TP 1)")  # fmt: skip
+    parser.add_argument("--total", default="64MiB", help="bytes per task (keys per task = total / size)")
+    parser.add_argument("--reps", type=int, default=5, help="repetitions (the median is reported)")
+    parser.add_argument("--warmup", type=int, default=1, help="discarded repetitions first")
+    parser.add_argument("--adapters", nargs="+", choices=ADAPTERS, default=list(ADAPTERS))
+    parser.add_argument("--io-threads", type=int, default=None,
+                        help="our s3 store's io_threads (NIXL OBJ's transfer threads; default: the store's, 8)")
+    parser.add_argument("--output", default="lmcache_l2.json", help="file name under benchmarks/results/")
+    parser.add_argument("--quick", action="store_true", help="smoke run: 2 sizes, 8 MiB, 2 repetitions")
+    args = parser.parse_args()
+    if args.quick:
+        args.chunk_sizes, args.total, args.reps = ["512KiB", "2MiB"], "8MiB", 2
+        if args.output == "lmcache_l2.json":
+            args.output = "lmcache_l2-quick.json"
+    if args.reps < 1:
+        parser.error("--reps must be at least 1")
+    exit_on_sigterm()
+    import nixl._api  # noqa: F401  (sets up NIXL's logging, which prints INFO lines to stdout)
+
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    run_and_report(run, table, args, args.output, chart)
+
+
+if __name__ == "__main__":
+    main()
