@@ -5,6 +5,7 @@
     dualpath-bench run ... --mode online --rate 0.5 --slo-ttft-s 4 --slo-tpot-ms 50
     dualpath-bench cluster --topologies 1P1D,1P2D,2P1D     # root: builds network namespaces
     dualpath-bench pd-range --gpus-per-node 8 --snic 1       # the bottleneck-free P/D range (paper §4.2)
+    dualpath-bench simulate --preset paper --topologies 1P1D,1P2D,2P1D --scale 1,4,24   # discrete-event simulator
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dualpath_connector.protocol import StoreKeySpace
 from dualpath_bench.errors import BenchUsageError
 from dualpath_bench.pd_range import Hardware, fraction, link_loads, pd_range
 from dualpath_bench.replay import ReplayConfig, StoreWatcher, replay
-from dualpath_bench.trace import TraceConfig, generate, read_jsonl, summarize, write_jsonl
+from dualpath_bench.trace import Agent, TraceConfig, Turn, generate, read_jsonl, summarize, write_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +159,69 @@ def cmd_pd_range(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from dataclasses import asdict, replace
+
+    from dualpath_bench.simulate import experiments, report
+    from dualpath_bench.simulate.hardware import preset
+
+    hw = preset(args.preset)
+    topologies = [t.strip() for t in args.topologies.split(",") if t.strip()]
+    for topology in topologies:
+        experiments.parse_topology(topology)
+    payload: dict = {"preset": args.preset, "hardware": asdict(hw)}
+    if args.preset == "paper":
+        trace = replace(experiments.PAPER_TRACE, agents=args.agents)
+        agents = experiments.turn_lengths(trace)
+        payload["trace"] = {**asdict(trace), **summarize_lengths(agents)}
+        payload["description"] = (
+            f"Offline (§7.3): {args.agents} agents of the paper-shaped trace start at once; JCT = when the last "
+            f"turn ends. Trace: {payload['trace']['turns']:.0f} turns/agent, append {payload['trace']['append']:.0f}, "
+            f"gen {payload['trace']['gen']:.0f}, context {payload['trace']['context']:.0f} tokens/turn (hit ratio "
+            f"{payload['trace']['hit_ratio']:.1%}). Placements, read sides and books: dualpath_router's own "
+            "Dispatcher.try_place, policies and Accounting; Oracle = DualPath without KV I/O (§7.2).")
+    else:
+        agents = [[(len(t.append), t.output_tokens) for t in a.turns] for a in generate(TraceConfig.from_dict(CLUSTER_TRACE))]
+        payload["trace"] = {**CLUSTER_TRACE, **summarize_lengths(agents)}
+        payload["description"] = (
+            "The emulated cluster's trace (dualpath-bench cluster's defaults, seed 0) on the emulated cluster's "
+            "parameters; engine figures are the measured Basic 1P1D run's.")
+    payload["topologies"] = experiments.topology_sweep(hw, topologies, agents)
+    if args.scale:
+        scales = [int(k) for k in args.scale.split(",")]
+        scale_hw = replace(hw, name=f"{hw.name}, one engine per node", engines_per_node=1)
+        payload["scale"] = experiments.scale_sweep(scale_hw, scales, args.scale_agents, experiments.SCALE_TRACE)
+        payload["scale_note"] = (
+            f"k x 2P4D with {args.scale_agents} agents per prefill node ({args.scale_agents // hw.gpus_per_node} per "
+            f"PE GPU; the paper: 1024 per node) on a shorter trace (12 turns/agent, a 16k-token first round) and "
+            f"one engine per node (the node's {hw.gpus_per_node} GPUs pooled), so 48P96D fits in minutes of one core.")
+    if args.decision_rate:
+        p, d = experiments.parse_topology(args.decision_rate)
+        payload["decision_rate"] = experiments.decision_rate(hw, p, d, 16)
+        payload["decision_rate_note"] = (
+            f"{hw.engines_per_node} engines per node as in §4; 16 agents per prefill node, 3 turns each. "
+            "Profile: Accounting.read_queues (once in choose_prefill, once in choose_read_side) and "
+            "select_decode_dualpath's grouping each walk every engine per placement: O(engines) per decision.")
+    if args.pd_range:
+        payload["pd_range"] = experiments.pd_range_check(hw, args.pd_range_agents)
+    if args.preset == "emulated":
+        payload["calibration"] = experiments.calibration(hw, sorted(args.measured_dir.glob("dualpath-bench*.json")),
+                                                         CLUSTER_TRACE)  # fmt: skip
+        payload["calibration_note"] = (
+            "Same trace (seed 0), same topologies. The simulator's engine figures come from the Basic 1P1D run; "
+            "everything else is predicted.")
+    paths = report.write(payload, args.out_dir, args.name or f"simulate-{args.preset}")
+    print(paths["md"].read_text())
+    for kind, path in paths.items():
+        print(f"{kind}: {path}")
+    return 0
+
+
+def summarize_lengths(agents: list[list[tuple[int, int]]]) -> dict[str, float]:
+    """:func:`summarize` for a trace of (append, output) counts."""
+    return summarize(Agent(str(i), [Turn([0] * a, o) for a, o in turns]) for i, turns in enumerate(agents))
+
+
 def _positive_fraction(text: str) -> Fraction:
     try:
         return fraction(text)
@@ -213,6 +277,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ratio", type=_positive_fraction, action="append",
                    help="a P/D to show every link's load at (repeatable; default: both ends and 1)")
     p.set_defaults(func=cmd_pd_range)
+
+    p = sub.add_parser("simulate", help="discrete-event simulation of Basic/DualPath/Oracle with the router's policies")
+    p.add_argument("--preset", choices=("paper", "emulated"), default="paper")
+    p.add_argument("--topologies", default="1P1D,1P2D,2P1D")
+    p.add_argument("--agents", type=int, default=1024, help="paper preset: agents of the P/D-ratio runs")
+    p.add_argument("--scale", default="", help="k x 2P4D at constant agents per engine, e.g. 1,4,24 (24 = 48P96D)")
+    p.add_argument("--scale-agents", type=int, default=512, help="agents per prefill node in the scale runs")
+    p.add_argument("--decision-rate", default="", help="a topology to measure the router's placements/s at, e.g. 48P96D")
+    p.add_argument("--pd-range", action="store_true", help="simulate both ends of the bottleneck-free P/D range")
+    p.add_argument("--pd-range-agents", type=int, default=64, help="agents per node in the P/D range runs")
+    p.add_argument("--measured-dir", type=Path, default=Path("benchmarks/results"),
+                   help="emulated preset: where the measured dualpath-bench*.json runs are")
+    p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
+    p.add_argument("--name", default="", help="results file stem (default simulate-<preset>)")
+    p.set_defaults(func=cmd_simulate)
     return top
 
 

@@ -100,25 +100,39 @@ def _draw(rng: random.Random, mean: int, sigma: float) -> int:
     return max(1, round(rng.lognormvariate(math.log(mean) - sigma * sigma / 2, sigma)))
 
 
+def _agent_turns(config: TraceConfig, index: int, with_ids: bool) -> list[tuple[int, int, list[int] | None]]:
+    """Agent ``index``'s turns as (append tokens, output tokens, append ids or ``None``)."""
+    # One stream per agent, so agent k is the same whatever config.agents is.
+    rng = random.Random(f"dualpath-bench/{config.seed}/{index}")
+    turns_wanted = max(1, _draw(rng, config.turns, config.sigma))
+    turns = []
+    context = 0
+    for turn in range(turns_wanted):
+        append = config.first_append_tokens if turn == 0 else _draw(rng, config.append_tokens, config.sigma)
+        output = _draw(rng, config.output_tokens, config.sigma)
+        if context + append + output > config.max_context:
+            break  # the paper's replay cuts a trajectory at its maximum length
+        turns.append((append, output, rng.choices(range(config.vocab), k=append) if with_ids else None))
+        context += append + output
+    return turns
+
+
 def generate(config: TraceConfig) -> list[Agent]:
     """Trajectories for ``config``; the same config (seed included) always gives the same trace."""
     config.validate()
-    agents = []
-    for index in range(config.agents):
-        # One stream per agent, so agent k is the same whatever config.agents is.
-        rng = random.Random(f"dualpath-bench/{config.seed}/{index}")
-        turns_wanted = max(1, _draw(rng, config.turns, config.sigma))
-        agent = Agent(f"agent-{index:04d}")
-        context = 0
-        for turn in range(turns_wanted):
-            append = config.first_append_tokens if turn == 0 else _draw(rng, config.append_tokens, config.sigma)
-            output = _draw(rng, config.output_tokens, config.sigma)
-            if context + append + output > config.max_context:
-                break  # the paper's replay cuts a trajectory at its maximum length
-            agent.turns.append(Turn(rng.choices(range(config.vocab), k=append), output))
-            context += append + output
-        agents.append(agent)
-    return agents
+    return [Agent(f"agent-{index:04d}", [Turn(ids, output) for _, output, ids in _agent_turns(config, index, True)])
+            for index in range(config.agents)]  # fmt: skip
+
+
+def turn_lengths(config: TraceConfig) -> list[list[tuple[int, int]]]:
+    """Each agent's (append, output) token counts per turn, without token ids: the simulator's trace.
+
+    Same distributions as :func:`generate`, at a fraction of the cost (a paper-scale trace has ~10^8
+    token ids). The id draws are skipped, so the counts are not :func:`generate`'s for the same seed.
+    """
+    config.validate()
+    return [[(append, output) for append, output, _ in _agent_turns(config, index, False)]
+            for index in range(config.agents)]  # fmt: skip
 
 
 def summarize(agents: Iterable[Agent]) -> dict[str, float]:

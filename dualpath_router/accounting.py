@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -136,19 +136,21 @@ class ThroughputEstimate(RateEstimate):
     concurrent work is not charged twice.
     """
 
-    def __init__(self, initial_tokens_per_s: float, weight: float) -> None:
+    def __init__(self, initial_tokens_per_s: float, weight: float, clock: Callable[[], float] | None = None) -> None:
         super().__init__(initial_tokens_per_s, weight)
+        # Wall time for the router; simulated time for dualpath_bench.simulate.
+        self._clock = clock or time.monotonic
         self._outstanding: dict[str, int] = defaultdict(int)
         self._busy_mark: dict[str, float] = {}
 
     def started(self, resource: str) -> None:
         if self._outstanding[resource] == 0:
-            self._busy_mark[resource] = time.monotonic()
+            self._busy_mark[resource] = self._clock()
         self._outstanding[resource] += 1
 
     def finished(self, resource: str, tokens: int, *, completed: bool) -> None:
         """``completed=False`` (failure): the busy time is dropped, not charged as throughput."""
-        now = time.monotonic()
+        now = self._clock()
         busy_s = now - self._busy_mark.get(resource, now)
         self._busy_mark[resource] = now
         self._outstanding[resource] = max(self._outstanding[resource] - 1, 0)
@@ -200,7 +202,11 @@ class Accounting:
         return max(self.dispatched_read_tokens[node], reported)
 
     def read_queues(self) -> dict[str, int]:
-        return {node: self.read_queue_tokens(node) for node in self.nodes()}
+        """Every node's :meth:`read_queue_tokens`, in one pass over the engines (it runs on every placement)."""
+        reported: dict[str, int] = {}
+        for e in self.engines.values():
+            reported[e.node] = reported.get(e.node, 0) + (e.reported_read_queue_tokens if e.reported_requests else 0)
+        return {node: max(self.dispatched_read_tokens[node], tokens) for node, tokens in reported.items()}
 
     def alpha_tokens(self, alpha_s: float) -> float:
         return alpha_s * self.read_rate.tokens_per_s

@@ -85,9 +85,9 @@ class Dispatcher:
                 if not pes:
                     return None
                 if self._waiting[0] is ticket:
-                    prefill = self.policy.choose_prefill(pes, self.accounting, prompt_tokens)
-                    if prefill is not None:
-                        return self._book(prefill, decode, prompt_tokens, hit_tokens)
+                    placement = self.try_place(pes, prompt_tokens, hit_tokens, decode)
+                    if placement is not None:
+                        return placement
                 changed = self._changed
                 try:
                     await asyncio.wait_for(changed.wait(), deadline - loop.time())
@@ -97,6 +97,17 @@ class Dispatcher:
             self._waiting.remove(ticket)
             # The next request in line may now be placeable.
             self._notify_changed()
+
+    def try_place(
+        self, pes: list[EngineLoad], prompt_tokens: int, hit_tokens: int, decode: EngineLoad | None
+    ) -> Placement | None:
+        """One placement attempt among ``pes``, booked; ``None`` when the policy finds every PE overloaded.
+
+        Synchronous, so a caller with its own clock and queue (the simulator,
+        dualpath_bench.simulate) drives the same policy and books.
+        """
+        prefill = self.policy.choose_prefill(pes, self.accounting, prompt_tokens)
+        return None if prefill is None else self._book(prefill, decode, prompt_tokens, hit_tokens)
 
     def _book(self, prefill: EngineLoad, decode: EngineLoad | None, prompt_tokens: int, hit_tokens: int) -> Placement:
         if decode is None:

@@ -1,0 +1,128 @@
+"""The simulator's experiments: P/D ratios, scale, the P/D range's ends, calibration, decision rate.
+
+Each returns plain dicts (the JSON the report writes); :mod:`dualpath_bench.simulate.report` prints them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import replace
+from fractions import Fraction
+from pathlib import Path
+
+from dualpath_bench.errors import BenchUsageError
+from dualpath_bench.pd_range import Hardware, link_loads, pd_range
+from dualpath_bench.simulate.cluster import MODES, RunResult, Simulation
+from dualpath_bench.simulate.hardware import SimHardware
+from dualpath_bench.trace import TraceConfig, generate, turn_lengths
+
+logger = logging.getLogger(__name__)
+
+# The paper's coding trace (§3: 429 appended tokens, 64k maximum context, 157 turns); generated tokens
+# per turn are an assumption (dualpath_bench.trace).
+PAPER_TRACE = TraceConfig(max_context=65536, append_tokens=429, output_tokens=200, turns=157)
+# Scale runs: a shorter trajectory that starts from a long synthetic first round (§A.3), so contexts
+# are long (storage-bound) while 48P96D stays within minutes of one core.
+SCALE_TRACE = replace(PAPER_TRACE, turns=12, first_append_tokens=16384)
+
+
+def parse_topology(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"(\d+)P(\d+)D", text.strip(), re.IGNORECASE)
+    if not match or not int(match[1]) or not int(match[2]):
+        raise BenchUsageError(f"topology {text!r}: expected <P>P<D>D with P, D >= 1, e.g. 1P2D")
+    return int(match[1]), int(match[2])
+
+
+def _run(hw: SimHardware, topology: str, mode: str, agents: list[list[tuple[int, int]]]) -> RunResult:
+    p, d = parse_topology(topology)
+    result = Simulation(hw, p, d, mode).run(agents)
+    logger.info("%s %s %s: JCT %.1f s (%d turns, %.1f s wall, %.0f placements/s)", hw.name, topology, mode,
+                result.jct_s, result.turns, result.wall_s, result.placements_per_s)  # fmt: skip
+    return result
+
+
+def topology_sweep(hw: SimHardware, topologies: list[str], agents: list[list[tuple[int, int]]],
+                   modes: tuple[str, ...] = MODES) -> list[dict]:  # fmt: skip
+    """Basic / DualPath / Oracle JCT per topology, on one trace (paper Fig. 8)."""
+    rows = []
+    for topology in topologies:
+        runs = {mode: _run(hw, topology, mode, agents) for mode in modes}
+        row = {"topology": topology, "runs": {m: r.to_json() for m, r in runs.items()}}
+        if "basic" in runs:
+            row["speedup"] = {m: runs["basic"].jct_s / r.jct_s for m, r in runs.items()}
+        rows.append(row)
+    return rows
+
+
+def scale_sweep(hw: SimHardware, scales: list[int], agents_per_pe_node: int, trace: TraceConfig) -> list[dict]:
+    """``k`` x 2P4D (§7.6: 2P4D .. 48P96D) at a constant number of agents per engine."""
+    rows = []
+    for k in scales:
+        topology = f"{2 * k}P{4 * k}D"
+        agents = turn_lengths(replace(trace, agents=agents_per_pe_node * 2 * k))
+        runs = {mode: _run(hw, topology, mode, agents) for mode in ("basic", "dualpath")}
+        rows.append({"topology": topology, "agents": len(agents), "runs": {m: r.to_json() for m, r in runs.items()},
+                     "speedup": runs["basic"].jct_s / runs["dualpath"].jct_s})  # fmt: skip
+    base = rows[0]["runs"]["dualpath"]["jct_s"]
+    for row in rows:
+        row["dualpath_jct_vs_smallest"] = row["runs"]["dualpath"]["jct_s"] / base
+    return rows
+
+
+def decision_rate(hw: SimHardware, prefill_nodes: int, decode_nodes: int, agents_per_pe_node: int) -> dict:
+    """Placements per second of the router's policy code on one core at this size (§7.6: 48P96D)."""
+    agents = turn_lengths(replace(PAPER_TRACE, agents=agents_per_pe_node * prefill_nodes, turns=3))
+    result = Simulation(hw, prefill_nodes, decode_nodes, "dualpath").run(agents)
+    return {"topology": f"{prefill_nodes}P{decode_nodes}D", "engines": (prefill_nodes + decode_nodes) * hw.engines_per_node,
+            "placements": result.placements, "router_s": result.placement_s,
+            "placements_per_s": result.placements_per_s}  # fmt: skip
+
+
+def pd_range_check(hw: SimHardware, agents_per_node: int) -> dict:
+    """Both ends of §4.2's range, just inside and just outside, with compute out of the way.
+
+    Inside, the storage NICs are the busiest links; outside, a compute NIC or a DE's DRAM is, and the
+    storage NICs fall below it. The analytic loads (dualpath_bench.pd_range) are shown alongside.
+    """
+    s = Fraction(hw.storage_bytes_per_s) / Fraction(hw.cnic_bytes_per_s)
+    analytic_hw = Hardware(hw.gpus_per_node, s, Fraction(hw.cnic_bytes_per_s) / 10**9, Fraction(hw.dram_bytes_per_s) / 10**9)
+    found = pd_range(analytic_hw)
+    io_only = hw.scaled(1000.0)
+    low_in = Fraction(1, int(1 / found.lower) - 1)  # 1/6 for 1/7
+    low_out = Fraction(1, int(1 / found.lower) + 1)  # 1/8
+    high_in = Fraction(int(found.upper))  # 3 for 7/2
+    high_out = Fraction(int(found.upper) + 1)  # 4
+    rows = []
+    for where, ratio in (("lower end, inside", low_in), ("lower end, outside", low_out),
+                         ("upper end, inside", high_in), ("upper end, outside", high_out)):  # fmt: skip
+        p, d = ratio.numerator, ratio.denominator
+        agents = turn_lengths(replace(PAPER_TRACE, agents=agents_per_node * (p + d), turns=20))
+        result = Simulation(io_only, p, d, "dualpath").run(agents)
+        utilisation = result.utilisation
+        busiest = max(utilisation, key=utilisation.__getitem__)
+        rows.append({"where": where, "topology": f"{p}P{d}D", "ratio": str(ratio), "utilisation": utilisation,
+                     "busiest": busiest, "analytic_loads": {k: float(v) for k, v in link_loads(analytic_hw, ratio).items()},
+                     "jct_s": result.jct_s, "turns": result.turns})  # fmt: skip
+    return {"range": [str(found.lower), str(found.upper)], "lower_by": found.lower_bound_by,
+            "upper_by": found.upper_bound_by, "hardware": io_only.name, "rows": rows}  # fmt: skip
+
+
+def calibration(hw: SimHardware, measured_paths: list[Path], trace: dict) -> list[dict]:
+    """Predicted vs measured JCT for each emulated-cluster run in ``measured_paths`` (same trace settings)."""
+    agents = [[(len(t.append), t.output_tokens) for t in a.turns] for a in generate(TraceConfig.from_dict(trace))]
+    rows = []
+    for path in measured_paths:
+        payload = json.loads(path.read_text())
+        for topo in payload["topologies"]:
+            for mode, run in topo["runs"].items():
+                if "summary" not in run or mode not in MODES:
+                    continue
+                predicted = _run(hw, topo["topology"], mode, agents)
+                measured = run["summary"]["jct_s"]
+                rows.append({"source": path.name, "topology": topo["topology"], "mode": mode, "measured_jct_s": measured,
+                             "predicted_jct_s": predicted.jct_s, "error": predicted.jct_s / measured - 1,
+                             "measured_hit_tokens": run["summary"]["hit_tokens"],
+                             "predicted_hit_tokens": predicted.hit_bytes / hw.kv_bytes_per_token if mode != "oracle" else None})  # fmt: skip
+    return rows

@@ -1,0 +1,114 @@
+"""The discrete-event simulator (dualpath_bench.simulate): event order, byte conservation, the router's own policies."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from dualpath_bench.errors import BenchUsageError
+from dualpath_bench.simulate import experiments
+from dualpath_bench.simulate.cluster import Simulation
+from dualpath_bench.simulate.events import EventLoop
+from dualpath_bench.simulate.hardware import preset
+from dualpath_bench.trace import TraceConfig, turn_lengths
+from dualpath_router.dispatcher import Dispatcher
+from dualpath_router.policies import BasicPolicy, DualPathPolicy
+
+# Storage-bound: the emulated cluster's 2 MB/s storage NICs against an 8k-context agent trace.
+HW = preset("emulated")
+AGENTS = turn_lengths(TraceConfig(agents=8, turns=8, first_append_tokens=2048, sigma=0.3))
+
+
+def expected_hit_tokens(agents, block):
+    total = 0
+    for turns in agents:
+        context = 0
+        for append, output in turns:
+            total += min(context, context + append - 1) // block * block
+            context += append + output
+    return total
+
+
+def test_events_run_in_time_order_and_ties_in_scheduling_order():
+    loop, seen = EventLoop(), []
+    for when, tag in ((2.0, "c"), (1.0, "a"), (1.0, "b"), (0.5, "first")):
+        loop.at(when, seen.append, tag)
+    loop.at(1.0, lambda _: loop.at(1.0, seen.append, "scheduled-at-1-by-b"))
+    assert loop.run() == 2.0
+    assert seen == ["first", "a", "b", "scheduled-at-1-by-b", "c"]
+    with pytest.raises(ValueError, match="past"):
+        loop.at(1.0, seen.append, "late")
+
+
+@pytest.mark.parametrize("mode", ["basic", "dualpath"])
+def test_every_hit_byte_is_read_once_and_every_link_byte_is_accounted(mode):
+    sim = Simulation(HW, 1, 2, mode)
+    result = sim.run(AGENTS)
+    hit = expected_hit_tokens(AGENTS, HW.block_tokens) * HW.kv_bytes_per_token
+    assert result.turns == sum(map(len, AGENTS))
+    assert result.hit_bytes == hit > 0
+    pe_side, de_side = result.side_bytes["pe"], result.side_bytes["de"]
+    assert pe_side + de_side == hit  # each hit read on exactly one side
+    assert (de_side == 0) == (mode == "basic")
+    by_kind: dict[str, float] = {}
+    for link in sim.links():
+        by_kind[link.kind] = by_kind.get(link.kind, 0.0) + link.bytes
+    # Each link's bytes are the paper's per-path multiples (§4.2, Eqs. 1-8), summed over all requests.
+    assert by_kind == {
+        "storage NIC, reads": hit,
+        "PE DRAM": 2 * pe_side,
+        "DE DRAM": 2 * pe_side + 3 * de_side,
+        "PE compute NIC, reads": 2 * pe_side,
+        "PE compute NIC, writes": pe_side + de_side,
+        "DE compute NIC, reads": pe_side + 2 * de_side,
+        "DE compute NIC, writes": 2 * pe_side + de_side,
+    }
+    storage_pe = sum(n.storage.bytes for name, n in sim.nodes.items() if name.startswith("pe"))
+    assert storage_pe == pe_side
+
+
+def test_oracle_reads_nothing():
+    sim = Simulation(HW, 1, 1, "oracle")
+    result = sim.run(AGENTS)
+    assert result.hit_bytes == 0 and all(link.bytes == 0 for link in sim.links())
+
+
+def test_the_policies_are_the_routers_own_objects(monkeypatch):
+    sim = Simulation(HW, 1, 2, "dualpath")
+    assert type(sim.dispatcher) is Dispatcher and type(sim.dispatcher.policy) is DualPathPolicy
+    assert type(Simulation(HW, 1, 2, "basic").dispatcher.policy) is BasicPolicy
+    # A change to the router's policy changes the simulation: every read moves to the DE side.
+    monkeypatch.setattr(DualPathPolicy, "choose_read_side", lambda self, pe, de, accounting: "de")
+    result = Simulation(HW, 1, 2, "dualpath").run(AGENTS)
+    assert result.read_sides == {"pe": 0, "de": sum(map(len, AGENTS))}
+
+
+def test_oracle_beats_dualpath_beats_basic_when_storage_bound():
+    jct = {mode: Simulation(HW, 1, 1, mode).run(AGENTS).jct_s for mode in ("basic", "dualpath", "oracle")}
+    assert jct["oracle"] < jct["dualpath"] < jct["basic"]
+    # Two storage NICs instead of one: close to twice as fast while reads dominate.
+    assert jct["basic"] / jct["dualpath"] > 1.4
+
+
+def test_the_pd_range_ends_turn_a_link_into_the_bottleneck():
+    check = experiments.pd_range_check(preset("paper"), agents_per_node=16)
+    assert check["range"] == ["1/7", "7/2"]
+    rows = {row["where"]: row for row in check["rows"]}
+    for where in ("lower end, inside", "upper end, inside"):
+        assert rows[where]["busiest"] == "storage NIC, reads", rows[where]["utilisation"]
+    assert rows["lower end, outside"]["busiest"] == "PE compute NIC, writes", rows["lower end, outside"]["utilisation"]
+    assert rows["upper end, outside"]["busiest"] in ("DE compute NIC, writes", "DE DRAM"), rows["upper end, outside"]
+    for where in ("lower end, outside", "upper end, outside"):
+        assert rows[where]["utilisation"]["storage NIC, reads"] < rows[where]["utilisation"][rows[where]["busiest"]]
+
+
+def test_bad_settings_are_named():
+    with pytest.raises(BenchUsageError, match="engines_per_node"):
+        replace(HW, engines_per_node=3, gpus_per_node=8)
+    with pytest.raises(BenchUsageError, match="topology '1P0D'"):
+        experiments.parse_topology("1P0D")
+    with pytest.raises(BenchUsageError, match="unknown mode"):
+        Simulation(HW, 1, 1, "fastest")
+    with pytest.raises(BenchUsageError, match="unknown preset"):
+        preset("cloud")
