@@ -12,6 +12,7 @@ comparison can fail.
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import urllib.request
@@ -67,7 +68,7 @@ class LMCacheServer(ServiceProcess):
 
 @pytest.fixture
 def lmcache_stack(tiny_model, seaweedfs, s3_bucket, tmp_path):
-    env = {**__import__("os").environ, "AWS_ACCESS_KEY_ID": seaweedfs.access_key,
+    env = {**os.environ, "AWS_ACCESS_KEY_ID": seaweedfs.access_key,
            "AWS_SECRET_ACCESS_KEY": seaweedfs.secret_key, "LMCACHE_DISABLE_BANNER": "1"}  # fmt: skip
     store = {"backend": "s3", "endpoint": seaweedfs.endpoint, "bucket": s3_bucket}
     server = LMCacheServer({"store": store, "key_prefix": PREFIX}, tmp_path / "lmcache-server.log", env)
