@@ -112,9 +112,12 @@ class VLLMServer(ServiceProcess):
             PYTHONUNBUFFERED="1",
             **self.keys.engine_env(),
         )
+        # The engine loads the model directory's tokenizer, as `vllm serve MODEL` does in production:
+        # token-id prompts and `return_token_ids` answer as without one (the router asks for token ids
+        # and writes the client's text itself), and vLLM checks prompt ids against it too.
         self.args = [
             *launcher, sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model), "--skip-tokenizer-init", "--dtype", "bfloat16",
+            "--model", str(model), "--dtype", "bfloat16",
             "--block-size", "32", "--enforce-eager", "--seed", "0",
             "--host", host, "--port", str(self.port),
             "--max-model-len", str(max_model_len),
@@ -197,9 +200,10 @@ class RouterProcess(ServiceProcess):
     """``dualpath-router`` in its own process on a free port, in front of PD engines.
 
     The store section is the PE's (credentials travel in the AWS variables,
-    the engines' API key in ``DUALPATH_ENGINE_API_KEY``); the vocabulary size
-    comes from the served model's config.json; ``overrides`` are top-level
-    router config keys (``policy``, ``read_side``...).
+    the engines' API key in ``DUALPATH_ENGINE_API_KEY``); the served model's
+    directory gives the vocabulary size (its config.json) and the tokenizer
+    for text prompts and chat; ``overrides`` are top-level router config keys
+    (``policy``, ``read_side``...).
     """
 
     def __init__(
@@ -216,6 +220,7 @@ class RouterProcess(ServiceProcess):
             "port": self.port,
             "served_model_names": [str(prefill[0].model)],
             "model_config": str(Path(prefill[0].model).resolve()),
+            "tokenizer": str(Path(prefill[0].model).resolve()),
             "engine_api_key_env": ROUTER_KEY_ENV,
             "policy": "dualpath",
             "prefill_engines": [
