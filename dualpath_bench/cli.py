@@ -190,11 +190,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     if args.scale:
         scales = [int(k) for k in args.scale.split(",")]
         scale_hw = replace(hw, name=f"{hw.name}, one engine per node", engines_per_node=1)
-        payload["scale"] = experiments.scale_sweep(scale_hw, scales, args.scale_agents, experiments.SCALE_TRACE)
+        payload["scale"] = experiments.scale_sweep(scale_hw, scales, args.scale_agents, experiments.PAPER_TRACE)
+        first, count = experiments.SCALE_WINDOW
         payload["scale_note"] = (
-            f"k x 2P4D with {args.scale_agents} agents per prefill node ({args.scale_agents // hw.gpus_per_node} per "
-            f"PE GPU; the paper: 1024 per node) on a shorter trace (12 turns/agent, a 16k-token first round) and "
-            f"one engine per node (the node's {hw.gpus_per_node} GPUs pooled), so 48P96D fits in minutes of one core.")
+            f"k x 2P4D with {args.scale_agents} agents per prefill node (the paper: 2K agents at 2P4D, 48K at 48P96D), "
+            f"offline, on a window of each trajectory of the same paper-shaped trace: turns {first}..{first + count - 1}, "
+            f"the earlier turns' KV already in the store (contexts as long as in the full runs), and one engine per "
+            f"node (the node's {hw.gpus_per_node} GPUs and CNICs pooled), so 48P96D fits in minutes of one core.")
     if args.decision_rate:
         p, d = experiments.parse_topology(args.decision_rate)
         payload["decision_rate"] = experiments.decision_rate(hw, p, d, 16)
@@ -283,10 +285,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--topologies", default="1P1D,1P2D,2P1D")
     p.add_argument("--agents", type=int, default=1024, help="paper preset: agents of the P/D-ratio runs")
     p.add_argument("--scale", default="", help="k x 2P4D at constant agents per engine, e.g. 1,4,24 (24 = 48P96D)")
-    p.add_argument("--scale-agents", type=int, default=512, help="agents per prefill node in the scale runs")
+    p.add_argument("--scale-agents", type=int, default=1024, help="agents per prefill node in the scale runs")
     p.add_argument("--decision-rate", default="", help="a topology to measure the router's placements/s at, e.g. 48P96D")
     p.add_argument("--pd-range", action="store_true", help="simulate both ends of the bottleneck-free P/D range")
-    p.add_argument("--pd-range-agents", type=int, default=64, help="agents per node in the P/D range runs")
+    p.add_argument("--pd-range-agents", type=int, default=256, help="agents per node in the P/D range runs")
     p.add_argument("--measured-dir", type=Path, default=Path("benchmarks/results"),
                    help="emulated preset: where the measured dualpath-bench*.json runs are")
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))

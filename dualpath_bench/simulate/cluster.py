@@ -136,14 +136,18 @@ class Simulation:
         self.turns_done = 0
 
     # -- the trace ---------------------------------------------------------------------------------
-    def run(self, agents: list[list[tuple[int, int]]]) -> RunResult:
-        """Offline (§7.3): every agent starts at time 0; JCT is when the last turn's decode ends."""
+    def run(self, agents: list[list[tuple[int, int]]], first_turn: int = 0) -> RunResult:
+        """Offline (§7.3): every agent starts at time 0; JCT is when the last turn's decode ends.
+
+        ``first_turn`` > 0 runs a window of each trajectory: the turns before it are history whose KV
+        is already in the store (agents with no turn left are not run).
+        """
         started = time.perf_counter()
         self._agents = agents
-        self._context = [0] * len(agents)
+        self._context = [sum(a + o for a, o in turns[:first_turn]) for turns in agents]
         for agent in range(len(agents)):
-            if agents[agent]:
-                self.loop.at(0.0, self._start_turn, (agent, 0))
+            if len(agents[agent]) > first_turn:
+                self.loop.at(0.0, self._start_turn, (agent, first_turn))
         jct = self.loop.run()
         if self._waiting:
             raise RuntimeError(f"{len(self._waiting)} turns never placed")  # a policy bug, not a load

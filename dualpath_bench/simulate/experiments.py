@@ -23,9 +23,9 @@ logger = logging.getLogger(__name__)
 # The paper's coding trace (§3: 429 appended tokens, 64k maximum context, 157 turns); generated tokens
 # per turn are an assumption (dualpath_bench.trace).
 PAPER_TRACE = TraceConfig(max_context=65536, append_tokens=429, output_tokens=200, turns=157)
-# Scale runs: a shorter trajectory that starts from a long synthetic first round (§A.3), so contexts
-# are long (storage-bound) while 48P96D stays within minutes of one core.
-SCALE_TRACE = replace(PAPER_TRACE, turns=12, first_append_tokens=16384)
+# Scale runs: a window of turns of the paper trace, the earlier turns' KV already in the store, so
+# contexts are as long as in the full runs while 48P96D stays within minutes of one core.
+SCALE_WINDOW = (40, 12)  # first turn, turns
 
 
 def parse_topology(text: str) -> tuple[int, int]:
@@ -56,13 +56,19 @@ def topology_sweep(hw: SimHardware, topologies: list[str], agents: list[list[tup
     return rows
 
 
-def scale_sweep(hw: SimHardware, scales: list[int], agents_per_pe_node: int, trace: TraceConfig) -> list[dict]:
-    """``k`` x 2P4D (§7.6: 2P4D .. 48P96D) at a constant number of agents per engine."""
+def scale_sweep(hw: SimHardware, scales: list[int], agents_per_pe_node: int, trace: TraceConfig,
+                window: tuple[int, int] = SCALE_WINDOW) -> list[dict]:  # fmt: skip
+    """``k`` x 2P4D (§7.6: 2P4D .. 48P96D) at a constant number of agents per engine, on a window of turns."""
     rows = []
+    first, count = window
     for k in scales:
         topology = f"{2 * k}P{4 * k}D"
-        agents = turn_lengths(replace(trace, agents=agents_per_pe_node * 2 * k))
-        runs = {mode: _run(hw, topology, mode, agents) for mode in ("basic", "dualpath")}
+        agents = [turns[:first + count] for turns in turn_lengths(replace(trace, agents=agents_per_pe_node * 2 * k))]
+        p, d = parse_topology(topology)
+        runs = {mode: Simulation(hw, p, d, mode).run(agents, first_turn=first) for mode in ("basic", "dualpath")}
+        for mode, result in runs.items():
+            logger.info("%s %s %s: JCT %.1f s (%d turns, %.1f s wall, %.0f placements/s)", hw.name, topology, mode,
+                        result.jct_s, result.turns, result.wall_s, result.placements_per_s)  # fmt: skip
         rows.append({"topology": topology, "agents": len(agents), "runs": {m: r.to_json() for m, r in runs.items()},
                      "speedup": runs["basic"].jct_s / runs["dualpath"].jct_s})  # fmt: skip
     base = rows[0]["runs"]["dualpath"]["jct_s"]

@@ -112,3 +112,15 @@ def test_bad_settings_are_named():
         Simulation(HW, 1, 1, "fastest")
     with pytest.raises(BenchUsageError, match="unknown preset"):
         preset("cloud")
+
+
+def test_a_window_of_turns_reads_the_earlier_turns_as_history():
+    agents = [turns[:5] for turns in AGENTS]
+    whole = Simulation(HW, 1, 1, "basic").run(agents)
+    window = Simulation(HW, 1, 1, "basic").run(agents, first_turn=3)
+    assert window.turns == sum(max(0, len(t) - 3) for t in agents) < whole.turns
+    # The window's hits are the same turns' hits of the whole run: the history counts as stored context.
+    per_turn = [min(c, c + a - 1) // HW.block_tokens * HW.block_tokens
+                for turns in agents for i, (a, _) in enumerate(turns) if i >= 3
+                for c in [sum(x + y for x, y in turns[:i])]]  # fmt: skip
+    assert window.hit_bytes == sum(per_turn) * HW.kv_bytes_per_token
