@@ -52,6 +52,7 @@ class RunResult:
     agents: int
     turns: int
     jct_s: float
+    agent_mean_s: float  # mean over agents of their last turn's end: the JCT without the slowest agent's tail
     hit_bytes: float
     read_sides: dict[str, int]
     link_bytes: dict[str, float]  # per link
@@ -134,6 +135,8 @@ class Simulation:
         self._side_bytes = {"pe": 0.0, "de": 0.0}
         self.hit_bytes = 0.0
         self.turns_done = 0
+        self._agents_done = 0
+        self._agent_end_sum = 0.0
 
     # -- the trace ---------------------------------------------------------------------------------
     def run(self, agents: list[list[tuple[int, int]]], first_turn: int = 0) -> RunResult:
@@ -216,6 +219,8 @@ class Simulation:
         if turn.index + 1 < len(self._agents[turn.agent]):
             self._start_turn((turn.agent, turn.index + 1))
         else:
+            self._agents_done += 1
+            self._agent_end_sum += self.loop.now
             self._place_waiting()
 
     # -- results -----------------------------------------------------------------------------------
@@ -232,7 +237,7 @@ class Simulation:
         utilisation_max = {kind: max(values) for kind, values in by_kind.items()}
         return RunResult(
             mode=self.mode, prefill_nodes=self.prefill_nodes, decode_nodes=self.decode_nodes, agents=len(self._agents),
-            turns=self.turns_done, jct_s=jct, hit_bytes=self.hit_bytes, read_sides=dict(self._read_sides),
+            turns=self.turns_done, jct_s=jct, agent_mean_s=self._agent_end_sum / max(1, self._agents_done), hit_bytes=self.hit_bytes, read_sides=dict(self._read_sides),
             link_bytes={link.name: link.bytes for link in self.links()}, utilisation=utilisation,
             utilisation_max=utilisation_max,
             placements=self._placements, placement_s=self._placement_s, events=self.loop.processed, wall_s=wall_s,

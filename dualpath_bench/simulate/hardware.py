@@ -103,6 +103,8 @@ def _emulated() -> SimHardware:
         dram_bytes_per_s=10e9, kv_bytes_per_token=2048.0, linear_s_per_token=1 / 920.9, attention_s_per_pair=0.0,
         tpot_s=0.0178, request_overhead_s=0.72, block_tokens=32,
         sources={
+            "gpus_per_node": "one vLLM CPU engine per network namespace (dualpath_dev/cluster.py)",
+            "engines_per_node": "one engine per namespace",
             "storage_bytes_per_s": "dualpath-bench.json config.cluster.storage_mbit = 16",
             "cnic_bytes_per_s": "compute_mbit = 0 (unshaped veth): 1 GB/s, never the limit",
             "dram_bytes_per_s": "not a limit on the emulated cluster: 10 GB/s",

@@ -21,12 +21,15 @@ def _topologies(rows: list[dict]) -> list[str]:
 
 
 def _scale(rows: list[dict]) -> list[str]:
-    out = ["| topology | agents | Basic JCT s | DualPath JCT s | speedup | DualPath JCT vs smallest | placements/s |",
-           "|---|--:|--:|--:|--:|--:|--:|"]
+    out = ["| topology | agents | Basic JCT s | DualPath JCT s | speedup | DualPath JCT vs smallest | "
+           "Basic / DualPath mean agent completion s | DualPath mean vs smallest | placements/s |",
+           "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+    base = rows[0]["runs"]["dualpath"]["agent_mean_s"]
     for row in rows:
         b, d = row["runs"]["basic"], row["runs"]["dualpath"]
         out.append(f"| {row['topology']} | {row['agents']} | {b['jct_s']:.1f} | {d['jct_s']:.1f} | {row['speedup']:.2f}x | "
-                   f"{row['dualpath_jct_vs_smallest']:.3f} | {d['placements_per_s']:.0f} |")  # fmt: skip
+                   f"{row['dualpath_jct_vs_smallest']:.3f} | {b['agent_mean_s']:.1f} / {d['agent_mean_s']:.1f} | "
+                   f"{d['agent_mean_s'] / base:.3f} | {d['placements_per_s']:.0f} |")  # fmt: skip
     return out
 
 
