@@ -1,5 +1,6 @@
-"""`make demo` in small: examples/disagg_demo.sh brings up SeaweedFS, a PE, a DE and the router,
-two agents run three turns, both read sides serve hits, and everything stops afterwards."""
+"""`make demo` in small: examples/disagg_demo.sh brings up SeaweedFS, a PE, a DE and the router; a
+streaming chat through the openai client (examples/chat_client.py) gets text and hits from its second
+turn, two agents run three turns, both read sides serve hits, and everything stops afterwards."""
 
 from __future__ import annotations
 
@@ -16,16 +17,25 @@ from tests.conftest import REPO_ROOT
 pytestmark = pytest.mark.engine
 
 
-def test_disagg_demo_uses_both_read_sides(tmp_path, tiny_model):
+def test_disagg_demo_chats_and_uses_both_read_sides(tmp_path, tiny_model):
     (tmp_path / "tiny-llama").symlink_to(tiny_model)
     args = ["--workdir", str(tmp_path), "--turns", "3", "--first-prompt-tokens", "600",
-            "--tokens-per-turn", "100", "--output-tokens", "8"]  # fmt: skip
+            "--tokens-per-turn", "100", "--output-tokens", "8", "--chat-turns", "3"]  # fmt: skip
     env = dict(os.environ, PYTHON=sys.executable)
     done = subprocess.run(
         ["bash", str(REPO_ROOT / "examples" / "disagg_demo.sh"), *args],
         capture_output=True, text=True, timeout=1800, env=env, start_new_session=True,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
+    # The chat: every turn streamed several chunks of non-empty text; from turn 2 on the prompt starts
+    # with turn 1's (the chat template keeps earlier messages' tokens), so the store serves hits.
+    chat = re.findall(r"\[turn (\d): (\d+) streamed chunks, (\d+) characters, read side (\w+|\?), (\d+) hit tokens\]",
+                      done.stdout)
+    assert [int(turn) for turn, *_ in chat] == [1, 2, 3], done.stdout[-5000:]
+    assert all(int(chunks) > 1 and int(characters) > 0 for _, chunks, characters, _, _ in chat)
+    assert [int(hit) > 0 for *_, hit in chat] == [False, True, True]
+    assert all(side in ("pe", "de") for _, _, _, side, _ in chat)
+    assert "random weights" in done.stdout
     turns = re.findall(r"agent (\d) turn +(\d): +(\d+) prompt tokens, read side +(\w+), +(\d+) hit tokens", done.stdout)
     assert len(turns) == 6
     assert all(int(hit) == 0 for _, turn, _, _, hit in turns if turn == "1")
