@@ -42,6 +42,8 @@ CHUNKS = len(PROMPT) // LMCACHE_CHUNK
 class LMCacheServer(ServiceProcess):
     """``lmcache server`` (MP mode) with our L2 adapter; stopped by its PID."""
 
+    stop_grace_s = 5.0  # it closes the adapter on SIGTERM within a second; more is a hang
+
     def __init__(self, adapter_params: dict, log_path: Path, env: dict[str, str]) -> None:
         self.port, http_port = free_port(), free_port()
         spec = {"type": "plugin", "module_path": "nixl_backends.lmcache_l2", "class_name": "DualPathL2Adapter",
