@@ -339,3 +339,28 @@ def test_layering_lmcache_is_imported_by_this_module_only():
 def test_object_bytes_rule_matches_lmcache():
     obj = memory_objects(1, seed=7)[0]
     assert obj.get_size() == OBJECT_BYTES == np.prod(SHAPE) * 2
+
+
+@pytest.mark.parametrize("backend", ["dualblade", "tiered"])
+def test_local_tiers_round_trip(backend, tmp_path):
+    """A Dual-Blade tier alone and in front of a POSIX root: the same contract; a second object size cannot
+    share the tier's extents (its writer lock is held), so that store task fails and nothing else does."""
+    local = {"backend": "dualblade", "root": str(tmp_path / "local"), "capacity_bytes": 16 << 20}
+    section = local if backend == "dualblade" else {"backend": "tiered",
+                                                    "tiers": [local, {"backend": "posix", "root": str(tmp_path / "shared")}]}  # fmt: skip
+    adapter = build(spec(section))
+    try:
+        stored = memory_objects(4, seed=8)
+        assert store(adapter, keys(4), stored).bytes_transferred() == 4 * OBJECT_BYTES
+        assert lookup(adapter, [*keys(1, start=40), *keys(4)]) == [0, 1, 1, 1, 1]
+        targets = memory_objects(4, seed=None)
+        assert load(adapter, keys(4), targets) == [1, 1, 1, 1]
+        assert all(same_bytes(g, w) for g, w in zip(targets, stored))
+        adapter.submit_unlock(keys(4))
+        small = torch.ones(4096, dtype=torch.uint8)
+        meta = MemoryObjMetadata(shape=torch.Size([4096]), dtype=torch.uint8, address=small.data_ptr(),
+                                 phy_size=4096, ref_count=1, fmt=MemoryFormat.KV_2LTD)  # fmt: skip
+        assert not store(adapter, keys(1, start=200), [TensorMemoryObj(small, meta, None)]).is_successful()
+        assert load(adapter, keys(1), memory_objects(1, seed=None)) == [1]
+    finally:
+        adapter.close()
