@@ -111,7 +111,7 @@ class Simulation:
         scheduling = scheduling or SchedulingConfig(
             # Profiled in advance (§A.4): a node's read rate, one engine's prefill rate at the mean context.
             read_tokens_per_s=hw.storage_bytes_per_s / hw.kv_bytes_per_token,
-            prefill_tokens_per_s=hw.prefill_tokens_per_s(32_700 if hw.name.startswith("paper") else 2_000),
+            prefill_tokens_per_s=hw.prefill_tokens_per_s(hw.profile_context_tokens),
         )
         config = RouterConfig(engines["pe"], engines["de"], ["simulated"], policy=_POLICY[mode], vocab_size=1,
                               scheduling=scheduling)  # fmt: skip

@@ -26,6 +26,8 @@ class SimHardware:
     tpot_s: float  # one decode step (every request of a DE is in its batch, §6.2)
     request_overhead_s: float  # per turn, outside read, prefill and decode (router, PD handoff)
     block_tokens: int  # hits are whole blocks
+    # The context the router's starting prefill rate (beta) is profiled at (§A.4: profiled in advance).
+    profile_context_tokens: int
     sources: dict[str, str] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -73,6 +75,7 @@ def _paper() -> SimHardware:
         name="paper", gpus_per_node=8, engines_per_node=8, storage_bytes_per_s=50e9, cnic_bytes_per_s=50e9,
         dram_bytes_per_s=500e9, kv_bytes_per_token=kv_bytes, linear_s_per_token=linear_flops / gpu_flops,
         attention_s_per_pair=attention_flops / gpu_flops, tpot_s=0.030, request_overhead_s=0.0, block_tokens=64,
+        profile_context_tokens=context,
         sources={
             "gpus_per_node": "§2.3, §7.2: 8 Hopper GPUs per node",
             "engines_per_node": "§4: each engine manages one GPU",
@@ -88,6 +91,7 @@ def _paper() -> SimHardware:
             "tpot_s": "assumption: 30 ms, inside §7.4's 50 ms TPOT SLO",
             "request_overhead_s": "not modelled",
             "block_tokens": "§4.1: a full block of 64 tokens",
+            "profile_context_tokens": "§3: the coding trace's mean context, 32.7k",
             "scheduling": "§A.4: alpha = 3 s of reads, beta = 5 s of one GPU's prefill (the router's defaults)",
         },
     )  # fmt: skip
@@ -101,7 +105,7 @@ def _emulated() -> SimHardware:
     return SimHardware(
         name="emulated", gpus_per_node=1, engines_per_node=1, storage_bytes_per_s=16e6 / 8, cnic_bytes_per_s=1e9,
         dram_bytes_per_s=10e9, kv_bytes_per_token=2048.0, linear_s_per_token=1 / 920.9, attention_s_per_pair=0.0,
-        tpot_s=0.0178, request_overhead_s=0.72, block_tokens=32,
+        tpot_s=0.0178, request_overhead_s=0.72, block_tokens=32, profile_context_tokens=2075,
         sources={
             "gpus_per_node": "one vLLM CPU engine per network namespace (dualpath_dev/cluster.py)",
             "engines_per_node": "one engine per namespace",
@@ -114,6 +118,7 @@ def _emulated() -> SimHardware:
             "tpot_s": "Basic 1P1D: tpot_s.p50 = 17.8 ms",
             "request_overhead_s": "Basic 1P1D: ttft_breakdown.other_s = 0.72 s (router, PD pull, DE first step)",
             "block_tokens": "32: the trace's hits then total 136,128 tokens, the runs measured 136,000",
+            "profile_context_tokens": "dualpath-bench.json trace.context = 2075",
         },
     )  # fmt: skip
 
