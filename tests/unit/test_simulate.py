@@ -124,3 +124,15 @@ def test_a_window_of_turns_reads_the_earlier_turns_as_history():
                 for turns in agents for i, (a, _) in enumerate(turns) if i >= 3
                 for c in [sum(x + y for x, y in turns[:i])]]  # fmt: skip
     assert window.hit_bytes == sum(per_turn) * HW.kv_bytes_per_token
+
+
+def test_one_pass_read_queues_equal_each_nodes_read_queue_tokens():
+    # Accounting.read_queues was rewritten as one pass for the simulator's 1152-engine clusters: same answers.
+    accounting = Simulation(HW, 2, 3, "dualpath").dispatcher.accounting
+    for i, engine in enumerate(accounting.engines.values()):
+        engine.reported_read_queue_tokens = 100 * i
+        engine.reported_requests = i % 2 or None  # only stepping engines' reports count
+        accounting.dispatched_read_tokens[engine.node] += 7 * i
+    queues = accounting.read_queues()
+    assert queues == {node: accounting.read_queue_tokens(node) for node in accounting.nodes()}
+    assert len(set(queues.values())) > 1  # the comparison is not between all-zero books
