@@ -43,9 +43,11 @@ class Subscriber:
     """vLLM's ZMQ KV-event stream, decoded with vLLM's own msgspec classes."""
 
     def __init__(self, endpoint: str) -> None:
+        # vLLM's publisher binds a wildcard endpoint and connects to any other, as to an
+        # indexer listening there (llm-d's global-socket mode): this one listens on loopback.
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.SUB)
-        self._socket.connect(endpoint)
+        self._socket.bind(endpoint)
         self._socket.setsockopt(zmq.SUBSCRIBE, b"")
         self._decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
         self.events: list = []
@@ -113,11 +115,11 @@ def engine_and_events(tiny_model, seaweedfs, bucket):
         },
     }
     events_config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": endpoint}
-    with Engine(tiny_model, kv_config, s3=seaweedfs, kv_events_config=json.dumps(events_config)) as engine:
-        subscriber = Subscriber(endpoint)
-        try:
-            # A SUB socket receives only once its subscription reached the publisher:
-            # each reset publishes AllBlocksCleared with the next step; the first one seen proves it.
+    subscriber = Subscriber(endpoint)
+    try:
+        with Engine(tiny_model, kv_config, s3=seaweedfs, kv_events_config=json.dumps(events_config)) as engine:
+            # The publisher's connection and the subscription settle after start-up: each
+            # reset publishes AllBlocksCleared with the next step; the first one seen proves it.
             deadline = time.monotonic() + EVENT_TIMEOUT_S
             while not any(isinstance(e, AllBlocksCleared) for e in subscriber.events):
                 assert time.monotonic() < deadline, "no KV event batch reached the subscriber"
@@ -125,8 +127,8 @@ def engine_and_events(tiny_model, seaweedfs, bucket):
                 subscriber.drain(500)
             subscriber.events.clear()
             yield engine, subscriber
-        finally:
-            subscriber.close()
+    finally:
+        subscriber.close()
 
 
 def drive_until(engine: Engine, subscriber: Subscriber, done, what: str) -> None:
