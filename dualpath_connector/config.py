@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from nixl_backends.configuration import ConfigError, from_dict
+from nixl_backends.configuration import ConfigError, find_secret, from_dict
 from nixl_backends.integrity import integrity_key_from_env, integrity_tag
 from nixl_backends.layout import KVNamespace
 from nixl_backends.registry import parse_store_config
@@ -95,10 +95,11 @@ class DualPathConfig:
     integrity_key: bytes | None = field(default=None, init=False, repr=False)
 
     def validate(self) -> None:
-        if isinstance(self.store, dict) and self.store.get("secret_key") is not None:
+        secret = find_secret(self.store)
+        if secret:
             # vLLM logs kv_connector_extra_config verbatim at start-up.
             raise ConfigError(
-                f"{_WHERE}store.secret_key would be written to vLLM's start-up log; put the "
+                f"{_WHERE}store{secret} would be written to vLLM's start-up log; put the "
                 "credentials in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or another AWS credential source"
             )
         self.store_config = parse_store_config(self.store, f"{_WHERE}store.")

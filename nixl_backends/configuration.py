@@ -62,3 +62,24 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str) -> T:
     if validate is not None:
         validate()
     return obj
+
+
+def find_secret(section: Any, path: str = "") -> str:
+    """Where a ``secret_key`` sits in a config section, nested too (s3agg's ``s3``, tiered's ``tiers``), or ''.
+
+    Configs that end up in a log or on a command line (vLLM's
+    kv_connector_extra_config, LMCache's adapter_params) must refuse one anywhere.
+    """
+    if isinstance(section, dict):
+        for name, value in section.items():
+            if name == "secret_key" and value is not None:
+                return f"{path}.{name}"
+            found = find_secret(value, f"{path}.{name}")
+            if found:
+                return found
+    elif isinstance(section, list):
+        for i, value in enumerate(section):
+            found = find_secret(value, f"{path}[{i}]")
+            if found:
+                return found
+    return ""

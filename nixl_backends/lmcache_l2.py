@@ -77,7 +77,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
 from nixl_backends.buffers import HostBufferPool
-from nixl_backends.configuration import ConfigError, from_dict
+from nixl_backends.configuration import ConfigError, find_secret, from_dict
 from nixl_backends.integrity import ChunkIntegrity, integrity_key_from_env, integrity_tag
 from nixl_backends.layout import BlockLayout, chunk_key
 from nixl_backends.lookup import PresentChunks
@@ -120,7 +120,7 @@ class LMCacheL2Params:
     integrity_key: bytes | None = field(default=None, init=False, repr=False)
 
     def validate(self) -> None:
-        secret = _find_secret(self.store)
+        secret = find_secret(self.store)
         if secret:
             # LMCache logs its adapter specs, and the JSON sits on the server's command line (ps).
             raise ConfigError(
@@ -138,23 +138,6 @@ class LMCacheL2Params:
             raise ConfigError(f"{_WHERE}max_capacity_bytes must be >= 0, got {self.max_capacity_bytes}")
         if not self.key_prefix.strip("/"):
             raise ConfigError(f"{_WHERE}key_prefix must not be empty")
-
-
-def _find_secret(section: Any, path: str = "") -> str:
-    """Where a ``secret_key`` sits in a store section (nested: s3agg's ``s3``, tiered's ``tiers``), or ''."""
-    if isinstance(section, dict):
-        for name, value in section.items():
-            if name == "secret_key" and value is not None:
-                return f"{path}.{name}"
-            found = _find_secret(value, f"{path}.{name}")
-            if found:
-                return found
-    elif isinstance(section, list):
-        for i, value in enumerate(section):
-            found = _find_secret(value, f"{path}[{i}]")
-            if found:
-                return found
-    return ""
 
 
 class DualPathL2AdapterConfig(L2AdapterConfigBase):

@@ -92,6 +92,16 @@ def test_bad_pd_settings_name_the_key(kv_role, extra, named):
             {"store": {"backend": "s3", "bucket": "abc", "access_key": "AK", "secret_key": "SK"}},
             "store.secret_key would be written to vLLM's start-up log",
         ),
+        (
+            {"store": {"backend": "s3agg", "gateway": "http://127.0.0.1:1",
+                       "s3": {"bucket": "abc", "access_key": "AK", "secret_key": "SK"}}},
+            "store.s3.secret_key would be written to vLLM's start-up log",
+        ),
+        (
+            {"store": {"backend": "tiered", "tiers": [{"backend": "posix", "root": "/x"},
+                                                      {"backend": "s3", "bucket": "abc", "secret_key": "SK"}]}},
+            "store.tiers[1].secret_key would be written to vLLM's start-up log",
+        ),
     ],
 )
 def test_bad_config_names_the_key(extra, named):
