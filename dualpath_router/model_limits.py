@@ -1,8 +1,8 @@
 """What the engines' model accepts as a prompt: the vocabulary size and the longest prompt.
 
-Engines run with ``--skip-tokenizer-init``, so vLLM checks no prompt token id
-against the vocabulary, and an id past the embedding table kills the engine's
-forward pass. The router therefore must know the vocabulary size in every
+Engines may run with ``--skip-tokenizer-init``, and then vLLM checks no prompt
+token id against the vocabulary: an id past the embedding table kills the
+engine's forward pass. The router therefore must know the vocabulary size in every
 configuration and refuses to start without one.
 """
 

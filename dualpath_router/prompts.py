@@ -1,11 +1,13 @@
 """Client requests in, engine requests out: validation, tokenization, chat <-> completions.
 
-Engines run without a tokenizer (``--skip-tokenizer-init``), so they only
-ever get ``/v1/completions`` with the prompt as token ids. Token-id prompts
-need nothing else; text prompts and chat need the router's ``tokenizer``,
-which also turns the engine's ``token_ids`` back into chat messages. Such
-engines check no prompt id against the vocabulary (an id past it kills the
-engine), so every prompt's ids are checked here, whatever their origin.
+Engines only ever get ``/v1/completions`` with the prompt as token ids, so
+they may run with or without a tokenizer (``--skip-tokenizer-init``), and the
+router alone decides how text and chat become tokens. Token-id prompts need
+nothing else; text prompts and chat need the router's ``tokenizer``, which
+also turns the engine's ``token_ids`` back into text and chat messages. An
+engine without a tokenizer checks no prompt id against the vocabulary (an id
+past it kills the engine), so every prompt's ids are checked here, whatever
+their origin.
 """
 
 from __future__ import annotations
@@ -148,7 +150,7 @@ class PromptBuilder:
             # The router owns the PD handoff; a client's own parameters would mislead the engines.
             out.pop("kv_transfer_params", None)
         if answer_form != "raw":
-            # Engines without a tokenizer answer token ids; the router makes the text.
+            # The router makes the text from the engine's token ids (engines may have no tokenizer).
             out["return_token_ids"] = True
         max_tokens = out.get("max_tokens")
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
