@@ -10,7 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from nixl_backends.configuration import ConfigError, find_secret, from_dict
+from nixl_backends.configuration import ConfigError, from_dict, refuse_secret
 from nixl_backends.integrity import integrity_key_from_env, integrity_tag
 from nixl_backends.layout import KVNamespace
 from nixl_backends.registry import parse_store_config
@@ -95,13 +95,8 @@ class DualPathConfig:
     integrity_key: bytes | None = field(default=None, init=False, repr=False)
 
     def validate(self) -> None:
-        secret = find_secret(self.store)
-        if secret:
-            # vLLM logs kv_connector_extra_config verbatim at start-up.
-            raise ConfigError(
-                f"{_WHERE}store{secret} would be written to vLLM's start-up log; put the "
-                "credentials in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or another AWS credential source"
-            )
+        # vLLM logs kv_connector_extra_config verbatim at start-up.
+        refuse_secret(self.store, f"{_WHERE}store", "vLLM's start-up log")
         self.store_config = parse_store_config(self.store, f"{_WHERE}store.")
         self.integrity_key = integrity_key_from_env(self.integrity, _WHERE)
         if self.chunk_tokens is not None and self.chunk_tokens <= 0:

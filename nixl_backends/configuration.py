@@ -64,22 +64,30 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, where: str) -> T:
     return obj
 
 
-def find_secret(section: Any, path: str = "") -> str:
-    """Where a ``secret_key`` sits in a config section, nested too (s3agg's ``s3``, tiered's ``tiers``), or ''.
+def refuse_secret(section: Any, where: str, shown_by: str) -> None:
+    """Refuse a ``secret_key`` anywhere in a config section that ``shown_by`` (a log, a command line) shows.
 
-    Configs that end up in a log or on a command line (vLLM's
-    kv_connector_extra_config, LMCache's adapter_params) must refuse one anywhere.
+    Nested too: s3agg's ``s3``, a tiered store's ``tiers``.
     """
+    found = _find_secret(section, "")
+    if found:
+        raise ConfigError(
+            f"{where}{found} would be written to {shown_by}; put the credentials in "
+            "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or another AWS credential source"
+        )
+
+
+def _find_secret(section: Any, path: str) -> str:
     if isinstance(section, dict):
         for name, value in section.items():
             if name == "secret_key" and value is not None:
                 return f"{path}.{name}"
-            found = find_secret(value, f"{path}.{name}")
+            found = _find_secret(value, f"{path}.{name}")
             if found:
                 return found
     elif isinstance(section, list):
         for i, value in enumerate(section):
-            found = find_secret(value, f"{path}[{i}]")
+            found = _find_secret(value, f"{path}[{i}]")
             if found:
                 return found
     return ""

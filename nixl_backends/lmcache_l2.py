@@ -77,7 +77,7 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.platform import create_event_notifier
 
 from nixl_backends.buffers import HostBufferPool
-from nixl_backends.configuration import ConfigError, find_secret, from_dict
+from nixl_backends.configuration import ConfigError, from_dict, refuse_secret
 from nixl_backends.integrity import ChunkIntegrity, integrity_key_from_env, integrity_tag
 from nixl_backends.layout import BlockLayout, chunk_key
 from nixl_backends.lookup import PresentChunks
@@ -120,13 +120,8 @@ class LMCacheL2Params:
     integrity_key: bytes | None = field(default=None, init=False, repr=False)
 
     def validate(self) -> None:
-        secret = find_secret(self.store)
-        if secret:
-            # LMCache logs its adapter specs, and the JSON sits on the server's command line (ps).
-            raise ConfigError(
-                f"{_WHERE}store{secret} would be written to LMCache's log and command line; put the "
-                "credentials in AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or another AWS credential source"
-            )
+        # LMCache logs its adapter specs, and the JSON sits on the server's command line (ps).
+        refuse_secret(self.store, f"{_WHERE}store", "LMCache's log and command line")
         self.store_config = parse_store_config(self.store, f"{_WHERE}store.")
         self.integrity_key = integrity_key_from_env(self.integrity, _WHERE)
         for name in ("staging_buffer_bytes", "lookup_concurrency", "lookup_cache_chunks"):
