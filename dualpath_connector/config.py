@@ -14,8 +14,11 @@ from nixl_backends.configuration import ConfigError, from_dict, refuse_secret
 from nixl_backends.integrity import integrity_key_from_env, integrity_tag
 from nixl_backends.layout import KVNamespace
 from nixl_backends.registry import parse_store_config
+from nixl_backends.traffic_isolation import UcxTraffic, parse_traffic
 
 _WHERE = "kv_connector_extra_config."
+# Where the transport section's keys are named in errors (also those found at the UCX backend's creation).
+TRANSPORT_WHERE = f"{_WHERE}transport."
 LOAD_MODES = ("layerwise", "bulk")
 # vLLM's physical KV cache layouts (vllm.v1.kv_cache_layout.KVCacheLayout) whose
 # blocks this connector copies: each layer's block is one run of bytes (or, for
@@ -89,8 +92,13 @@ class DualPathConfig:
     # How often the scheduler looks for `dualpath-kv gc` removal records, to
     # announce BlockRemoved for the chunks gc deleted; 0: never.
     kv_events_gc_poll_s: float = 10.0
+    # PD roles: UCX settings for KV transfers between engines, e.g. {"ucx_ib_sl": 3} to keep them in
+    # their own InfiniBand service level (docs/traffic-isolation.md); unset: UCX's defaults.
+    transport: dict[str, Any] | None = None
     # Parsed from `store` by validate(); not a user key.
     store_config: Any = field(default=None, init=False, repr=False)
+    # Parsed from `transport` by validate(); not a user key.
+    transport_config: UcxTraffic = field(default_factory=UcxTraffic, init=False, repr=False)
     # Derived from `integrity` and the environment by validate(); never logged.
     integrity_key: bytes | None = field(default=None, init=False, repr=False)
 
@@ -99,6 +107,7 @@ class DualPathConfig:
         refuse_secret(self.store, f"{_WHERE}store", "vLLM's start-up log")
         self.store_config = parse_store_config(self.store, f"{_WHERE}store.")
         self.integrity_key = integrity_key_from_env(self.integrity, _WHERE)
+        self.transport_config = parse_traffic(self.transport, TRANSPORT_WHERE)
         if self.chunk_tokens is not None and self.chunk_tokens <= 0:
             raise ConfigError(f"{_WHERE}chunk_tokens must be positive, got {self.chunk_tokens}")
         for name in ("load_buffer_chunks", "save_buffer_chunks", "lookup_cache_chunks", "kv_events_max_queued"):
@@ -134,6 +143,10 @@ class DualPathConfig:
             raise ConfigError(f"kv_role {kv_role!r} is not supported by DualPathConnector; supported: {KV_ROLES}")
         if kv_role != "kv_both" and self.side_channel_port is None:
             raise ConfigError(f"{_WHERE}side_channel_port is required with kv_role {kv_role!r}")
+        if kv_role == "kv_both" and self.transport:
+            # Only PD roles create the UCX backend these settings are for; silently ignoring them would mislead.
+            raise ConfigError(f"{_WHERE}transport applies to KV transfers between engines: kv_producer or "
+                              f"kv_consumer, not kv_role {kv_role!r}")  # fmt: skip
 
 
 def parse_config(extra_config: dict[str, Any] | None, kv_role: str = "kv_both") -> DualPathConfig:

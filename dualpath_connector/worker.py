@@ -43,7 +43,13 @@ from nixl_backends.transport import UCX, add_ucx_backend
 from dualpath_connector.affinity import kv_transfer_cores, threads_started_on
 from dualpath_connector.compute_window import ComputeWindow
 from dualpath_connector.copy_stream import CudaCopyStream, pinned
-from dualpath_connector.config import ChunkGeometry, DualPathConfig, kv_events_enabled, namespace_for
+from dualpath_connector.config import (
+    TRANSPORT_WHERE,
+    ChunkGeometry,
+    DualPathConfig,
+    kv_events_enabled,
+    namespace_for,
+)
 from dualpath_connector.injection import Injector, LayerwiseInjection
 from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.kv_cache_view import KVCacheView
@@ -87,7 +93,7 @@ class DualPathWorker:
             )
             if kv_role != "kv_both":
                 # Before any registration: pools and KV cache must be readable by peers.
-                add_ucx_backend(self.agent)
+                add_ucx_backend(self.agent, config.transport_config, TRANSPORT_WHERE)
             # The backend must exist before the pools register memory with the agent.
             self.store = make_store(for_rank(config.store_config, tp_rank, pp_rank), self.layout, self.agent)
             # A slot holds a whole stored object: the Full Block and its integrity trailer.

@@ -32,7 +32,9 @@ import numpy as np
 
 from nixl_backends.configuration import ConfigError
 from nixl_backends.layout import HASH_HEX_CHARS, BlockLayout, chunk_key
+from nixl_backends.rdma_devices import RdmaUnavailable, rdma_device_names, rdma_ports
 from nixl_backends.registry import for_rank, parse_store_config
+from nixl_backends.traffic_isolation import UcxTraffic
 
 OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"
 CONNECTOR = "DualPathConnector"
@@ -65,6 +67,10 @@ class Target:
     kv_role: str
     key_prefix: str
     store: Any
+    # The connector's `transport` section; a bare store section has none.
+    transport: UcxTraffic | None = None
+    # Where the transport section's keys are named in errors.
+    transport_where: str = ""
 
 
 class Redactor:
@@ -128,11 +134,11 @@ def parse_target(document: Any, kv_role: str | None = None) -> Target:
     """Parse as the engine would: the connector's own parser (its validation and messages)."""
     # The connector's parser ships in the same wheel; it is imported here, in the command, and not at
     # module level, so the storage layer's modules still import nothing above them.
-    from dualpath_connector.config import parse_config
+    from dualpath_connector.config import TRANSPORT_WHERE, parse_config
 
     extra, role = connector_section(document, kv_role)
     config = parse_config(extra, role)
-    return Target(role, config.key_prefix, config.store_config)
+    return Target(role, config.key_prefix, config.store_config, config.transport_config, TRANSPORT_WHERE)
 
 
 def parse_store_target(section: Any, key_prefix: str) -> Target:
@@ -193,14 +199,34 @@ def check_cluster_key(target: Target) -> CheckResult | None:
     return CheckResult("cluster key", OK, f"{CLUSTER_KEY_ENV} is set ({target.kv_role} signs its side channel)")
 
 
-def _check_plugin(agent: Any, name: str, io_engine: str) -> str:
+def check_rdma(target: Target | None) -> CheckResult:
+    """The RDMA devices pyverbs sees, and those ``transport.ucx_net_devices`` names among them."""
+    traffic = target.transport if target else None
+    wanted = rdma_ports(traffic.ucx_net_devices) if traffic and traffic.ucx_net_devices else []
+    label = "rdma devices"
+    try:
+        found = rdma_device_names()
+    except RdmaUnavailable as exc:
+        if not wanted:
+            return CheckResult(label, SKIP, f"{exc}; this configuration names no RDMA device")
+        return CheckResult(label, WARN, f"{exc}; cannot check {', '.join(wanted)} (transport.ucx_net_devices)",
+                           "install pyverbs to check them here; the UCX backend check below still tries them")  # fmt: skip
+    missing = [name for name in wanted if name not in found]
+    if missing:
+        return CheckResult(label, FAIL, f"{', '.join(missing)} (transport.ucx_net_devices) not among {', '.join(found)}",
+                           "name existing devices (ibv_devinfo -l lists them) in transport.ucx_net_devices")  # fmt: skip
+    return CheckResult(label, OK, f"{', '.join(found)}" + (f"; configured: {', '.join(wanted)}" if wanted else ""))
+
+
+def _check_plugin(agent: Any, name: str, io_engine: str, target: Target | None = None) -> str:
     """Load plugin ``name`` on ``agent`` as the project does; raises with the reason."""
     if name not in agent.get_plugin_list():
         raise RuntimeError(f"NIXL found no {name} plugin (NIXL_PLUGIN_DIR={os.environ.get('NIXL_PLUGIN_DIR', 'unset')})")
     if name == "UCX":
         from nixl_backends.transport import add_ucx_backend
 
-        add_ucx_backend(agent)
+        # With the configured UCX settings: the engine's worker creates its backend with them too.
+        add_ucx_backend(agent, target.transport if target else None, target.transport_where if target else "")
         return "backend created"
     if name == "POSIX":
         from nixl_backends.posix import create_posix_backend
@@ -221,7 +247,7 @@ def check_plugins(agent: Any, target: Target | None) -> Iterator[CheckResult]:
     for name in PLUGINS:
         label = f"nixl {name}"
         try:
-            yield CheckResult(label, OK, _check_plugin(agent, name, io_engine))
+            yield CheckResult(label, OK, _check_plugin(agent, name, io_engine, target))
         except Exception as exc:  # NIXL raises its own types (nixlNotFoundError, ...), or a RuntimeError
             use = "this configuration uses it" if name in needed else "this configuration does not use it"
             yield CheckResult(label, FAIL if name in needed else WARN, f"{type(exc).__name__}: {exc} ({use})",
@@ -377,6 +403,7 @@ def run_checks(target: Target | None, config_result: CheckResult, redact: Redact
         cluster = check_cluster_key(target)
         if cluster is not None:
             results.append(cluster)
+    results.append(check_rdma(target))
     try:
         from nixl._api import nixl_agent, nixl_agent_config
 

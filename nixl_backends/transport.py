@@ -14,14 +14,23 @@ import logging
 import numpy as np
 
 from nixl_backends.nixl_io import coalesce, wait_until
+from nixl_backends.traffic_isolation import UcxTraffic
 
 logger = logging.getLogger(__name__)
 
 UCX = "UCX"
 
 
-def add_ucx_backend(agent) -> None:
-    """Give ``agent`` a UCX backend; call before registering memory peers will read."""
+def add_ucx_backend(agent, traffic: UcxTraffic | None = None, where: str = "transport.") -> None:
+    """Give ``agent`` a UCX backend; call before registering memory peers will read.
+
+    ``traffic`` (the connector's ``transport`` section) becomes UCX_* variables of this
+    process first: UCX reads them when the backend creates its context.
+    """
+    variables = traffic.apply(where) if traffic is not None else {}
+    if variables:
+        logger.info("UCX backend for KV transfers with %s",
+                    " ".join(f"{name}={value}" for name, value in sorted(variables.items())))  # fmt: skip
     # "peer": a vanished peer fails its transfers instead of hanging them.
     agent.create_backend(UCX, {"ucx_error_handling_mode": "peer"})
 

@@ -64,7 +64,10 @@ def test_good_credentials_pass_every_check_and_leave_nothing_behind(seaweedfs, s
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     found = lines(proc)
     store = f"store s3 {seaweedfs.endpoint} bucket {s3_bucket!r}"
-    assert list(found) == ["config", "cluster key", "nixl UCX", "nixl POSIX", "nixl OBJ", store, f"{store} writable"]
+    assert list(found) == ["config", "cluster key", "rdma devices", "nixl UCX", "nixl POSIX", "nixl OBJ", store,
+                           f"{store} writable"]  # fmt: skip
+    # No RDMA hardware here (and no pyverbs in the venv): a skip, never a failure, for a config naming no HCA.
+    assert found.pop("rdma devices").startswith("[SKIP] "), proc.stdout
     assert all(status.startswith("[OK  ]") for status in found.values()), proc.stdout
     assert found[f"{store} writable"] == "[OK  ] 8224-byte probe object written, read back equal, deleted"
     # The probe went through the bucket and was deleted.
