@@ -1,8 +1,9 @@
 """``dualpath-kv doctor``: what would stop an engine, checked before it is launched.
 
 One line per check, in order: the configuration parses (the connector's own parser, so the
-verdict is the engine's), the PD side channel's key is set (producer/consumer roles), NIXL's
-UCX, POSIX and OBJ plugins load, every store the configuration names is reachable with the
+verdict is the engine's), the PD side channel's key is set (producer/consumer roles), the RDMA
+devices pyverbs sees include those the ``transport`` section names, NIXL's UCX (with those
+settings), POSIX and OBJ plugins load, every store the configuration names is reachable with the
 credentials the engine would use, and writable: a probe object is written, read back and
 compared, and deleted, all through the store's own code (NIXL for the bytes; a missing bucket
 is created, as the engine would with ``create_bucket``). A check that
