@@ -27,9 +27,11 @@ WHERE = "kv_connector_extra_config.transport."
 
 @pytest.fixture(autouse=True)
 def no_ucx_variables(monkeypatch):
-    """Each test starts without the UCX variables; monkeypatch restores the real ones afterwards."""
+    """Each test starts without the UCX variables, and leaves them as they were (absent ones removed again)."""
     for variable in UCX_VARIABLES.values():
-        monkeypatch.delenv(variable, raising=False)
+        # setenv records the original value (or its absence) for the undo; delenv of an absent one would not.
+        monkeypatch.setenv(variable, "")
+        monkeypatch.delenv(variable)
 
 
 def pe_extra(**transport) -> dict:
@@ -201,3 +203,19 @@ def test_doctor_fails_a_configured_device_that_does_not_exist(monkeypatch):
     # Negative control: the same listing passes devices that exist.
     assert check_rdma(target(ucx_net_devices="mlx5_1:1")).status == OK
     assert check_rdma(target()).detail == "mlx5_0, mlx5_1"
+
+
+def test_doctor_creates_its_ucx_backend_with_the_configured_settings(tmp_path):
+    from nixl_backends.doctor import diagnose
+
+    def ucx_line(transport: dict) -> tuple[str, str]:
+        extra = {"store": {"backend": "posix", "root": str(tmp_path)}, "side_channel_port": 5600, "transport": transport}
+        document = {"kv_connector": "DualPathConnector", "kv_role": "kv_producer", "kv_connector_extra_config": extra}
+        result = next(r for r in diagnose(document) if r.name == "nixl UCX")
+        return result.status, result.detail
+
+    # UCX_TLS=sm,self: the engine's UCX backend would fail, and so does the doctor's.
+    status, detail = ucx_line({"ucx_tls": "sm,self"})
+    assert status == FAIL and "NIXL_ERR_BACKEND" in detail
+    os.environ.pop("UCX_TLS")  # the doctor exported it; the autouse fixture restores the original afterwards
+    assert ucx_line({"ucx_ib_sl": 3}) == (OK, "backend created")
