@@ -14,15 +14,12 @@ at start-up (neither silently wins); the same value is accepted.
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
 from nixl_backends.configuration import ConfigError, from_dict
-
-logger = logging.getLogger(__name__)
 
 # Key in the connector's config -> the UCX variable it sets.
 UCX_VARIABLES = {
