@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -56,6 +56,18 @@ class EngineLoad:
     # False after a failed scrape or dispatch, until the next good scrape.
     healthy: bool = True
 
+    def __setattr__(self, name: str, value: object) -> None:
+        # Every change to a booked field, from the router or written directly
+        # (tests, the simulator), also moves its Accounting's node totals, so
+        # the totals can never drift from the per-engine values.
+        books = self.__dict__.get("_books")
+        if books is None or name not in _BOOKED_FIELDS:
+            object.__setattr__(self, name, value)
+            return
+        before = (self.dispatched_tokens, self.read_queue_share, self.healthy)
+        object.__setattr__(self, name, value)
+        books.changed(self, *before)
+
     @property
     def name(self) -> str:
         return self.config.name
@@ -70,6 +82,13 @@ class EngineLoad:
         return self.dispatched_tokens
 
     @property
+    def read_queue_share(self) -> int:
+        # vLLM ships connector stats with step outputs, so an engine without
+        # requests (a DE reading for a PE before its decode arrives) keeps
+        # showing the queue of its last step: only stepping engines count.
+        return self.reported_read_queue_tokens if self.reported_requests else 0
+
+    @property
     def unfinished_requests(self) -> int:
         return max(self.dispatched_requests, self.reported_requests or 0)
 
@@ -78,6 +97,61 @@ class EngineLoad:
         if self.kv_usage is None or self.kv_capacity_tokens is None:
             return None
         return (1.0 - self.kv_usage) * self.kv_capacity_tokens
+
+
+_BOOKED_FIELDS = frozenset({"dispatched_tokens", "reported_requests", "reported_read_queue_tokens", "healthy"})
+
+
+class NodeBooks:
+    """Per-node totals of the engines' loads, kept as the engines change, so a placement costs O(nodes).
+
+    ``tokens[(role, node)]``: unfinished tokens of the node's engines of that
+    role (a DE group's load); ``reported_read[node]``: the stepping engines'
+    reported read queues; ``unhealthy[role]``: engines marked unhealthy.
+    """
+
+    def __init__(self, engines: Iterable[EngineLoad]) -> None:
+        self.by_role: dict[Role, list[EngineLoad]] = {"prefill": [], "decode": []}
+        # Nodes per role in the order of their first engine: the order a grouping of the role list gives.
+        self.nodes_by_role: dict[Role, list[str]] = {"prefill": [], "decode": []}
+        self.members: dict[tuple[Role, str], list[EngineLoad]] = {}
+        self.position: dict[str, int] = {}
+        self.tokens: dict[tuple[Role, str], int] = {}
+        self.reported_read: dict[str, int] = {}
+        self.unhealthy: dict[Role, int] = {"prefill": 0, "decode": 0}
+        # The engine with the fewest tokens (first in role order on a tie) per node, recomputed when stale.
+        self._least: dict[tuple[Role, str], EngineLoad] = {}
+        self._stale: set[tuple[Role, str]] = set()
+        for engine in engines:
+            key = (engine.role, engine.node)
+            self.position[engine.name] = len(self.by_role[engine.role])
+            self.by_role[engine.role].append(engine)
+            if key not in self.members:
+                self.members[key] = []
+                self.nodes_by_role[engine.role].append(engine.node)
+                self.tokens[key] = 0
+                self._stale.add(key)
+            self.members[key].append(engine)
+            self.tokens[key] += engine.dispatched_tokens
+            self.reported_read[engine.node] = self.reported_read.get(engine.node, 0) + engine.read_queue_share
+            self.unhealthy[engine.role] += not engine.healthy
+            object.__setattr__(engine, "_books", self)
+
+    def changed(self, engine: EngineLoad, tokens: int, read_share: int, healthy: bool) -> None:
+        """``engine`` changed; the arguments are its values before."""
+        if engine.dispatched_tokens != tokens:
+            key = (engine.role, engine.node)
+            self.tokens[key] += engine.dispatched_tokens - tokens
+            self._stale.add(key)
+        self.reported_read[engine.node] += engine.read_queue_share - read_share
+        self.unhealthy[engine.role] += healthy - engine.healthy
+
+    def least_tokens(self, role: Role, node: str) -> EngineLoad:
+        key = (role, node)
+        if key in self._stale:
+            self._least[key] = min(self.members[key], key=lambda e: (e.unfinished_tokens, self.position[e.name]))
+            self._stale.discard(key)
+        return self._least[key]
 
 
 @dataclass
@@ -127,6 +201,29 @@ def _key_space_from_labels(labels: dict[str, str]) -> StoreKeySpace | None:
         return None
 
 
+class ReadQueues(Mapping[str, int]):
+    """A read-only view of :meth:`Accounting.read_queue_tokens` over the nodes that have engines."""
+
+    def __init__(self, accounting: Accounting) -> None:
+        self._accounting = accounting
+
+    def __getitem__(self, node: str) -> int:
+        if node not in self._accounting.books.reported_read:
+            raise KeyError(node)
+        return self._accounting.read_queue_tokens(node)
+
+    def get(self, node: str, default: int | None = None) -> int | None:  # type: ignore[override]
+        # Mapping.get goes through __getitem__ and KeyError: this runs per node on every placement.
+        reported = self._accounting.books.reported_read.get(node)
+        return default if reported is None else max(self._accounting.dispatched_read_tokens[node], reported)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._accounting.books.reported_read)
+
+    def __len__(self) -> int:
+        return len(self._accounting.books.reported_read)
+
+
 class ThroughputEstimate(RateEstimate):
     """A rate learnt from completed work and the busy time it took.
 
@@ -170,6 +267,11 @@ class Accounting:
     read_rate: ThroughputEstimate
     # Tokens the router sent to be read on each node and not yet answered.
     dispatched_read_tokens: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    books: NodeBooks = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # The set of engines is fixed for the Accounting's life.
+        self.books = NodeBooks(self.engines.values())
 
     @classmethod
     def build(
@@ -189,24 +291,22 @@ class Accounting:
         )
 
     def role(self, role: Role) -> list[EngineLoad]:
-        return [e for e in self.engines.values() if e.role == role]
+        """The engines of ``role`` in configuration order; the same list each call: read it, never change it."""
+        return self.books.by_role[role]
+
+    def all_healthy(self, role: Role) -> bool:
+        return self.books.unhealthy[role] == 0
 
     def nodes(self) -> set[str]:
-        return {e.node for e in self.engines.values()}
+        return set(self.books.reported_read)
 
     def read_queue_tokens(self, node: str) -> int:
-        # vLLM ships connector stats with step outputs, so an engine without
-        # requests (a DE reading for a PE before its decode arrives) keeps
-        # showing the queue of its last step: only stepping engines count.
-        reported = sum(e.reported_read_queue_tokens for e in self.engines.values() if e.node == node and e.reported_requests)
-        return max(self.dispatched_read_tokens[node], reported)
+        """O(1): the larger of what the router sent to be read on ``node`` and what its stepping engines report."""
+        return max(self.dispatched_read_tokens[node], self.books.reported_read.get(node, 0))
 
-    def read_queues(self) -> dict[str, int]:
-        """Every node's :meth:`read_queue_tokens`, in one pass over the engines (it runs on every placement)."""
-        reported: dict[str, int] = {}
-        for e in self.engines.values():
-            reported[e.node] = reported.get(e.node, 0) + (e.reported_read_queue_tokens if e.reported_requests else 0)
-        return {node: max(self.dispatched_read_tokens[node], tokens) for node, tokens in reported.items()}
+    def read_queues(self) -> ReadQueues:
+        """Every node's :meth:`read_queue_tokens`, each computed when looked up."""
+        return ReadQueues(self)
 
     def alpha_tokens(self, alpha_s: float) -> float:
         return alpha_s * self.read_rate.tokens_per_s

@@ -61,7 +61,10 @@ class Dispatcher:
         changed.set()
 
     def _candidates(self, role: Role, excluded: set[str]) -> list[EngineLoad]:
-        engines = [e for e in self.accounting.role(role) if e.name not in excluded]
+        everyone = self.accounting.role(role)
+        if not excluded and self.accounting.all_healthy(role):
+            return everyone  # the role's own list: policies choose from per-node totals (O(nodes))
+        engines = [e for e in everyone if e.name not in excluded]
         # A failed scrape may be transient; an engine is only ruled out for a
         # request once a dispatch to it failed.
         return [e for e in engines if e.healthy] or engines

@@ -31,6 +31,30 @@ def select_prefill_dualpath(
     return min(category, key=lambda e: e.unfinished_tokens) if category else None
 
 
+def select_prefill_by_node(
+    accounting: Accounting, read_queues: Mapping[str, int], alpha_tokens: float, beta_tokens: float
+) -> EngineLoad | None:
+    """:func:`select_prefill_dualpath` over every PE, from each node's least-loaded PE: O(PE nodes).
+
+    The least (tokens, position) PE on short-read-queue nodes is Algorithm 1's
+    choice if it is within beta; if it is not, no PE there is, and the choice
+    is the least PE of all, if within beta.
+    """
+    books = accounting.books
+    short: tuple[tuple[int, int], EngineLoad] | None = None
+    least: tuple[tuple[int, int], EngineLoad] | None = None
+    for node in books.nodes_by_role["prefill"]:
+        engine = books.least_tokens("prefill", node)
+        rank = (engine.unfinished_tokens, books.position[engine.name])
+        if least is None or rank < least[0]:
+            least = (rank, engine)
+        if (short is None or rank < short[0]) and read_queues.get(node, 0) <= alpha_tokens:
+            short = (rank, engine)
+    if short is not None and short[1].unfinished_tokens <= beta_tokens:
+        return short[1]
+    return least[1] if least is not None and least[1].unfinished_tokens <= beta_tokens else None
+
+
 def select_decode_dualpath(des: Sequence[EngineLoad], request_tokens: int, threshold_factor: float) -> EngineLoad:
     """Two-phase DE scheduling for one request.
 
@@ -43,12 +67,26 @@ def select_decode_dualpath(des: Sequence[EngineLoad], request_tokens: int, thres
     for engine in des:
         groups[engine.node].append(engine)
     group = min(groups.values(), key=lambda g: sum(e.unfinished_tokens for e in g))
+    return _select_in_group(group, sum(e.unfinished_tokens for e in group), request_tokens, threshold_factor)
+
+
+def select_decode_by_node(accounting: Accounting, request_tokens: int, threshold_factor: float) -> EngineLoad:
+    """:func:`select_decode_dualpath` over every DE, from the per-node token totals: O(DE nodes + group)."""
+    tokens = accounting.books.tokens
+    node = min(accounting.books.nodes_by_role["decode"], key=lambda n: tokens[("decode", n)])
+    group = accounting.books.members[("decode", node)]
+    return _select_in_group(group, tokens[("decode", node)], request_tokens, threshold_factor)
+
+
+def _select_in_group(group: Sequence[EngineLoad], group_tokens: int, request_tokens: int,
+                     threshold_factor: float) -> EngineLoad:  # fmt: skip
+    """Phase 2 of :func:`select_decode_dualpath` within the chosen group."""
     fits = [e for e in group if e.free_kv_tokens is None or e.free_kv_tokens >= request_tokens]
     if not fits:
         # The paper stops fetching here; a vLLM engine queues the request
         # itself, so send it where the most memory frees up first.
         return max(group, key=lambda e: e.free_kv_tokens or 0.0)
-    threshold = threshold_factor * (request_tokens + sum(e.unfinished_tokens for e in group)) / len(group)
+    threshold = threshold_factor * (request_tokens + group_tokens) / len(group)
     below = [e for e in fits if e.unfinished_tokens + request_tokens <= threshold]
     if below:
         return min(below, key=lambda e: e.unfinished_requests)
@@ -124,16 +162,21 @@ class DualPathPolicy(Policy):
     def __init__(self, scheduling: SchedulingConfig) -> None:
         self.scheduling = scheduling
 
+    # Candidate lists that are the whole role (``Accounting.role``'s own
+    # list, as the dispatcher passes while every engine is healthy) are
+    # chosen from the per-node totals; subsets by the plain formulas.
     def choose_prefill(self, pes, accounting, tokens):
-        return select_prefill_dualpath(
-            pes,
-            accounting.read_queues(),
-            accounting.alpha_tokens(self.scheduling.alpha_s),
-            accounting.beta_tokens(self.scheduling.beta_s),
-        )
+        alpha = accounting.alpha_tokens(self.scheduling.alpha_s)
+        beta = accounting.beta_tokens(self.scheduling.beta_s)
+        if pes is accounting.role("prefill"):
+            return select_prefill_by_node(accounting, accounting.read_queues(), alpha, beta)
+        return select_prefill_dualpath(pes, accounting.read_queues(), alpha, beta)
 
     def choose_decode(self, des, accounting, tokens):
-        return select_decode_dualpath(des, tokens, self.scheduling.de_token_threshold_factor)
+        factor = self.scheduling.de_token_threshold_factor
+        if des is accounting.role("decode"):
+            return select_decode_by_node(accounting, tokens, factor)
+        return select_decode_dualpath(des, tokens, factor)
 
     def choose_read_side(self, pe, de, accounting):
         return select_read_side(pe, de, accounting.read_queues())
