@@ -202,8 +202,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         payload["decision_rate"] = experiments.decision_rate(hw, p, d, 16)
         payload["decision_rate_note"] = (
             f"{hw.engines_per_node} engines per node as in §4; 16 agents per prefill node, 3 turns each. "
-            "Profile: Accounting.read_queues (once in choose_prefill, once in choose_read_side) and "
-            "select_decode_dualpath's grouping each walk every engine per placement: O(engines) per decision.")
+            "A placement is O(nodes) while every engine is healthy: Accounting keeps per-node totals "
+            "(NodeBooks) as engines' books change, and the policy chooses from them.")
     if args.pd_range:
         payload["pd_range"] = experiments.pd_range_check(hw, args.pd_range_agents)
     if args.preset == "emulated":
