@@ -22,6 +22,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=512)
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-events-config", default=None, help="JSON, as for vllm serve")
+    parser.add_argument("--attention-backend", default=None, help="vLLM's attention backend, e.g. CPU_MLA")
     args = parser.parse_args()
 
     # vLLM logs to stdout: keep the real stdout for the protocol and send
@@ -46,6 +47,7 @@ def main() -> None:
         kv_cache_memory_bytes=512 << 20,
         kv_transfer_config=KVTransferConfig(**kv_config) if kv_config else None,
         kv_events_config=KVEventsConfig(**json.loads(args.kv_events_config)) if args.kv_events_config else None,
+        attention_config={"backend": args.attention_backend} if args.attention_backend else None,
     )
     namespace = None
     key_prefix = None

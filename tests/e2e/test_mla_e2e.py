@@ -43,6 +43,13 @@ HIT = len(P) // CHUNK * CHUNK
 # computation a store hit runs. It saves a prompt's first (len - 1) // 16 * 16
 # tokens, looks a prompt up by its first (len - 2) // 16 * 16 and loads its
 # first (len - 1) // 16 * 16: A hits P's 1488 tokens for 1490 <= len(A) <= 1504.
+# On hosts with AMX tiles vLLM picks its AMX_MLA backend instead, which keeps chunked
+# prefill and prefix caching on (the ExampleConnector then saves only P's first 512-token
+# step): every engine here runs the reference CPU_MLA backend, so the test means the same
+# on every host.
+MLA_BACKEND = {"attention_backend": "CPU_MLA"}
+
+
 def example_connector(root) -> dict:
     return {
         "kv_connector": "ExampleConnector",
@@ -63,7 +70,8 @@ def dualpath(root) -> dict:
 
 @pytest.fixture(scope="module")
 def baseline(tiny_mla_model, tmp_path_factory):
-    with Engine(tiny_mla_model, example_connector(tmp_path_factory.mktemp("example-connector"))) as engine:
+    root = tmp_path_factory.mktemp("example-connector")
+    with Engine(tiny_mla_model, example_connector(root), **MLA_BACKEND) as engine:
         out = {"P": engine.generate([P], MAX_TOKENS)[0]}
         out["A_after_P"] = engine.generate([A], MAX_TOKENS)[0]
     assert out["P"]["num_cached_tokens"] == 0
@@ -79,7 +87,7 @@ def store_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def populated(tiny_mla_model, store_root, baseline):
     """A first engine with the connector serves P; the connector stores its chunks."""
-    with Engine(tiny_mla_model, dualpath(store_root)) as engine:
+    with Engine(tiny_mla_model, dualpath(store_root), **MLA_BACKEND) as engine:
         out = engine.generate([P], MAX_TOKENS)[0]
         namespace, prefix = engine.ready["namespace"], engine.ready["key_prefix"]
 
@@ -101,7 +109,7 @@ def test_saving_does_not_change_outputs_and_stores_one_latent_per_token(baseline
 
 def test_fresh_engine_hits_stored_prefix_and_matches(tiny_mla_model, store_root, baseline, populated):
     path = populated["path"]
-    with Engine(tiny_mla_model, dualpath(store_root)) as engine:
+    with Engine(tiny_mla_model, dualpath(store_root), **MLA_BACKEND) as engine:
         out = engine.generate([A], MAX_TOKENS)[0]
         assert out["num_cached_tokens"] == HIT
         assert same(out, baseline["A_after_P"])
