@@ -157,8 +157,10 @@ def test_hit_arrives_layer_by_layer_and_matches(engine, gateways, baseline):
     assert same(out, baseline["A_after_P"])
     # The hit came through the gateway, layer by layer, in one request.
     assert gateway_metric(paced, "s3agg_requests_total", mode="layerwise", outcome="ok") == before + 1
-    # Negative control: the comparison tells a cold run's KV (other chunking) from the stored one.
-    assert not same(out, baseline["A"])
+    # Negative control: the comparison can fail. Not against a cold run of A: on hosts whose
+    # CPU attention uses AMX, a cold prefill computes bit-identical KV in any chunking. B
+    # (another suffix after the same hit) must answer differently.
+    assert not same(out, baseline["B_after_P"])
 
 
 def test_layer_failing_its_check_mid_forward_is_recomputed(engine, seaweedfs, baseline):
