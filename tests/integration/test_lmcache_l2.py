@@ -188,10 +188,6 @@ def test_models_ranks_groups_salts_and_modes_never_collide(adapter, store_sectio
         keyed.close()
 
 
-def _stored_path(root: Path, key: ObjectKey) -> Path:
-    return root / store_key("lmcache", key, OBJECT_BYTES, "xxh3-128")[0]
-
-
 def _tamper(section: dict, seaweedfs, key: ObjectKey, edit) -> None:
     """Rewrite the stored object of ``key`` as ``edit(bytes)`` (an attacker or bit rot below the adapter)."""
     name = store_key("lmcache", key, OBJECT_BYTES, "xxh3-128")[0]
