@@ -68,6 +68,10 @@ class DualPathConfig:
     de_read_timeout_s: float = 10.0
     # Deadline of one NIXL transfer between engines.
     pd_transfer_timeout_s: float = 30.0
+    # PE: a hit it would read behind its own queued reads is offered to the
+    # request's DE, which reads it only if it can finish sooner (work stealing
+    # between the two storage links; the DE keeps what it read for its decode).
+    move_queued_reads: bool = True
     # Benchmarks only (dualpath-bench's Oracle): hits count as loaded
     # without a byte read or moved, so outputs are wrong. Refused unless the
     # environment says DUALPATH_BENCHMARK=1.

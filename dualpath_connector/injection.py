@@ -160,7 +160,9 @@ class Injector:
 
     def end_remote(self, hit: LoadedHit) -> None:
         """Every layer of a DE-read hit arrived: count it and hand the DE its buffer back."""
-        self.stats.add(bytes_pulled_from_peer=len(hit.chunks) * self.layout.full_block_bytes)
+        nbytes = len(hit.chunks) * self.layout.full_block_bytes
+        self.stats.add(bytes_pulled_from_peer=nbytes)
+        self.stats.size("compute_network_bytes_per_request", nbytes)
         self.release([hit])
 
 

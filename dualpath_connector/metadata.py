@@ -31,6 +31,9 @@ class LoadSpec:
     # channel is ``de_side_channel`` reads it into its buffer, this engine pulls.
     read_side: str = "pe"
     de_side_channel: str | None = None
+    # Read side "de": the DE keeps the chunks it read under this token for its
+    # own decode of the prompt, and then pulls only the rest from this engine.
+    keep_token: str | None = None
 
     def num_blocks(self) -> int:
         return sum(len(c.block_ids) for c in self.chunks)
@@ -54,6 +57,11 @@ class PullSpec:
     No ``block_ids``: nothing to pull (a local prefix hit, an aborted request),
     only the PE's blocks to release. ``block_ids`` without matching remote
     blocks: the PE's answer was unusable, so the pull fails and vLLM recomputes.
+
+    ``kept``: hit chunks this DE read for the PE and kept under ``kept_token``,
+    with the blocks here they fill (a subset of ``block_ids``; hashes computed
+    here from the prompt). Those that are still kept and match are copied in
+    from the buffer and not pulled; any other is pulled like the rest.
     """
 
     req_id: str
@@ -61,6 +69,8 @@ class PullSpec:
     remote_req_id: str
     remote_block_ids: list[int]
     block_ids: list[int]
+    kept_token: str | None = None
+    kept: list[ChunkLoad] = field(default_factory=list)
 
 
 @dataclass

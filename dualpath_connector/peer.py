@@ -13,6 +13,11 @@ dispatcher (:mod:`nixl_backends.notifications`, shared with the store's):
 ``release:<lease>`` from a PE ends a DE's lease on its buffer. Every hold has
 an expiry, so a peer that vanishes never pins memory for good.
 
+A lease taken with a keep token (the DE reads a hit for the PE that will hand
+it the same prompt to decode) does not return its slots on release: they are
+*kept* under the token until this engine's decode claims them
+(:meth:`PeerLink.claim_kept`) or ``lease_s`` passes.
+
 Every side-channel message is signed with the cluster key
 (``DUALPATH_CLUSTER_KEY``, :mod:`dualpath_connector.cluster_auth`): without it
 a PD engine does not start, and a peer without it is served nothing.
@@ -77,11 +82,12 @@ class PeerLink:
         self._holds: dict[str, float] = {}
         self._pulled: set[str] = set()
         self._released_holds: set[str] = set()
-        # DE: buffer slots lent to a PE -> (pool, slots, expiry).
-        self._leases: dict[str, tuple[HostBufferPool, list[int], float]] = {}
+        # DE: buffer slots lent to a PE, by lease; kept for this engine's decode after the release, by token.
+        self._leases: dict[str, _Lease] = {}
+        self._kept: dict[str, _Lease] = {}
         self._notifications = dispatcher_for(agent)
         self._notifications.register(PULLED, self._on_pulled)
-        self._notifications.register(RELEASE, lambda message: self._end_lease(message[len(RELEASE):].decode()))
+        self._notifications.register(RELEASE, lambda message: self._released(message[len(RELEASE):].decode()))
         self._server = SideChannelServer(
             host, port, self._key, {OP_HELLO: self._hello, OP_READ: self._read}, self._tick, cpu_affinity=cpu_affinity
         )
@@ -114,12 +120,39 @@ class PeerLink:
             return
         self._serve_read(read, reply)
 
-    def lease(self, pool: HostBufferPool, slots: list[int]) -> str:
-        """Lend ``slots`` of ``pool`` to a peer until it sends ``release:<lease>`` or the lease expires."""
+    def lease(
+        self, pool: HostBufferPool, slots: list[int], keep_token: str | None = None, chunk_hashes: list[str] = ()
+    ) -> str:
+        """Lend ``slots`` of ``pool`` to a peer until it sends ``release:<lease>`` or the lease expires.
+
+        With ``keep_token``, the release keeps the slots (holding
+        ``chunk_hashes``, one per slot) for :meth:`claim_kept`.
+        """
         lease = uuid.uuid4().hex
         with self._lock:
-            self._leases[lease] = (pool, slots, time.monotonic() + self._lease_s)
+            self._leases[lease] = _Lease(pool, slots, time.monotonic() + self._lease_s, keep_token, list(chunk_hashes))
         return lease
+
+    @property
+    def kept_slots(self) -> int:
+        """Buffer slots a PE released that are kept for this engine's decodes."""
+        with self._lock:
+            return sum(len(kept.slots) for kept in self._kept.values())
+
+    def claim_kept(self, keep_token: str) -> tuple[HostBufferPool, list[int], list[str]] | None:
+        """The slots kept under ``keep_token`` and the chunk each holds, now the caller's to release; None if gone.
+
+        Also before the PE's release arrived: the PE handed the prompt on only
+        after its prefill, so it reads these slots no more.
+        """
+        with self._lock:
+            kept = self._kept.pop(keep_token, None)
+            if kept is None:
+                lease = next((k for k, v in self._leases.items() if v.keep_token == keep_token), None)
+                kept = self._leases.pop(lease) if lease is not None else None
+        if kept is None:
+            return None
+        return kept.pool, kept.slots, kept.chunk_hashes
 
     # -- PE holds -------------------------------------------------------------
 
@@ -148,22 +181,32 @@ class PeerLink:
                 self._pulled.discard(req_id)
                 del self._holds[req_id]
                 self._released_holds.add(req_id)
-            expired = [lease for lease, (_, _, expiry) in self._leases.items() if expiry < now]
-        for lease in expired:
+            expired = {k: self._leases.pop(k) for k in [k for k, v in self._leases.items() if v.expires_at < now]}
+            expired_kept = {k: self._kept.pop(k) for k in [k for k, v in self._kept.items() if v.expires_at < now]}
+        for lease, held in expired.items():
             logger.warning("buffer lease %s expired before the PE released it", lease)
-            self._end_lease(lease)
+            held.pool.release(held.slots)
+        for token, kept in expired_kept.items():
+            logger.info("kept hit %s (%d chunks) expired before its decode request came", token, len(kept.slots))
+            kept.pool.release(kept.slots)
 
     def _on_pulled(self, message: bytes) -> None:
         with self._lock:
             # A pull may finish before this engine's next step registers the hold.
             self._pulled.add(message[len(PULLED) :].decode())
 
-    def _end_lease(self, lease: str) -> None:
+    def _released(self, lease: str) -> None:
+        """The PE is done with a lease: keep its slots for the decode if asked to, else free them."""
         with self._lock:
             held = self._leases.pop(lease, None)
+            if held is not None and held.keep_token is not None:
+                token = held.keep_token
+                # A token seen twice (a peer's bug): the older slots are freed, never lost.
+                older = self._kept.get(token)
+                self._kept[token] = dataclasses.replace(held, expires_at=time.monotonic() + self._lease_s)
+                held = older
         if held is not None:
-            pool, slots, _ = held
-            pool.release(slots)
+            held.pool.release(held.slots)
 
     # -- talking to peers -----------------------------------------------------
 
@@ -212,3 +255,15 @@ class PeerLink:
         self._server.stop()
         for prefix in (PULLED, RELEASE):
             self._notifications.unregister(prefix)
+
+
+@dataclasses.dataclass
+class _Lease:
+    """Buffer slots lent to a PE (or kept for this engine's decode) until ``expires_at`` (time.monotonic())."""
+
+    pool: HostBufferPool
+    slots: list[int]
+    expires_at: float
+    keep_token: str | None = None
+    # The chunk each slot holds (kept leases only).
+    chunk_hashes: list[str] = dataclasses.field(default_factory=list)

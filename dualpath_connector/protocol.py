@@ -19,6 +19,7 @@ anything reaches an engine: hostile input raises :class:`ProtocolError`.
 
 from __future__ import annotations
 
+import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,7 +31,8 @@ from nixl_backends.layout import BlockLayout, KVNamespace, chunk_hashes, chunk_k
 # Bumped on any incompatible change of a message, a key or a label below.
 # 2: side-channel messages are signed (cluster_auth); stored chunks carry integrity trailers.
 # 3: the hello answer's KV regions carry num_blocks and block_stride (cross-layer layouts).
-PROTOCOL_VERSION = 3
+# 4: a DE keeps a hit it read for a PE (read ``keep_token``, hand-off ``kept_*``) and pulls only the rest.
+PROTOCOL_VERSION = 4
 VERSION_KEY = "dualpath_version"
 
 
@@ -53,6 +55,27 @@ def _int_list(value: Any, name: str) -> list[int]:
     return list(value)
 
 
+def _count(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ProtocolError(f"{name} must be a non-negative integer, got {value!r}")
+    return value
+
+
+# A keep token is a uuid4 hex: short, and safe to log.
+_KEEP_TOKEN_CHARS = frozenset("0123456789abcdef")
+
+
+def _keep_token(value: Any, name: str) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= 64 or not set(value) <= _KEEP_TOKEN_CHARS:
+        raise ProtocolError(f"{name} must be 1-64 lowercase hex characters")
+    return value
+
+
+def new_keep_token() -> str:
+    """A fresh token naming a hit a DE keeps for its decode (PE side)."""
+    return uuid.uuid4().hex
+
+
 def _nonempty_str(value: Any, name: str) -> str:
     if not isinstance(value, str) or not value:
         raise ProtocolError(f"{name} must be a non-empty string, got {value!r}")
@@ -69,8 +92,10 @@ READ_SIDES: tuple[str, ...] = ("pe", "de")
 class PrefillRequest:
     """Router -> PE: prefill only, hand the KV to a DE; who reads the store hit.
 
-    ``read_side`` ``"de"`` names the DE whose side channel reads the hit into
-    its buffer (``de_side_channel``, ``host:port``).
+    ``de_side_channel`` (``host:port``) is the side channel of the DE that
+    will decode the request. ``read_side`` ``"de"`` makes that DE read the
+    hit into its buffer (the side channel is then required); with ``"pe"``
+    the PE reads it, or moves the read to that DE while its own link is busy.
     """
 
     read_side: ReadSide = "pe"
@@ -94,9 +119,9 @@ class PrefillRequest:
         if side not in READ_SIDES:
             raise ProtocolError(f"read_side must be one of {READ_SIDES}, got {side!r}")
         de = params.get("de_side_channel")
-        if side == "de":
-            de = _nonempty_str(de, "de_side_channel (read_side 'de')")
-        return cls(side, de if side == "de" else None)
+        if side == "de" or de is not None:
+            de = _nonempty_str(de, f"de_side_channel (read_side {side!r})")
+        return cls(side, de)
 
 
 @dataclass(frozen=True)
@@ -104,17 +129,26 @@ class PrefillHandoff:
     """PE -> router -> DE: where the prefilled prompt's KV waits to be pulled.
 
     ``remote_block_ids`` are the PE's blocks of the prompt in token order;
-    ``stored_chunks`` leading chunks were already in the store when the PE
-    looked, so the DE does not save them again.
+    ``stored_chunks`` leading chunks were in the store when the PE looked or
+    are being saved by the PE, so the DE saves only the chunks after them.
+
+    DE-read hits (paper §4.1): the DE read prompt chunks ``kept_first_chunk``
+    onwards (``kept_chunks`` of them) for the PE and keeps them in its buffer
+    under ``kept_token``; it takes them from there and pulls only the other
+    blocks. The token is a hint, never trusted: the DE uses a kept chunk only
+    if its hash equals the one the DE computes from the prompt itself.
     """
 
     remote_side_channel: str
     remote_request_id: str
     remote_block_ids: list[int]
     stored_chunks: int = 0
+    kept_token: str | None = None
+    kept_first_chunk: int = 0
+    kept_chunks: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        params = {
             "do_remote_prefill": True,
             "remote_side_channel": self.remote_side_channel,
             "remote_request_id": self.remote_request_id,
@@ -122,6 +156,9 @@ class PrefillHandoff:
             "stored_chunks": self.stored_chunks,
             VERSION_KEY: PROTOCOL_VERSION,
         }
+        if self.kept_token is not None:
+            params.update(kept_token=self.kept_token, kept_first_chunk=self.kept_first_chunk, kept_chunks=self.kept_chunks)
+        return params
 
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> PrefillHandoff | None:
@@ -129,14 +166,17 @@ class PrefillHandoff:
         if not params or not params.get("do_remote_prefill"):
             return None
         check_version(params, "the prefill engine's kv_transfer_params")
-        stored = params.get("stored_chunks", 0)
-        if not isinstance(stored, int) or isinstance(stored, bool) or stored < 0:
-            raise ProtocolError(f"stored_chunks must be a non-negative integer, got {stored!r}")
+        token = params.get("kept_token")
+        if token is not None:
+            token = _keep_token(token, "kept_token")
         return cls(
             remote_side_channel=_nonempty_str(params.get("remote_side_channel"), "remote_side_channel"),
             remote_request_id=_nonempty_str(params.get("remote_request_id"), "remote_request_id"),
             remote_block_ids=_int_list(params.get("remote_block_ids"), "remote_block_ids"),
-            stored_chunks=stored,
+            stored_chunks=_count(params.get("stored_chunks", 0), "stored_chunks"),
+            kept_token=token,
+            kept_first_chunk=_count(params.get("kept_first_chunk", 0), "kept_first_chunk") if token else 0,
+            kept_chunks=_count(params.get("kept_chunks", 0), "kept_chunks") if token else 0,
         )
 
 
@@ -156,11 +196,17 @@ def hello_message() -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class ReadRequest:
-    """PE -> DE: read these chunks into your buffer within ``deadline_s``, or decline at once."""
+    """PE -> DE: read these chunks into your buffer within ``deadline_s``, or decline at once.
+
+    ``keep_token``: the DE is also the request's decode engine; after the PE
+    released the buffer, the DE keeps the chunks under this token for its own
+    decode of the same prompt (:class:`PrefillHandoff` ``kept_token``).
+    """
 
     namespace: str
     chunk_hashes: list[str]
     deadline_s: float
+    keep_token: str | None = None
 
     def to_message(self) -> dict[str, Any]:
         return {
@@ -169,6 +215,7 @@ class ReadRequest:
             "namespace": self.namespace,
             "chunk_hashes": list(self.chunk_hashes),
             "deadline_s": self.deadline_s,
+            "keep_token": self.keep_token,
         }
 
     @classmethod
@@ -179,7 +226,10 @@ class ReadRequest:
         deadline = message.get("deadline_s")
         if not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not deadline > 0:
             raise ProtocolError(f"deadline_s must be a positive number, got {deadline!r}")
-        return cls(str(message.get("namespace")), hashes, float(deadline))
+        token = message.get("keep_token")
+        if token is not None:
+            token = _keep_token(token, "keep_token")
+        return cls(str(message.get("namespace")), hashes, float(deadline), token)
 
 
 @dataclass(frozen=True)
@@ -220,6 +270,10 @@ COUNTERS = {
     "bytes_read_for_peer": "Bytes read from the store into this engine's buffer for a PE (DE-side reads)",
     "bytes_pulled_from_peer": "Bytes pulled from another engine: DE-read hits on a PE, prefilled prompts on a DE",
     "pulled_tokens": "Prompt tokens whose KV a DE pulled from its PE",
+    "kept_tokens": "Prompt tokens a DE copied in from the hit it had read for its PE and kept, instead of pulling "
+    "them back from the PE (DE-read flow)",
+    "reads_moved_to_de": "PE-side reads this PE moved to the request's DE because its own storage link was busy "
+    "and the DE could finish sooner (work stealing)",
     "de_read_fallbacks": "DE-side reads that failed or timed out, read from the store by the PE instead",
     "de_reads_declined": "PE read requests this DE declined (its read queue would miss the PE's deadline); "
     "the PE read those hits itself",
@@ -255,6 +309,12 @@ TIMINGS = {
     "layer_wait_seconds": "Layerwise loads: time one forward waited in wait_for_layer_load, summed over layers "
     "(on a GPU, the compute stream's stall)",
     "layer_load_seconds": "Layerwise loads: time one forward's loads took on their own (copies from first to last)",
+}
+# Per-request sizes in bytes (histograms with byte buckets).
+SIZES = {
+    "compute_network_bytes_per_request": "KV bytes this engine received from a peer engine for one request (the "
+    "compute network): on a PE the hit a DE read for it, on a DE the prompt KV it pulled from the PE; a request's "
+    "total is the PE's figure plus the DE's",
 }
 GAUGES = {
     "read_queue_tokens": "Tokens queued or in flight in this engine's store reads, including reads served for a PE",

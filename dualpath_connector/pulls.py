@@ -73,10 +73,9 @@ class PromptPuller:
         if not spec.block_ids:
             return True
         if ok:
-            self.stats.add(
-                bytes_pulled_from_peer=len(spec.block_ids) * self._bytes_per_block,
-                pulled_tokens=len(spec.block_ids) * self.block_size,
-            )
+            nbytes = len(spec.block_ids) * self._bytes_per_block
+            self.stats.add(bytes_pulled_from_peer=nbytes, pulled_tokens=len(spec.block_ids) * self.block_size)
+            self.stats.size("compute_network_bytes_per_request", nbytes)
         else:
             self.peers.forget(address)
             logger.warning("request %s: prompt KV not pulled from PE %s; recomputing it", spec.req_id, address)

@@ -97,6 +97,7 @@ class HitReader:
         stats: StatsRecorder,
         de_read_timeout_s: float,
         cores: set[int] | None,
+        move_queued_reads: bool = False,
         layer_arrival: bool = False,
         compute_window_s: Callable[[], float | None] = lambda: None,
     ) -> None:
@@ -110,6 +111,7 @@ class HitReader:
         self.lane = lane
         self.stats = stats
         self.de_read_timeout_s = de_read_timeout_s
+        self.move_queued_reads = move_queued_reads
         # Hits read here arrive layer by layer (the store delivers per layer, the loads are layerwise).
         self.layer_arrival = layer_arrival and store.delivers_layers
         # The forward's measured per-layer compute time, declared to the store's bandwidth scheduler.
@@ -146,17 +148,50 @@ class HitReader:
 
         self.lane.submit(job)
 
-    def submit_through_de(self, spec: LoadSpec, on_read: Callable[[LoadedHit], None]) -> None:
-        """Ask ``spec``'s DE to read the hit; if it cannot, read it here."""
+    def submit_through_de(
+        self, spec: LoadSpec, on_read: Callable[[LoadedHit], None], deadline_s: float | None = None
+    ) -> None:
+        """Ask ``spec``'s DE to read the hit within ``deadline_s`` (default ``de_read_timeout_s``); if it cannot, read it here."""
 
         def job() -> None:
-            hit = self._guarded(spec, lambda: self.read_through_de(spec))
+            hit = self._guarded(spec, lambda: self.read_through_de(spec, deadline_s))
             if hit is None:
                 self.submit_here(spec, on_read)
             else:
                 on_read(hit)
 
         self._de_reads.submit(job)
+
+    def submit_here_or_move(self, spec: LoadSpec, on_read: Callable[[LoadedHit], None]) -> None:
+        """A PE-side read: here, or by the request's DE if this engine's link is busy and the DE finishes sooner.
+
+        Work stealing between the two storage links: a read that would queue
+        behind this engine's own is offered to the DE with the time it would
+        take here as the deadline; the DE takes it only if its own queue lets
+        it finish by then, and declines at once otherwise (then it is read
+        here). No chunk is read on both sides: a DE read that can no longer
+        end in time is declined before it starts.
+        """
+        deadline_s = self._move_deadline(spec)
+        if deadline_s is None:
+            self.submit_here(spec, on_read)
+            return
+
+        def on_moved_or_here(hit: LoadedHit) -> None:
+            if hit.remote is not None:
+                self.stats.add(reads_moved_to_de=1)
+            on_read(hit)
+
+        self.submit_through_de(spec, on_moved_or_here, deadline_s)
+
+    def _move_deadline(self, spec: LoadSpec) -> float | None:
+        """How long ``spec``'s read would take here behind the queued reads, if offering it to the DE may help."""
+        if not self.move_queued_reads or spec.de_side_channel is None or self.peers is None:
+            return None
+        ahead, rate = self.read_queue.queued_tokens, self.read_queue.tokens_per_s
+        if ahead <= 0 or rate is None:
+            return None  # this link is idle (or not measured yet): read here
+        return min((ahead + spec.num_blocks() * self.block_size) / rate, self.de_read_timeout_s)
 
     @staticmethod
     def _guarded(spec: LoadSpec, read: Callable[[], LoadedHit | None]) -> LoadedHit | None:
@@ -318,11 +353,11 @@ class HitReader:
         except Exception as exc:
             logger.warning("could not delete corrupt chunk %s: %s", key, exc)
 
-    def read_through_de(self, spec: LoadSpec) -> LoadedHit | None:
-        """Ask the DE to read the hit into its buffer; None if it cannot (then this engine reads)."""
+    def read_through_de(self, spec: LoadSpec, deadline_s: float | None = None) -> LoadedHit | None:
+        """Ask the DE to read the hit into its buffer within ``deadline_s``; None if it cannot (then this engine reads)."""
         address = spec.de_side_channel
-        timeout_s = self.de_read_timeout_s
-        request = ReadRequest(self.key_space.digest, [c.chunk_hash for c in spec.chunks], timeout_s)
+        timeout_s = self.de_read_timeout_s if deadline_s is None else deadline_s
+        request = ReadRequest(self.key_space.digest, [c.chunk_hash for c in spec.chunks], timeout_s, spec.keep_token)
         try:
             peer = self.peers.peer(address, timeout_s)
             message = self.peers.request(address, request.to_message(), timeout_s)
@@ -398,7 +433,7 @@ class HitReader:
                 if late is not None:
                     self._decline(late, reply)
                 else:
-                    reply(self._read_for_peer(request.chunk_hashes))
+                    reply(self._read_for_peer(request))
             finally:
                 self._count_queue(-tokens)
 
@@ -408,7 +443,8 @@ class HitReader:
         self.stats.add(de_reads_declined=1)
         reply({"error": reason, "busy": True})
 
-    def _read_for_peer(self, chunk_hashes: list[str]) -> dict[str, Any]:
+    def _read_for_peer(self, request: ReadRequest) -> dict[str, Any]:
+        chunk_hashes = request.chunk_hashes
         try:
             slots = self.pool.acquire(len(chunk_hashes))
         except PoolExhausted:
@@ -425,7 +461,9 @@ class HitReader:
         self.pool.release(slots[readable:])
         nbytes = readable * self.key_space.layout.full_block_bytes
         self.stats.add(bytes_read=nbytes, bytes_read_for_peer=nbytes)
-        lease = self.peers.lease(self.pool, slots[:readable]) if readable else None
+        lease = None
+        if readable:
+            lease = self.peers.lease(self.pool, slots[:readable], request.keep_token, chunk_hashes[:readable])
         return ReadAnswer(readable, lease, [self.pool.slot_addr(s) for s in slots[:readable]]).to_message()
 
     def shutdown(self) -> None:

@@ -25,7 +25,7 @@ from dualpath_connector.metadata import (
     SaveSpec,
     SendSpec,
 )
-from dualpath_connector.protocol import PrefillHandoff, PrefillRequest, ProtocolError, StoreKeySpace
+from dualpath_connector.protocol import PrefillHandoff, PrefillRequest, ProtocolError, StoreKeySpace, new_keep_token
 from dualpath_connector.stats import DualPathStats, StatsRecorder
 
 if TYPE_CHECKING:
@@ -54,10 +54,12 @@ class _RequestState:
     block_ids: list[int] = field(default_factory=list)
     # Loads issued for this request; a second ask follows a failed load.
     loads_issued: int = 0
-    # PE: the router asked for prefill only; the DE persists the chunks.
+    # PE: the router asked for prefill only; the DE decodes and saves the chunks decoding completes.
     remote_decode: PrefillRequest | None = None
     # DE: the PE's hand-off, until the pull is planned.
     remote_prefill: PrefillHandoff | None = None
+    # PE, read side "de": (keep token, first chunk, chunks) of the hit its DE keeps.
+    kept: tuple[str, int, int] | None = None
 
 
 class DualPathScheduler:
@@ -250,8 +252,17 @@ class DualPathScheduler:
                 )
             )
         remote = state.remote_decode
-        read_side = (remote.read_side, remote.de_side_channel) if remote is not None else ("pe", None)
-        self._loads.append(LoadSpec(request.request_id, chunks, *read_side))
+        spec = LoadSpec(request.request_id, chunks)
+        if remote is not None:
+            spec.read_side, spec.de_side_channel = remote.read_side, remote.de_side_channel
+        if spec.de_side_channel is not None:
+            # The DE that decodes the request may read the hit (read side "de",
+            # or a read moved there while this engine's link is busy): it then
+            # keeps it and pulls only what this engine computed (paper §4.1).
+            first_chunk = local_blocks // self.geometry.blocks_per_chunk
+            spec.keep_token = new_keep_token()
+            state.kept = (spec.keep_token, first_chunk, hit_chunks - first_chunk)
+        self._loads.append(spec)
         state.loads_issued += 1
         logger.debug("request %s: loading %d tokens from the store", request.request_id, num_external_tokens)
 
@@ -285,6 +296,7 @@ class DualPathScheduler:
             # The worker reports every local block failed: vLLM recomputes.
             logger.warning("request %s: PE sent %d blocks for %d prompt tokens", request.request_id, len(remote_blocks), num_prompt)
             remote_blocks = []
+        kept = self._kept_chunks(state, handoff, first) if local and remote_blocks else []
         self._pulls.append(
             PullSpec(
                 req_id=request.request_id,
@@ -292,8 +304,30 @@ class DualPathScheduler:
                 remote_req_id=handoff.remote_request_id,
                 remote_block_ids=remote_blocks[first:wanted] if local else [],
                 block_ids=local,
+                kept_token=handoff.kept_token if kept else None,
+                kept=kept,
             )
         )
+
+    def _kept_chunks(self, state: _RequestState, handoff: PrefillHandoff, first_block: int) -> list[ChunkLoad]:
+        """The hand-off's kept chunks as loads into this request's blocks from ``first_block`` on.
+
+        Hashes come from the prompt here, not from the hand-off: the worker
+        uses a kept chunk only if the DE's buffer holds exactly that hash.
+        """
+        if handoff.kept_token is None:
+            return []
+        num_prompt = len(state.request.prompt_token_ids or ())
+        hashes = self._hashes(state, num_prompt)
+        bpc = self.geometry.blocks_per_chunk
+        end = min(handoff.kept_first_chunk + handoff.kept_chunks, len(hashes))
+        chunks = []
+        for chunk in range(handoff.kept_first_chunk, end):
+            skip = max(0, first_block - chunk * bpc)
+            if skip < bpc:
+                blocks = state.block_ids[chunk * bpc + skip : (chunk + 1) * bpc]
+                chunks.append(ChunkLoad(chunk_hash=hashes[chunk], first_sub_block=skip, block_ids=blocks))
+        return chunks
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DualPathMetadata:
         meta = DualPathMetadata(loads=self._loads, pulls=self._pulls, sends=self._sends, dropped_req_ids=self._dropped)
@@ -359,8 +393,9 @@ class DualPathScheduler:
         return self.stats.take()
 
     def _plan_save(self, state: _RequestState, computed_after_step: int, meta: DualPathMetadata) -> None:
-        if state.remote_decode is not None:
-            return  # its DE persists the chunks, with the decoded ones
+        # A PE saves the prompt chunks it computes through its own storage
+        # link; its hand-off tells the DE to save only from there on (the
+        # chunks decoding completes), so saves use both links, none twice.
         # Only tokens that exist (not async-scheduling placeholders) are hashed.
         complete = min(computed_after_step, len(state.request.all_token_ids)) // self.geometry.chunk_tokens
         if complete <= state.saved_chunks:
@@ -408,11 +443,16 @@ class DualPathScheduler:
         if not (state.remote_decode is not None and prefilled and block_ids):
             return False, None
         self._sends.append(SendSpec(request.request_id, time.time() + self.config.pd_lease_s))
+        kept_token, kept_first_chunk, kept_chunks = state.kept or (None, 0, 0)
         return True, PrefillHandoff(
             remote_side_channel=f"{self.config.side_channel_host}:{self.config.side_channel_port}",
             remote_request_id=request.request_id,
             remote_block_ids=list(block_ids),
-            stored_chunks=state.stored_chunks,
+            # Stored, or being saved by this engine.
+            stored_chunks=state.saved_chunks,
+            kept_token=kept_token,
+            kept_first_chunk=kept_first_chunk,
+            kept_chunks=kept_chunks,
         ).to_dict()
 
     def shutdown(self) -> None:

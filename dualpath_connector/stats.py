@@ -13,11 +13,22 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-from dualpath_connector.protocol import COUNTERS, GAUGES, METRIC_PREFIX, NAMESPACE_INFO_METRIC, TIMINGS, StoreKeySpace
+from dualpath_connector.protocol import (
+    COUNTERS,
+    GAUGES,
+    METRIC_PREFIX,
+    NAMESPACE_INFO_METRIC,
+    SIZES,
+    TIMINGS,
+    StoreKeySpace,
+)
+
+# Distributions: per-event samples, exported as histograms.
+_SAMPLED = (*TIMINGS, *SIZES)
 
 def _empty() -> dict[str, Any]:
     data: dict[str, Any] = dict.fromkeys(COUNTERS, 0)
-    data.update({name: [] for name in TIMINGS})
+    data.update({name: [] for name in _SAMPLED})
     # Latest values only; absent until set.
     data["gauges"] = {}
     return data
@@ -33,7 +44,7 @@ class DualPathStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> DualPathStats:
         for name in COUNTERS:
             self.data[name] += other.data.get(name, 0)
-        for name in TIMINGS:
+        for name in _SAMPLED:
             self.data[name].extend(other.data.get(name, []))
         self.data["gauges"].update(other.data.get("gauges", {}))
         return self
@@ -43,7 +54,7 @@ class DualPathStats(KVConnectorStats):
         out: dict[str, int | float] = {
             name: self.data[name] for name in COUNTERS if self.data[name] or not name.startswith("local_tier_")
         }
-        for name in TIMINGS:
+        for name in _SAMPLED:
             values = self.data[name]
             out[f"{name}_median"] = round(statistics.median(values), 4) if values else 0.0
         out.update(self.data["gauges"])
@@ -52,7 +63,7 @@ class DualPathStats(KVConnectorStats):
     def is_empty(self) -> bool:
         return (
             not any(self.data[name] for name in COUNTERS)
-            and not any(self.data[n] for n in TIMINGS)
+            and not any(self.data[n] for n in _SAMPLED)
             and not self.data["gauges"]
         )
 
@@ -77,6 +88,10 @@ class StatsRecorder:
         with self._lock:
             self._stats.data[name].append(seconds)
 
+    def size(self, name: str, nbytes: int) -> None:
+        with self._lock:
+            self._stats.data[name].append(nbytes)
+
     def take(self) -> DualPathStats | None:
         with self._lock:
             if self._stats.is_empty():
@@ -99,13 +114,15 @@ class DualPathPromMetrics(KVConnectorPromMetrics):
             )
             for name, doc in COUNTERS.items()
         }
-        buckets = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+        seconds = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+        nbytes = [float(1 << shift) for shift in range(16, 36, 2)]  # 64 KiB .. 16 GiB, x4
         self._histograms = {
             name: create_metric_per_engine(
                 self._histogram_cls(name=f"{METRIC_PREFIX}{name}", documentation=doc, buckets=buckets, labelnames=labelnames),
                 per_engine_labelvalues,
             )
-            for name, doc in TIMINGS.items()
+            for docs, buckets in ((TIMINGS, seconds), (SIZES, nbytes))
+            for name, doc in docs.items()
         }
         self._gauges = {
             name: create_metric_per_engine(
@@ -139,7 +156,7 @@ class DualPathPromMetrics(KVConnectorPromMetrics):
             if value:
                 per_engine[engine_idx].inc(value)
         for name, per_engine in self._histograms.items():
-            for seconds in transfer_stats_data.get(name, []):
-                per_engine[engine_idx].observe(seconds)
+            for value in transfer_stats_data.get(name, []):
+                per_engine[engine_idx].observe(value)
         for name, value in transfer_stats_data.get("gauges", {}).items():
             self._gauges[name][engine_idx].set(value)

@@ -26,6 +26,7 @@ and the forward waits for each later layer as it reaches it
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -166,6 +167,7 @@ class DualPathWorker:
             store=self.store, pool=self.load_pool, block_size=self.geometry.block_size, key_space=self.key_space,
             integrity=self.integrity, kv_dtype=kv_caches[names[0]].dtype, peers=self.peers, lane=self._lanes["read"], stats=self.stats,
             de_read_timeout_s=self.config.de_read_timeout_s, cores=self._transfer_cores,
+            move_queued_reads=self.config.move_queued_reads,
             layer_arrival=self.config.load_mode == "layerwise", compute_window_s=lambda: self.compute_window.seconds,
         )  # fmt: skip
         # On a GPU, loads and saves each get a copy stream beside the forward's (the CPU path copies inline).
@@ -209,7 +211,7 @@ class DualPathWorker:
             elif spec.read_side == "de":
                 self.reader.submit_through_de(spec, on_read)
             else:
-                self.reader.submit_here(spec, on_read)
+                self.reader.submit_here_or_move(spec, on_read)
         for pull in meta.pulls:
             self._lanes["pull"].submit(lambda pull=pull: self._pull(pull))
 
@@ -313,13 +315,49 @@ class DualPathWorker:
     # -- PD pulls (DE) --------------------------------------------------------------
 
     def _pull(self, spec: PullSpec) -> None:
-        ok = self.puller.pull(spec)
+        rest = spec
+        kept = self._take_kept(spec) if spec.kept_token is not None else set()
+        if kept:
+            pairs = [(b, r) for b, r in zip(spec.block_ids, spec.remote_block_ids) if b not in kept]
+            rest = dataclasses.replace(
+                spec, block_ids=[b for b, _ in pairs], remote_block_ids=[r for _, r in pairs], kept_token=None, kept=[]
+            )
+        ok = self.puller.pull(rest)
+        if kept and not rest.block_ids:
+            self.stats.size("compute_network_bytes_per_request", 0)  # the whole prompt was kept here
         if not spec.block_ids:
             return  # only the PE's blocks were released: no load to report
         with self._lock:
             if not ok:
-                self._failed_blocks.update(spec.block_ids)
+                self._failed_blocks.update(rest.block_ids)
             self._done_loads.add(spec.req_id)
+
+    def _take_kept(self, spec: PullSpec) -> set[int]:
+        """Copy the hit chunks this DE read for the PE and still keeps into their blocks; the blocks filled.
+
+        A chunk is used only if the buffer holds exactly the hash computed here
+        from the prompt; whatever is not filled here is pulled from the PE.
+        """
+        claimed = self.peers.claim_kept(spec.kept_token)
+        if claimed is None:
+            # The PE read the hit itself, or the kept chunks expired.
+            logger.debug("request %s: no hit kept under its token; pulling the whole prompt", spec.req_id)
+            return set()
+        pool, slots, chunk_hashes = claimed
+        slot_of = dict(zip(chunk_hashes, slots))
+        usable = [chunk for chunk in spec.kept if chunk.chunk_hash in slot_of]
+        used = [slot_of[chunk.chunk_hash] for chunk in usable]
+        pool.release(sorted(set(slots) - set(used)))
+        if not usable:
+            return set()
+        try:
+            self.injector.inject_whole(LoadedHit(spec.req_id, usable, slots=used))  # releases the slots
+        except Exception:
+            logger.exception("request %s: copying its kept hit in failed; pulling it", spec.req_id)
+            return set()
+        filled = {block for chunk in usable for block in chunk.block_ids}
+        self.stats.add(kept_tokens=len(filled) * self.geometry.block_size)
+        return filled
 
     # -- what vLLM asks back ----------------------------------------------------------
 

@@ -45,6 +45,8 @@ BATCH_TOKENS = 512
 TURNS = 3
 BUCKET = "dualpath-pd"
 READ_SIDES = ("pe", "de", "dualpath")
+# Per engine: what the DE pulled or kept of each prompt, and the chunks each engine saved.
+FLOW_COUNTERS = [(side, name) for side in ("pe", "de") for name in ("pulled_tokens", "kept_tokens", "saved_chunks")]
 
 
 def session_prompts(seed: int) -> list[list[int]]:
@@ -98,6 +100,9 @@ def test_session_through_router_matches_single_engine(read_side, tiny_model, sea
         "pe_read": pe.metric_total(counter_total_name("bytes_read")),
         "de_read_for_pe": de.metric_total(counter_total_name("bytes_read_for_peer")),
     }
+    engines = {"pe": pe, "de": de}
+    counted = {(side, name): engines[side].metric_total(counter_total_name(name)) for side, name in FLOW_COUNTERS}
+    hits = []
     router = RouterProcess([pe], [de], seaweedfs, tmp_path, read_side="auto" if read_side == "dualpath" else read_side)
     router.start()
     try:
@@ -105,11 +110,12 @@ def test_session_through_router_matches_single_engine(read_side, tiny_model, sea
         for turn, expected in enumerate(baseline[read_side]):
             out, headers = through_router(router, expected["prompt"], OUTPUT_TOKENS)
             assert same(out, expected), f"turn {turn} differs from the engine without the connector"
-            # The next turn must find every chunk the DE saves (asynchronously).
+            # The next turn must find every chunk saved (asynchronously: the PE its prompt chunks, the DE the rest).
             de.wait_stored(expected["prompt"] + out["tokens"][:-1])
             hit = int(headers["x-dualpath-hit-tokens"])
+            hits.append(hit)
             sides.append(headers["x-dualpath-read-side"])
-            # Every full chunk of the previous turn's prompt and output was stored by the DE.
+            # Every full chunk of the previous turn's prompt and output was stored (by the PE or the DE).
             previous = baseline[read_side][turn - 1] if turn else None
             assert hit == (len(previous["prompt"]) + OUTPUT_TOKENS - 1) // BLOCK * BLOCK if previous else hit == 0
     finally:
@@ -126,6 +132,24 @@ def test_session_through_router_matches_single_engine(read_side, tiny_model, sea
         assert pe.metric_total(counter_total_name("bytes_pulled_from_peer")) >= de_read
     else:
         assert pe_read + de_read > 0
+    grew = {
+        (side, name): _settled(lambda: engines[side].metric_total(counter_total_name(name))) - counted[side, name]
+        for side, name in FLOW_COUNTERS
+    }
+    # DE-read flow (paper §4.1): a hit the DE read for the PE stays in the DE's buffer, and the DE pulls only
+    # the blocks the PE computed; with PE reads the DE pulls every prompt block.
+    prompts = [turn["prompt"] for turn in baseline[read_side]]
+    prompt_tokens = sum(-(-len(prompt) // BLOCK) * BLOCK for prompt in prompts)
+    kept = sum(hit for hit, side in zip(hits, sides) if side == "de")
+    assert (grew["de", "kept_tokens"], grew["de", "pulled_tokens"]) == (kept, prompt_tokens - kept)
+    if read_side == "de":
+        assert kept > 0
+    # Saves on both storage links, each chunk once: the PE saves the prompt chunks it computed, the DE the
+    # chunks decoding completed (every full chunk of the last prompt and its output is stored, by one of them).
+    chunk_tokens = pe.key_space().chunk_tokens
+    last = baseline[read_side][-1]
+    assert grew["pe", "saved_chunks"] > 0 and grew["de", "saved_chunks"] > 0
+    assert grew["pe", "saved_chunks"] + grew["de", "saved_chunks"] == (len(last["prompt"]) + OUTPUT_TOKENS - 1) // chunk_tokens
 
 
 def _settled(read, timeout_s: float = 30.0) -> float:

@@ -99,7 +99,8 @@ class Side:
             reply({"error": "queue too long", "busy": True})
             return
         slots = self.pool.acquire(len(chunk_hashes))
-        reply({"readable": len(slots), "lease": self.link.lease(self.pool, slots), "chunk_addrs": [self.pool.slot_addr(s) for s in slots]})
+        lease = self.link.lease(self.pool, slots, read.keep_token, chunk_hashes)
+        reply({"readable": len(slots), "lease": lease, "chunk_addrs": [self.pool.slot_addr(s) for s in slots]})
 
     def close(self) -> None:
         self.link.close()
@@ -115,8 +116,8 @@ def pair():
     pe.close()
 
 
-def read_request(address: str, namespace: str, chunk_hashes: list[str], timeout_s: float) -> dict:
-    return request(address, ReadRequest(namespace, chunk_hashes, timeout_s).to_message(), timeout_s)
+def read_request(address: str, namespace: str, chunk_hashes: list[str], timeout_s: float, keep_token=None) -> dict:
+    return request(address, ReadRequest(namespace, chunk_hashes, timeout_s, keep_token).to_message(), timeout_s)
 
 
 def rows(layers: list[np.ndarray], blocks: list[int]) -> np.ndarray:
@@ -177,6 +178,73 @@ def test_unreleased_lease_expires(caplog):
         assert f"buffer lease {answer['lease']} expired before the PE released it" in caplog.text
     finally:
         side.close()
+
+
+# -- DE-read hits kept for the DE's own decode (paper §4.1) ------------------------
+
+
+def release_and_sync(pe: Side, de: Side, lease: str) -> None:
+    """The PE's release, then a notification behind it: once that one is seen, the release was handled."""
+    peer = pe.link.peer(de.address, timeout_s=5)
+    de.link.hold("barrier", time.time() + 60)
+    pe.link.notify(peer.agent, RELEASE + lease.encode())
+    pe.link.notify(peer.agent, PULLED + b"barrier")
+    assert wait_for(de.link.take_released_holds) == {"barrier"}
+
+
+def test_a_released_lease_with_a_keep_token_is_kept_until_claimed(pair):
+    pe, de = pair
+    answer = read_request(de.address, "ns-1", ["a", "b"], timeout_s=5, keep_token="aa" * 16)
+    release_and_sync(pe, de, answer["lease"])
+    # Released by the PE, yet not back in the pool: kept for the decode.
+    assert (de.pool.free_slots, de.link.kept_slots) == (2, 2)
+    pool, slots, hashes = de.link.claim_kept("aa" * 16)
+    assert pool is de.pool and hashes == ["a", "b"] and len(slots) == 2
+    assert de.link.kept_slots == 0 and de.link.claim_kept("aa" * 16) is None  # claimed once
+    pool.release(slots)
+    assert de.pool.free_slots == 4
+
+
+def test_a_keep_claimed_before_the_pe_released_is_not_freed_twice(pair):
+    pe, de = pair
+    answer = read_request(de.address, "ns-1", ["a"], timeout_s=5, keep_token="bb" * 16)
+    pool, slots, hashes = de.link.claim_kept("bb" * 16)
+    assert hashes == ["a"]
+    pool.release(slots)
+    release_and_sync(pe, de, answer["lease"])  # the late release finds nothing
+    assert (de.pool.free_slots, de.link.kept_slots) == (4, 0)
+    assert de.pool.acquire(4) is not None  # every slot once, none twice
+
+
+def test_a_lease_without_a_keep_token_is_freed_on_release(pair):
+    pe, de = pair
+    answer = read_request(de.address, "ns-1", ["a"], timeout_s=5)
+    release_and_sync(pe, de, answer["lease"])
+    assert (de.pool.free_slots, de.link.kept_slots) == (4, 0)
+    assert de.link.claim_kept("cc" * 16) is None
+
+
+def test_a_kept_hit_nobody_claims_expires(caplog):
+    pe, de = Side(), Side(lease_s=0.3)
+    try:
+        answer = read_request(de.address, "ns-1", ["a", "b"], timeout_s=5, keep_token="dd" * 16)
+        peer = pe.link.peer(de.address, timeout_s=5)
+        pe.link.notify(peer.agent, RELEASE + answer["lease"].encode())
+        wait_for(lambda: de.pool.free_slots == 4)
+        assert de.link.claim_kept("dd" * 16) is None
+    finally:
+        de.close()
+        pe.close()
+
+
+def test_a_keep_token_used_twice_frees_the_older_slots(pair):
+    pe, de = pair
+    first = read_request(de.address, "ns-1", ["a"], timeout_s=5, keep_token="ee" * 16)
+    second = read_request(de.address, "ns-1", ["b"], timeout_s=5, keep_token="ee" * 16)
+    release_and_sync(pe, de, first["lease"])
+    release_and_sync(pe, de, second["lease"])
+    assert (de.pool.free_slots, de.link.kept_slots) == (3, 1)
+    assert de.link.claim_kept("ee" * 16)[2] == ["b"]
 
 
 def test_read_for_another_namespace_is_refused(pair):

@@ -24,11 +24,13 @@ from dualpath_connector.protocol import (
     counter_total_name,
     metric_total,
     metric_totals,
+    new_keep_token,
 )
 
 KEY_SPACE = StoreKeySpace(digest="0123abcd" * 4, key_prefix="dualpath", chunk_tokens=32, num_layers=4,
                           layer_block_bytes=1024)  # fmt: skip
 HANDOFF = PrefillHandoff("10.0.0.1:5600", "cmpl-1", [3, 1, 2], stored_chunks=2)
+KEPT = PrefillHandoff("10.0.0.1:5600", "cmpl-1", [3, 1, 2], 2, kept_token="0f" * 16, kept_first_chunk=1, kept_chunks=4)
 
 
 # -- kv_transfer_params ----------------------------------------------------------
@@ -41,8 +43,10 @@ def test_prefill_request_round_trips(request_):
     assert PrefillRequest.from_dict(params) == request_
 
 
-def test_prefill_request_keeps_the_de_side_channel_only_for_de_reads():
-    assert PrefillRequest.from_dict(PrefillRequest("pe", "10.0.0.2:5700").to_dict()) == PrefillRequest("pe")
+def test_prefill_request_names_the_decoding_de_for_either_read_side():
+    # With read side "pe" it is where the PE may move a read while its own link is busy.
+    assert PrefillRequest.from_dict(PrefillRequest("pe", "10.0.0.2:5700").to_dict()) == PrefillRequest("pe", "10.0.0.2:5700")
+    assert PrefillRequest.from_dict(PrefillRequest("pe").to_dict()) == PrefillRequest("pe")
 
 
 def test_prefill_handoff_round_trips():
@@ -50,6 +54,30 @@ def test_prefill_handoff_round_trips():
     assert params["do_remote_prefill"] is True and params[VERSION_KEY] == PROTOCOL_VERSION
     assert PrefillHandoff.from_dict(params) == HANDOFF
     assert PrefillHandoff.from_dict({**params, "stored_chunks": 0}).stored_chunks == 0
+
+
+def test_a_handoff_naming_a_kept_hit_round_trips():
+    assert PrefillHandoff.from_dict(KEPT.to_dict()) == KEPT
+    # Without a token the range means nothing and is dropped.
+    params = {**HANDOFF.to_dict(), "kept_first_chunk": 5, "kept_chunks": 9}
+    assert PrefillHandoff.from_dict(params) == HANDOFF
+
+
+@pytest.mark.parametrize(
+    "change, what",
+    [({"kept_token": ""}, "kept_token"), ({"kept_token": "ZZ"}, "kept_token"), ({"kept_token": "a" * 65}, "kept_token"),
+     ({"kept_token": 7}, "kept_token"), ({"kept_token": "../x"}, "kept_token"), ({"kept_chunks": -1}, "kept_chunks"),
+     ({"kept_chunks": True}, "kept_chunks"), ({"kept_first_chunk": 1.5}, "kept_first_chunk")],
+)  # fmt: skip
+def test_bad_kept_hits_in_a_handoff_are_refused(change, what):
+    with pytest.raises(ProtocolError, match=what):
+        PrefillHandoff.from_dict({**KEPT.to_dict(), **change})
+
+
+def test_new_keep_tokens_are_valid_and_distinct():
+    tokens = {new_keep_token() for _ in range(100)}
+    assert len(tokens) == 100
+    assert all(PrefillHandoff.from_dict({**HANDOFF.to_dict(), "kept_token": t}).kept_token == t for t in tokens)
 
 
 @pytest.mark.parametrize("params", [None, {}, {"do_remote_prefill": False}, {"do_remote_decode": False}])
@@ -77,6 +105,8 @@ def test_another_or_missing_version_is_refused_naming_both(message, version):
         ({"read_side": "de", "de_side_channel": None}, "de_side_channel"),
         ({"read_side": "de", "de_side_channel": ""}, "de_side_channel"),
         ({"read_side": "de", "de_side_channel": 5700}, "de_side_channel"),
+        ({"read_side": "pe", "de_side_channel": ""}, "de_side_channel"),
+        ({"read_side": "pe", "de_side_channel": ["h:1"]}, "de_side_channel"),
     ],
 )
 def test_bad_prefill_requests_are_refused(change, what):
@@ -112,15 +142,17 @@ def test_bad_handoffs_are_refused(change, what):
 # -- side-channel messages ---------------------------------------------------------
 
 
-def test_read_request_round_trips():
-    request = ReadRequest(KEY_SPACE.digest, ["ab" * 32, "cd" * 32], 2.5)
+@pytest.mark.parametrize("keep_token", [None, "1f" * 16])
+def test_read_request_round_trips(keep_token):
+    request = ReadRequest(KEY_SPACE.digest, ["ab" * 32, "cd" * 32], 2.5, keep_token)
     assert ReadRequest.from_message(request.to_message()) == request
 
 
 @pytest.mark.parametrize(
     "change, what",
     [({"chunk_hashes": "ab"}, "chunk_hashes"), ({"chunk_hashes": [1]}, "chunk_hashes"),
-     ({"deadline_s": 0}, "deadline_s"), ({"deadline_s": True}, "deadline_s"), ({"deadline_s": "1"}, "deadline_s")],
+     ({"deadline_s": 0}, "deadline_s"), ({"deadline_s": True}, "deadline_s"), ({"deadline_s": "1"}, "deadline_s"),
+     ({"keep_token": ""}, "keep_token"), ({"keep_token": ["ab"]}, "keep_token"), ({"keep_token": "A1"}, "keep_token")],
 )  # fmt: skip
 def test_bad_read_requests_are_refused(change, what):
     message = ReadRequest(KEY_SPACE.digest, ["ab" * 32], 2.5).to_message()

@@ -426,6 +426,97 @@ def test_de_pull_with_too_few_remote_blocks_names_none(tmp_path):
     assert pull.block_ids == list(range(10, 17))
 
 
+def kept_handoff(first_chunk=0, chunks=2, token="ab" * 16) -> PrefillHandoff:
+    return PrefillHandoff(
+        "pe-host:7001", "pe-r1", [500 + i for i in range(7)], stored_chunks=3,
+        kept_token=token, kept_first_chunk=first_chunk, kept_chunks=chunks,
+    )  # fmt: skip
+
+
+def test_de_takes_the_kept_hit_chunks_and_pulls_the_rest(tmp_path):
+    scheduler, _ = make_scheduler(tmp_path, "kv_consumer")
+    prompt = prompt_of(100)
+    request = make_request("d1", prompt, kept_handoff().to_dict())
+
+    scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, Blocks(range(10, 17)), 100)
+    pull = scheduler.build_connector_meta(empty_step()).pulls[0]
+
+    # Every block is still named for the pull (the fallback if the DE no longer keeps the hit) ...
+    assert (pull.remote_block_ids, pull.block_ids) == (list(range(500, 507)), list(range(10, 17)))
+    # ... and chunks 0-1 come from the kept buffer, named by the hashes the DE computes itself.
+    assert pull.kept_token == "ab" * 16
+    assert pull.kept == [ChunkLoad(h, 0, b) for h, b in zip(hashes_of(prompt)[:2], [[10, 11], [12, 13]])]
+
+
+def test_de_kept_chunks_skip_its_local_prefix_hit(tmp_path):
+    scheduler, _ = make_scheduler(tmp_path, "kv_consumer")
+    prompt = prompt_of(100)
+    request = make_request("d1", prompt, kept_handoff(first_chunk=0, chunks=3).to_dict())
+
+    # Three blocks local: chunk 0 is whole here, chunk 1 half.
+    scheduler.get_num_new_matched_tokens(request, 3 * BLOCK)
+    scheduler.update_state_after_alloc(request, Blocks(range(10, 17)), 100 - 3 * BLOCK)
+    pull = scheduler.build_connector_meta(empty_step()).pulls[0]
+
+    assert pull.block_ids == [13, 14, 15, 16]
+    assert pull.kept == [ChunkLoad(hashes_of(prompt)[1], 1, [13]), ChunkLoad(hashes_of(prompt)[2], 0, [14, 15])]
+
+
+@pytest.mark.parametrize("first_chunk, chunks", [(2, 10**9), (10**9, 5), (3, 1)])
+def test_de_kept_range_is_clipped_to_the_prompt(tmp_path, first_chunk, chunks):
+    """A hand-off naming chunks past the prompt (a bug or a forgery) yields at most the prompt's own chunks."""
+    scheduler, _ = make_scheduler(tmp_path, "kv_consumer")
+    prompt = prompt_of(100)  # chunks 0-2 are whole
+    request = make_request("d1", prompt, kept_handoff(first_chunk, chunks).to_dict())
+    scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, Blocks(range(10, 17)), 100)
+    pull = scheduler.build_connector_meta(empty_step()).pulls[0]
+
+    expected = [ChunkLoad(hashes_of(prompt)[2], 0, [14, 15])] if first_chunk == 2 else []
+    assert pull.kept == expected
+    assert pull.kept_token == ("ab" * 16 if expected else None)
+
+
+def test_de_without_usable_remote_blocks_uses_no_kept_chunk(tmp_path):
+    scheduler, _ = make_scheduler(tmp_path, "kv_consumer")
+    params = {**kept_handoff().to_dict(), "remote_block_ids": [500, 501]}
+    request = make_request("d1", prompt_of(100), params)
+    scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, Blocks(range(10, 17)), 100)
+    pull = scheduler.build_connector_meta(empty_step()).pulls[0]
+    # The PE's answer is unusable: the whole prompt is recomputed, nothing half-copied.
+    assert (pull.remote_block_ids, pull.kept, pull.kept_token) == ([], [], None)
+
+
+def test_a_pe_side_read_may_move_to_the_decoding_de_and_be_kept_there(tmp_path):
+    scheduler, store = make_scheduler(tmp_path, "kv_producer")
+    prompt = prompt_of(100)
+    store_chunks(store, prompt, 2)
+    request = make_request("p1", prompt, PrefillRequest(read_side="pe", de_side_channel="h:1").to_dict())
+    scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, Blocks([40, 41, 42, 43]), 2 * CHUNK)
+    load = scheduler.build_connector_meta(empty_step()).loads[0]
+    assert (load.read_side, load.de_side_channel) == ("pe", "h:1") and load.keep_token
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = scheduler.request_finished(request, list(range(40, 47)))
+    # Named in the hand-off either way: the DE finds nothing kept if this engine read the hit itself.
+    assert PrefillHandoff.from_dict(params).kept_token == load.keep_token
+
+
+def test_pe_reading_its_hit_itself_names_nothing_kept(tmp_path):
+    scheduler, store = make_scheduler(tmp_path, "kv_producer")
+    prompt = prompt_of(100)
+    store_chunks(store, prompt, 2)
+    request = make_request("p1", prompt, PrefillRequest(read_side="pe").to_dict())
+    scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, Blocks([40, 41, 42, 43]), 2 * CHUNK)
+    assert scheduler.build_connector_meta(empty_step()).loads[0].keep_token is None
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    _, params = scheduler.request_finished(request, list(range(40, 47)))
+    assert "kept_token" not in params
+
+
 def test_de_saves_the_chunks_the_pe_did_not_find_stored(tmp_path):
     scheduler, _ = make_scheduler(tmp_path, "kv_consumer")
     prompt = prompt_of(100)
@@ -455,17 +546,22 @@ def test_pe_hands_its_prefill_to_the_de(tmp_path):
     load = scheduler.build_connector_meta(empty_step()).loads[0]
     assert (load.read_side, load.de_side_channel) == ("de", "h:1")
     assert [c.chunk_hash for c in load.chunks] == hashes_of(prompt)[:2]
+    # The DE that reads the hit keeps it for its decode, under a fresh token.
+    assert load.keep_token and len(load.keep_token) == 32
 
-    # The PE computes the rest of the prompt but saves nothing: the DE persists.
+    # The PE saves the prompt chunk it computed (chunk 2) through its own link.
     blocks = list(range(40, 47))
     meta = scheduler.build_connector_meta(step(new=[new_req("p1", blocks, 2 * CHUNK)], scheduled={"p1": 36}))
-    assert meta.saves == []
+    assert meta.saves == [SaveSpec("p1", hashes_of(prompt)[2:3], [[44, 45]])]
 
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
     before = time.time()
     delay_free, params = scheduler.request_finished(request, blocks)
     assert delay_free is True
-    assert PrefillHandoff.from_dict(params) == PrefillHandoff(f"127.0.0.1:{PORT}", "p1", blocks, stored_chunks=2)
+    # The DE saves only after chunk 3 (the PE's own saves included), and takes chunks 0-1 from what it keeps.
+    assert PrefillHandoff.from_dict(params) == PrefillHandoff(
+        f"127.0.0.1:{PORT}", "p1", blocks, stored_chunks=3, kept_token=load.keep_token, kept_first_chunk=0, kept_chunks=2
+    )
 
     meta = scheduler.build_connector_meta(empty_step())
     assert [s.req_id for s in meta.sends] == ["p1"]
