@@ -72,6 +72,9 @@ class DualPathConfig:
     # request's DE, which reads it only if it can finish sooner (work stealing
     # between the two storage links; the DE keeps what it read for its decode).
     move_queued_reads: bool = True
+    # A directory for per-read timestamps (queued, started, finished), one
+    # JSON-lines file per engine process (read_timeline.py); unset: none.
+    read_timeline_dir: str | None = None
     # Benchmarks only (dualpath-bench's Oracle): hits count as loaded
     # without a byte read or moved, so outputs are wrong. Refused unless the
     # environment says DUALPATH_BENCHMARK=1.

@@ -44,6 +44,7 @@ from dualpath_connector.metadata import ChunkLoad, LoadSpec
 from dualpath_connector.peer import PeerLink
 from dualpath_connector.protocol import RELEASE, ReadAnswer, ReadRequest, StoreKeySpace
 from dualpath_connector.read_queue import StoreReadQueue
+from dualpath_connector.read_timeline import ReadSpan, ReadTimeline
 from dualpath_connector.side_channel import PeerBusy
 from dualpath_connector.stats import StatsRecorder
 
@@ -98,6 +99,7 @@ class HitReader:
         de_read_timeout_s: float,
         cores: set[int] | None,
         move_queued_reads: bool = False,
+        timeline: ReadTimeline | None = None,
         layer_arrival: bool = False,
         compute_window_s: Callable[[], float | None] = lambda: None,
     ) -> None:
@@ -112,6 +114,7 @@ class HitReader:
         self.stats = stats
         self.de_read_timeout_s = de_read_timeout_s
         self.move_queued_reads = move_queued_reads
+        self.timeline = timeline
         # Hits read here arrive layer by layer (the store delivers per layer, the loads are layerwise).
         self.layer_arrival = layer_arrival and store.delivers_layers
         # The forward's measured per-layer compute time, declared to the store's bandwidth scheduler.
@@ -132,18 +135,22 @@ class HitReader:
         # yet to read from the store, counted from the moment they queue.
         tokens = spec.num_blocks() * self.block_size
         self._count_queue(tokens)
+        timed = ReadSpan(self.timeline, "own", tokens)
 
         def job() -> None:
+            timed.started()
             if self.layer_arrival:
                 try:
                     self.read_arriving(spec, on_read)
                 finally:
                     self._count_queue(-tokens)
+                    timed.finished("read", len(spec.chunks))
                 return
             try:
                 hit = self._guarded(spec, lambda: self.read_here(spec))
             finally:
                 self._count_queue(-tokens)
+            timed.finished("read" if hit.chunks else "failed", len(hit.chunks))
             on_read(hit)
 
         self.lane.submit(job)
@@ -416,14 +423,17 @@ class HitReader:
     def serve_peer(self, request: ReadRequest, reply: Callable[[dict[str, Any]], None]) -> None:
         """A PE asked this engine to read a hit into its buffer within the deadline (side-channel thread)."""
         tokens = len(request.chunk_hashes) * self.key_space.chunk_tokens
+        timed = ReadSpan(self.timeline, "for_peer", tokens)
         reason = self.read_queue.decline_reason(tokens, request.deadline_s)
         if reason is not None:
             self._decline(reason, reply)
+            timed.finished("declined")
             return
         self._count_queue(tokens)
         received = time.monotonic()
 
         def job() -> None:
+            timed.started()
             try:
                 # The estimate at arrival can be off (reads slowed down): a read
                 # that can no longer end in time is not started, so the PE
@@ -432,8 +442,12 @@ class HitReader:
                 late = self.read_queue.decline_reason(tokens, left_s, 0)
                 if late is not None:
                     self._decline(late, reply)
+                    timed.finished("declined")
                 else:
-                    reply(self._read_for_peer(request))
+                    answer = self._read_for_peer(request)
+                    reply(answer)
+                    readable = answer.get("readable", 0)
+                    timed.finished("read" if readable else "failed", readable)
             finally:
                 self._count_queue(-tokens)
 

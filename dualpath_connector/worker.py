@@ -59,6 +59,7 @@ from dualpath_connector.peer import PeerLink
 from dualpath_connector.protocol import COUNTERS, GAUGES, StoreKeySpace
 from dualpath_connector.pulls import PromptPuller
 from dualpath_connector.read_path import HitReader, LoadedHit
+from dualpath_connector.read_timeline import ReadTimeline
 from dualpath_connector.saves import ChunkSaver
 from dualpath_connector.stats import DualPathStats, StatsRecorder
 
@@ -108,6 +109,10 @@ class DualPathWorker:
         self.integrity = ChunkIntegrity(self.layout, config.integrity_key)
         self.stats = StatsRecorder()
         self.compute_window = ComputeWindow()
+        self.timeline = None
+        if config.read_timeline_dir is not None:
+            engine = f"{config.side_channel_host}:{config.side_channel_port}" if kv_role != "kv_both" else f"pid-{os.getpid()}"
+            self.timeline = ReadTimeline(config.read_timeline_dir, engine)
         self._lanes = {name: IOLane(f"dualpath-{name}", self._transfer_cores) for name in ("read", "save", "pull")}
         # Built with the KV cache (register_kv_caches).
         self.peers: PeerLink | None = None
@@ -167,7 +172,7 @@ class DualPathWorker:
             store=self.store, pool=self.load_pool, block_size=self.geometry.block_size, key_space=self.key_space,
             integrity=self.integrity, kv_dtype=kv_caches[names[0]].dtype, peers=self.peers, lane=self._lanes["read"], stats=self.stats,
             de_read_timeout_s=self.config.de_read_timeout_s, cores=self._transfer_cores,
-            move_queued_reads=self.config.move_queued_reads,
+            move_queued_reads=self.config.move_queued_reads, timeline=self.timeline,
             layer_arrival=self.config.load_mode == "layerwise", compute_window_s=lambda: self.compute_window.seconds,
         )  # fmt: skip
         # On a GPU, loads and saves each get a copy stream beside the forward's (the CPU path copies inline).
@@ -435,3 +440,5 @@ class DualPathWorker:
         self.load_pool.close()
         self.save_pool.close()
         self.store.close()
+        if self.timeline is not None:
+            self.timeline.close()

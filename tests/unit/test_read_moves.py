@@ -18,6 +18,7 @@ import torch
 from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.metadata import LoadSpec
 from dualpath_connector.read_path import HitReader, LoadedHit
+from dualpath_connector.read_timeline import ReadTimeline, load
 from dualpath_connector.side_channel import PeerBusy
 from dualpath_connector.stats import StatsRecorder
 from nixl_backends.buffers import HostBufferPool
@@ -66,12 +67,12 @@ def made():
     store.delivers_layers = False
     readers = []
 
-    def make(answer, *, move=True, queued_tokens=2000, rate=(1000, 1.0)):
+    def make(answer, *, move=True, queued_tokens=2000, rate=(1000, 1.0), timeline=None):
         lane = IOLane("test-read", None)
         reader = HitReader(store=store, pool=pool, block_size=BLOCK, key_space=KEY_SPACE,
                            integrity=ChunkIntegrity(LAYOUT), kv_dtype=torch.bfloat16, peers=FakePeers(answer),
                            lane=lane, stats=StatsRecorder(), de_read_timeout_s=10.0, cores=None,
-                           move_queued_reads=move)  # fmt: skip
+                           move_queued_reads=move, timeline=timeline)  # fmt: skip
         if rate is not None:
             reader.read_queue.record_read(*rate)
         reader.read_queue.add(queued_tokens)  # reads of other requests, ahead of this one
@@ -111,15 +112,21 @@ def test_a_read_behind_a_busy_link_moves_to_a_de_that_finishes_sooner(made):
     assert reader.stats.take().data["reads_moved_to_de"] == 1
 
 
-def test_a_declined_move_is_read_here_once(made):
+def test_a_declined_move_is_read_here_once(made, tmp_path):
     make, store = made
-    reader = make(PeerBusy("DE 10.0.0.2:5700 is busy: 9000 tokens queued ahead"))
+    timeline = ReadTimeline(str(tmp_path), "pe-0")
+    reader = make(PeerBusy("DE 10.0.0.2:5700 is busy: 9000 tokens queued ahead"), timeline=timeline)
     hit = _submit(reader, _spec())
 
     assert hit.remote is None and hit.chunks == CHUNKS and len(reader.peers.requests) == 1
     assert len(store.whole_reads) == 1
     assert reader.stats.take().data["reads_moved_to_de"] == 0
     reader.release([hit])
+    # The read here is on this engine's timeline, once: 5 blocks of 4 tokens, 3 chunks read.
+    timeline.close()
+    ((record,),) = [load(tmp_path)]
+    assert (record["engine"], record["kind"], record["tokens"], record["outcome"], record["chunks"]) == (
+        "pe-0", "own", 20, "read", 3)  # fmt: skip
 
 
 @pytest.mark.parametrize(
