@@ -30,9 +30,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dualpath_connector.protocol import METRIC_PREFIX, counter_total_name, metric_totals
+from dualpath_connector.read_timeline import load as load_timeline
 
 from dualpath_dev.cluster import ClusterConfig, EmulatedCluster, EngineSpec, NicSampler, NicSample
 from dualpath_bench.errors import BenchUsageError
+from dualpath_bench.link_use import link_use
 from dualpath_bench.replay import ReplayConfig, StoreWatcher, replay
 from dualpath_bench.trace import Agent, summarize
 
@@ -49,9 +51,10 @@ TOPOLOGY_RE = re.compile(r"^(\d+)P(\d+)D$")
 # longer than the default 10 s de_read_timeout_s (meant to detect a dead DE);
 # the DE still declines at once what it could not finish in time.
 ENGINE_SETTINGS = {"save_buffer_chunks": 2048, "de_read_timeout_s": 30.0}
-IO_SPEC = EngineSpec(extra=ENGINE_SETTINGS)
-ORACLE_SPEC = EngineSpec(extra={**ENGINE_SETTINGS, "benchmark_oracle": True}, env={"DUALPATH_BENCHMARK": "1"},
-                         name="oracle")  # fmt: skip
+ORACLE_SETTINGS = {"benchmark_oracle": True}
+ORACLE_ENV = {"DUALPATH_BENCHMARK": "1"}
+# Under the work directory: every engine's per-read timeline (read_timeline.py), for link_use.
+TIMELINES = "read-timelines"
 
 LOAD_SECONDS_SUM = f"{METRIC_PREFIX}load_seconds_sum"
 # Engine series whose change over a run the report uses (sums over label sets).
@@ -62,7 +65,8 @@ ENGINE_SERIES = (
     *(f"{METRIC_PREFIX}{timing}_{part}" for timing in ("load_seconds", "pull_seconds") for part in ("sum", "count")),
     *map(counter_total_name, (
         "bytes_read", "bytes_read_for_peer", "bytes_pulled_from_peer", "bytes_written", "save_skipped_chunks",
-        "loaded_tokens", "load_failed_tokens", "de_read_fallbacks", "de_reads_declined",
+        "loaded_tokens", "load_failed_tokens", "de_read_fallbacks", "de_reads_declined", "reads_moved_to_de",
+        "kept_tokens", "pulled_tokens", "saved_chunks",
     )),
 )  # fmt: skip
 
@@ -228,8 +232,10 @@ def _run_mode(cluster: EmulatedCluster, mode: str, agents: list[Agent], config: 
             max_context=config.max_model_len, slo_ttft_s=config.slo_ttft_s, slo_tpot_s=config.slo_tpot_s,
             slo_percentile=config.slo_percentile, progress=config.progress,
         )  # fmt: skip
+        started = time.time()
         with NicSampler(cluster.network, config.nic_interval_s) as sampler:
             result = replay(agents, replay_config, watcher)
+        ended = time.time()
         after = _settled_snapshot(urls)
     finally:
         cluster.stop_router()
@@ -244,6 +250,10 @@ def _run_mode(cluster: EmulatedCluster, mode: str, agents: list[Agent], config: 
         "ttft_breakdown": ttft_breakdown(summary, deltas, prefill),
         "cache_compute": cache_compute(deltas, prefill, bytes_per_token, summary, cluster.network.config.storage_mbit),
         "nic": nic_balance(sampler.samples, nodes, cluster.network.config.storage_mbit, config.busy_fraction),
+        "link_use": link_use(
+            load_timeline(cluster.workdir / TIMELINES, started, ended),
+            {server.side_channel: name for name, server in cluster.engines.items()}, started, ended,
+        ),
         "engine_deltas": deltas,
         "records": [asdict(r) for r in result.records],
     }
@@ -264,8 +274,9 @@ def run_topology(topology: str, agents: list[Agent], config: BenchConfig, workdi
     with EmulatedCluster(cluster_config, workdir, model, config.max_model_len, config.start_timeout_s) as cluster:
         logger.info("%s: network %s, S3 %s", topology, cluster.network.prefix, cluster.s3.endpoint)
         plain = [m for m in config.modes if m != "oracle"]
+        timelines = {"read_timeline_dir": str(workdir / TIMELINES)}
         if plain:
-            cluster.start_engines(IO_SPEC)
+            cluster.start_engines(EngineSpec(extra={**ENGINE_SETTINGS, **timelines}))
             watcher, bytes_per_token = _watcher(cluster)
             with contextlib.closing(watcher):
                 for mode in plain:
@@ -273,7 +284,8 @@ def run_topology(topology: str, agents: list[Agent], config: BenchConfig, workdi
                         cluster, m, agents, config, MODES.index(m) + 1, watcher, bytes_per_token))  # fmt: skip
         if "oracle" in config.modes:
             def oracle() -> dict:
-                cluster.start_engines(ORACLE_SPEC)
+                cluster.start_engines(EngineSpec(extra={**ENGINE_SETTINGS, **ORACLE_SETTINGS, **timelines},
+                                                 env=ORACLE_ENV, name="oracle"))  # fmt: skip
                 watcher, bytes_per_token = _watcher(cluster)
                 with contextlib.closing(watcher):
                     return _run_mode(cluster, "oracle", agents, config, MODES.index("oracle") + 1, watcher,

@@ -1,0 +1,43 @@
+"""How the storage links were used while reads waited, from the engines' read timelines.
+
+The storage-NIC counters say how busy each link was; they cannot say whether a
+link idled while a read it could have served was waiting elsewhere. The
+engines' read timelines (``read_timeline_dir``, one record per store read with
+its queue, start and finish times, on the engine that read it) can: at each
+instant, ``outstanding`` reads are queued or running somewhere and ``busy``
+links are reading. A link that idles while another link's reads queue is the
+"taking turns" pattern; ``use_while_waiting`` is the mean of busy links over
+the links the outstanding reads could keep busy (1.0: none idled).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+
+def link_use(records: list[dict], engine_nodes: dict[str, str], t0: float, t1: float, step_s: float = 0.25) -> dict:
+    """Per-instant outstanding reads and busy links over [t0, t1]; ``engine_nodes`` maps a record's engine to its node."""
+    nodes = sorted(set(engine_nodes.values()))
+    reads = [r for r in records if r.get("outcome") != "declined" and r.get("engine") in engine_nodes]
+    steps = max(0, int((t1 - t0) / step_s))
+    times = [t0 + i * step_s for i in range(steps + 1)]
+    outstanding = [sum(r["queued"] <= t < r["finished"] for r in reads) for t in times]
+    busy = {
+        node: [int(any(r["started"] <= t < r["finished"] for r in reads if engine_nodes[r["engine"]] == node)) for t in times]
+        for node in nodes
+    }
+    shares = [
+        sum(busy[node][i] for node in nodes) / min(waiting, len(nodes))
+        for i, waiting in enumerate(outstanding)
+        if waiting
+    ]
+    both = [all(busy[node][i] for node in nodes) for i, waiting in enumerate(outstanding) if waiting >= len(nodes)]
+    waits = {kind: [r["started"] - r["queued"] for r in reads if r.get("kind") == kind] for kind in ("own", "for_peer")}
+    return {
+        "reads": len(reads),
+        "declined": sum(r.get("outcome") == "declined" for r in records if r.get("engine") in engine_nodes),
+        "use_while_waiting": statistics.fmean(shares) if shares else None,
+        "all_busy_while_enough_wait": statistics.fmean(both) if both else None,
+        "queue_wait_s_median": {kind: statistics.median(w) if w else None for kind, w in waits.items()},
+        "series": {"t": [t - t0 for t in times], "outstanding": outstanding, "busy": busy},
+    }

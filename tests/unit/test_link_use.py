@@ -1,0 +1,48 @@
+"""link_use: whether the storage links were busy together while reads waited, from per-read timelines."""
+
+from __future__ import annotations
+
+import pytest
+
+from dualpath_bench.link_use import link_use
+
+NODES = {"pe:1": "pe0", "de:1": "de0"}
+
+
+def _read(engine: str, queued: float, started: float, finished: float, kind: str = "own", outcome: str = "read") -> dict:
+    return {"engine": engine, "kind": kind, "queued": queued, "started": started, "finished": finished,
+            "outcome": outcome, "tokens": 64, "chunks": 1}  # fmt: skip
+
+
+def test_two_links_reading_side_by_side_are_fully_used():
+    reads = [_read("pe:1", 0.0, 0.0, 4.0), _read("de:1", 0.0, 0.0, 4.0, "for_peer"),
+             _read("pe:1", 0.0, 4.0, 8.0), _read("de:1", 0.0, 4.0, 8.0, "for_peer")]  # fmt: skip
+    use = link_use(reads, NODES, 0.0, 8.0, step_s=0.5)
+    assert use["use_while_waiting"] == pytest.approx(1.0)
+    assert use["all_busy_while_enough_wait"] == pytest.approx(1.0)
+    assert use["queue_wait_s_median"] == {"own": pytest.approx(2.0), "for_peer": pytest.approx(2.0)}
+
+
+def test_links_taking_turns_while_reads_wait_score_half():
+    """Negative control: the same four reads, but one link at a time while the others wait."""
+    reads = [_read("pe:1", 0.0, 0.0, 2.0), _read("de:1", 0.0, 2.0, 4.0, "for_peer"),
+             _read("pe:1", 0.0, 4.0, 6.0), _read("de:1", 0.0, 6.0, 8.0, "for_peer")]  # fmt: skip
+    use = link_use(reads, NODES, 0.0, 8.0, step_s=0.5)
+    # While two or more reads were outstanding (0-6 s) one link of two read; the last read alone (6-8 s) had its link.
+    assert use["all_busy_while_enough_wait"] == pytest.approx(0.0)
+    assert use["use_while_waiting"] == pytest.approx((12 * 0.5 + 4 * 1.0) / 16)
+
+
+def test_declined_reads_and_unknown_engines_are_not_reads():
+    reads = [_read("de:1", 0.0, 0.0, 0.0, "for_peer", "declined"), _read("other:9", 0.0, 0.0, 5.0),
+             _read("pe:1", 1.0, 1.0, 2.0)]  # fmt: skip
+    use = link_use(reads, NODES, 0.0, 3.0, step_s=0.5)
+    assert (use["reads"], use["declined"]) == (1, 1)
+    # One read outstanding at a time and its link busy: nothing idled that could have read.
+    assert use["use_while_waiting"] == pytest.approx(1.0)
+    assert use["series"]["busy"]["de0"] == [0] * len(use["series"]["t"])
+
+
+def test_no_reads_no_figure():
+    use = link_use([], NODES, 0.0, 1.0)
+    assert use["use_while_waiting"] is None and use["all_busy_while_enough_wait"] is None
