@@ -99,6 +99,7 @@ class Node:
     index: int  # k: position among all nodes, names its links and addresses
     namespace: str
     compute_if: str
+    compute_peer_if: str  # the same link's end on the bridge (root namespace)
     compute_addr: str
     storage_if: str  # in the node's namespace
     storage_peer_if: str  # the same link's end in the S3 namespace
@@ -214,7 +215,8 @@ class ClusterNetwork:
             self.nodes.append(
                 Node(
                     name=name, role=role, index=k, namespace=f"{self.prefix}-{name}",
-                    compute_if=f"{self.prefix}c{k}a", compute_addr=f"{sub}.1.{10 + k}",
+                    compute_if=f"{self.prefix}c{k}a", compute_peer_if=f"{self.prefix}c{k}b",
+                    compute_addr=f"{sub}.1.{10 + k}",
                     storage_if=f"{self.prefix}s{k}a", storage_peer_if=f"{self.prefix}s{k}b",
                     s3_addr=f"{sub}.{16 + k}.1",
                 )
@@ -250,7 +252,7 @@ class ClusterNetwork:
         self._veth(self.control_if, None, f"{self.control_addr}/30", self.control_peer_if, self.s3_namespace,
                    f"{self.s3_control_addr}/30")  # fmt: skip
         for node in self.nodes:
-            bridge_end = f"{self.prefix}c{node.index}b"
+            bridge_end = node.compute_peer_if
             self._veth(node.compute_if, node.namespace, f"{node.compute_addr}/24", bridge_end, None, None)
             _ip("link", "set", bridge_end, "master", self.bridge)
             self._veth(node.storage_if, node.namespace, f"{sub}.{16 + node.index}.2/30",
@@ -274,12 +276,8 @@ class ClusterNetwork:
 
     @staticmethod
     def _shape(namespace: str | None, interface: str, mbit: float) -> None:
-        # One htb class as the default: it queues instead of dropping (tbf would drop
-        # at a full bucket and make TCP saw-tooth below the rate).
-        rate = f"{mbit}mbit"
-        _tc(namespace, "qdisc", "add", "dev", interface, "root", "handle", "1:", "htb", "default", "10")
-        _tc(namespace, "class", "add", "dev", interface, "parent", "1:", "classid", "1:10", "htb",
-            "rate", rate, "ceil", rate, "quantum", "1514")  # fmt: skip
+        for command in htb_shaping(interface, mbit):
+            tc(namespace, *command)
 
     def teardown(self) -> None:
         """Remove every namespace and link of this run (and any process still in them); idempotent."""
@@ -298,7 +296,21 @@ class ClusterNetwork:
         self.teardown()
 
 
-def _tc(namespace: str | None, *args: str) -> None:
+def htb_shaping(interface: str, mbit: float) -> list[list[str]]:
+    """The tc commands that shape ``interface``'s egress to ``mbit``: one htb class 1:10 as the default.
+
+    htb queues instead of dropping (tbf would drop at a full bucket and make TCP saw-tooth below the rate).
+    """
+    rate = f"{mbit}mbit"
+    return [
+        ["qdisc", "add", "dev", interface, "root", "handle", "1:", "htb", "default", "10"],
+        ["class", "add", "dev", interface, "parent", "1:", "classid", "1:10", "htb", "rate", rate, "ceil", rate,
+         "quantum", "1514"],
+    ]  # fmt: skip
+
+
+def tc(namespace: str | None, *args: str) -> None:
+    """Run ``tc args`` in ``namespace`` (None: this one); a failure raises :class:`ClusterError` with tc's message."""
     command = (["ip", "netns", "exec", namespace] if namespace else []) + ["tc", *args]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
