@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
-.PHONY: setup test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-integrity bench-dualpath bench-dualblade soak gpu-connector-check
+.PHONY: setup test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation soak gpu-connector-check
 
 setup: $(STAMP) mma
 
@@ -66,6 +66,11 @@ bench-integrity: setup
 # p50/p99/p99.9 and MB/s per limit; BENCH_ARGS adds options (e.g. BENCH_ARGS=--quick). Results: benchmarks/results/dualblade.*
 bench-dualblade: setup
 	$(PY) benchmarks/bench_dualblade.py $(BENCH_ARGS)
+
+# A DSCP-marked latency flow's RTT p50/p99/p99.9 while NIXL KV pulls share its tc-shaped compute link (root: network
+# namespaces): idle, one FIFO, priority classes; BENCH_ARGS adds options (e.g. --quick). Results: benchmarks/results/traffic-isolation.*
+bench-traffic-isolation: setup
+	$(PY) benchmarks/bench_traffic_isolation.py $(BENCH_ARGS)
 
 # TTFT of a 90%-hit prompt at 8k/16k/32k tokens: bulk vs layerwise store loads vs all-local (vLLM's prefix cache), plus layerwise's per-layer stall.
 bench-injection: setup
