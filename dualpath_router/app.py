@@ -260,7 +260,8 @@ class Router:
         body.update(max_tokens=1, stream=False)
         for key in ("stream_options", "min_tokens"):  # meaningless for a one-token prefill
             body.pop(key, None)
-        body["kv_transfer_params"] = PrefillRequest(placement.read_side, placement.decode.config.side_channel).to_dict()
+        de_side_channel = placement.decode.config.side_channel if placement.decode_may_read else None
+        body["kv_transfer_params"] = PrefillRequest(placement.read_side, de_side_channel).to_dict()
         try:
             response = await self.client.post(f"{placement.prefill.config.url}/v1/completions", json=body)
         except httpx.HTTPError as exc:

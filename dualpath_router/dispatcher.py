@@ -37,6 +37,9 @@ class Placement:
     read_side: ReadSide
     prompt_tokens: int
     hit_tokens: int
+    # The DE may read for the PE: it is named to the PE even with read side "pe", so the PE can move a
+    # read there while its own link is busy. Basic (and a forced "pe") keep every read on the PE.
+    decode_may_read: bool = True
 
     @property
     def read_node(self) -> str:
@@ -118,7 +121,8 @@ class Dispatcher:
             self.accounting.decode_started(decode, prompt_tokens)
         forced = self.config.read_side
         read_side = forced if forced != "auto" else self.policy.choose_read_side(prefill, decode, self.accounting)
-        placement = Placement(prefill, decode, read_side, prompt_tokens, hit_tokens)
+        decode_may_read = read_side == "de" or (self.policy.decode_side_reads and forced == "auto")
+        placement = Placement(prefill, decode, read_side, prompt_tokens, hit_tokens, decode_may_read)
         self.accounting.prefill_started(prefill, prompt_tokens, placement.read_node, hit_tokens)
         return placement
 

@@ -100,6 +100,8 @@ def select_read_side(pe: EngineLoad, de: EngineLoad, read_queues: Mapping[str, i
 
 class Policy(ABC):
     name: PolicyName
+    # Whether DEs read hits at all (for the PE, or a read the PE moves to its DE while its own link is busy).
+    decode_side_reads: bool = True
 
     @abstractmethod
     def choose_prefill(self, pes: Sequence[EngineLoad], accounting: Accounting, tokens: int) -> EngineLoad | None:
@@ -122,6 +124,7 @@ class BasicPolicy(Policy):
     """Conventional PD: the PE reads every hit; least unfinished tokens on both roles."""
 
     name = "basic"
+    decode_side_reads = False
 
     def choose_prefill(self, pes, accounting, tokens):
         return _least_tokens(pes)

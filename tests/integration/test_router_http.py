@@ -550,6 +550,17 @@ def test_dualpath_reads_on_the_side_with_the_shorter_queue(engines, start_router
     assert pe.received[-1]["kv_transfer_params"]["read_side"] == "de"
 
 
+@pytest.mark.parametrize("policy, read_side, named", [("dualpath", "auto", True), ("round_robin", "auto", True),
+                                                      ("basic", "auto", False), ("dualpath", "pe", False)])  # fmt: skip
+def test_the_pe_learns_its_de_unless_every_read_stays_on_the_pe(engines, start_router, policy, read_side, named):
+    """A PE-side read names the decoding DE (the PE may move a queued read there); Basic and a forced "pe" do not."""
+    pe, de = engines("pe0", "prefill"), engines("de0", "decode")
+    router = start_router(router_config([pe], [de], policy=policy, read_side=read_side))
+    assert complete(router, prompt=PROMPT, max_tokens=1).headers["x-dualpath-read-side"] == "pe"
+    expected = PrefillRequest("pe", "127.0.0.1:5700" if named else None)
+    assert PrefillRequest.from_dict(pe.received[-1]["kv_transfer_params"]) == expected
+
+
 def test_round_robin_alternates_read_sides(engines, start_router):
     pe, de = engines("pe0", "prefill"), engines("de0", "decode")
     router = start_router(router_config([pe], [de], policy="round_robin"))

@@ -121,6 +121,6 @@ def test_router_reports_hits_with_namespace_from_engine_metrics(s3_env, s3_bucke
         if response.headers["x-dualpath-hit-tokens"] == str(expected):
             break
     assert response.headers["x-dualpath-hit-tokens"] == str(expected)
-    # The PE reads the hit; it also learns which DE decodes (where it may move a read while its link is busy).
-    assert PrefillRequest.from_dict(pe.received[-1]["kv_transfer_params"]) == PrefillRequest("pe", "127.0.0.1:5700")
+    # Read side forced to "pe": the PE reads every hit and is told of no DE to move reads to.
+    assert PrefillRequest.from_dict(pe.received[-1]["kv_transfer_params"]) == PrefillRequest("pe")
     assert "AWS_SECRET_ACCESS_KEY" not in router.log() and s3_env.secret_key not in router.log()
