@@ -197,6 +197,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"offline, on a window of each trajectory of the same paper-shaped trace: turns {first}..{first + count - 1}, "
             f"the earlier turns' KV already in the store (contexts as long as in the full runs), and one engine per "
             f"node (the node's {hw.gpus_per_node} GPUs and CNICs pooled), so 48P96D fits in minutes of one core.")
+    if args.compute_quota_ms:
+        payload["quota"] = experiments.quota_effect(hw, topologies[0], agents, args.quota_token_budget,
+                                                    args.compute_quota_ms / 1000)
     if args.decision_rate:
         p, d = experiments.parse_topology(args.decision_rate)
         payload["decision_rate"] = experiments.decision_rate(hw, p, d, 16)
@@ -292,6 +295,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--scale-agents", type=int, default=1024, help="agents per prefill node in the scale runs")
     p.add_argument("--decision-rate", default="", help="a topology to measure the router's placements/s at, e.g. 48P96D")
     p.add_argument("--pd-range", action="store_true", help="simulate both ends of the bottleneck-free P/D range")
+    p.add_argument("--compute-quota-ms", type=float, default=0.0,
+                   help="also run DualPath at the first topology with PE nodes stepping in lockstep, without and "
+                        "with this compute quota (§6.2; the paper: 300)")
+    p.add_argument("--quota-token-budget", type=int, default=16384, help="new tokens per engine step in that run")
     p.add_argument("--pd-range-agents", type=int, default=256, help="agents per node in the P/D range runs")
     p.add_argument("--measured-dir", type=Path, default=Path("benchmarks/results"),
                    help="emulated preset: where the measured dualpath-bench*.json runs are")

@@ -28,6 +28,7 @@ from dualpath_bench.errors import BenchUsageError
 from dualpath_bench.simulate.events import EventLoop
 from dualpath_bench.simulate.hardware import SimHardware
 from dualpath_bench.simulate.links import GpuLinks, Link, NodeLinks, hit_legs
+from dualpath_bench.simulate.prefill_steps import NodeStepper, PrefillSteps
 
 MODES = ("basic", "dualpath", "oracle")
 # Oracle is DualPath without any KV I/O (§7.2).
@@ -63,6 +64,7 @@ class RunResult:
     events: int
     wall_s: float
     side_bytes: dict[str, float] = field(default_factory=dict)  # hit bytes read per side
+    prefill_steps: dict = field(default_factory=dict)  # with PrefillSteps: the PE nodes' step times
 
     @property
     def placements_per_s(self) -> float:
@@ -89,7 +91,9 @@ class Simulation:
     """A cluster of ``prefill_nodes`` + ``decode_nodes`` nodes under one mode, run on one trace."""
 
     def __init__(self, hw: SimHardware, prefill_nodes: int, decode_nodes: int, mode: str,
-                 scheduling: SchedulingConfig | None = None) -> None:  # fmt: skip
+                 scheduling: SchedulingConfig | None = None, prefill_steps: PrefillSteps | None = None) -> None:
+        """``prefill_steps``: PEs compute in node-lockstep engine steps (prefill_steps.py), else each
+        turn's prefill whole, one at a time per engine."""  # fmt: skip
         if mode not in MODES:
             raise BenchUsageError(f"unknown mode {mode!r}; known: {list(MODES)}")
         if prefill_nodes < 1 or decode_nodes < 1:
@@ -126,6 +130,12 @@ class Simulation:
         self.dispatcher = Dispatcher(config, accounting, make_policy(config.policy, scheduling), HitLookup(None, 1))
         self._pes = accounting.role("prefill")
         self._compute_free: dict[str, float] = {e.name: 0.0 for e in self._pes}
+        self._stepper = None
+        if prefill_steps is not None:
+            by_node: dict[str, list[str]] = {}
+            for engine in engines["pe"]:
+                by_node.setdefault(engine.node, []).append(engine.name)
+            self._stepper = NodeStepper(hw, prefill_steps, self.loop, by_node, self._prefilled)
         self._waiting: deque[Turn] = deque()
         self._agents: list[list[tuple[int, int]]] = []
         self._context: list[int] = []
@@ -197,6 +207,9 @@ class Simulation:
 
     def _compute(self, turn: Turn) -> None:
         pe = turn.placement.prefill.name
+        if self._stepper is not None:
+            self._stepper.submit(pe, turn, turn.prompt_tokens - turn.hit_tokens, turn.hit_tokens)
+            return
         start = max(self.loop.now, self._compute_free[pe])
         new = turn.prompt_tokens - turn.hit_tokens
         self._compute_free[pe] = start + self.hw.prefill_s(new, turn.hit_tokens)
@@ -242,4 +255,5 @@ class Simulation:
             utilisation_max=utilisation_max,
             placements=self._placements, placement_s=self._placement_s, events=self.loop.processed, wall_s=wall_s,
             side_bytes=dict(self._side_bytes),
+            prefill_steps=self._stepper.stats.to_json() if self._stepper is not None else {},
         )  # fmt: skip

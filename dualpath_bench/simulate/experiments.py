@@ -16,6 +16,7 @@ from dualpath_bench.errors import BenchUsageError
 from dualpath_bench.pd_range import Hardware, link_loads, pd_range
 from dualpath_bench.simulate.cluster import MODES, RunResult, Simulation
 from dualpath_bench.simulate.hardware import SimHardware
+from dualpath_bench.simulate.prefill_steps import PrefillSteps
 from dualpath_bench.trace import TraceConfig, generate, turn_lengths
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,19 @@ def scale_sweep(hw: SimHardware, scales: list[int], agents_per_pe_node: int, tra
     for row in rows:
         row["dualpath_jct_vs_smallest"] = row["runs"]["dualpath"]["jct_s"] / base
     return rows
+
+
+def quota_effect(hw: SimHardware, topology: str, agents: list[list[tuple[int, int]]], token_budget: int,
+                 quota_s: float) -> dict:
+    """DualPath with PEs stepping in node lockstep, without and with the compute quota (§6.2)."""
+    p, d = parse_topology(topology)
+    runs = {}
+    for name, quota in (("token budget only", None), (f"quota {quota_s * 1000:g} ms", quota_s)):
+        result = Simulation(hw, p, d, "dualpath", prefill_steps=PrefillSteps(token_budget, quota)).run(agents)
+        logger.info("%s %s dualpath, %s: JCT %.1f s, %s", hw.name, topology, name, result.jct_s, result.prefill_steps)
+        runs[name] = {"jct_s": result.jct_s, "agent_mean_s": result.agent_mean_s, "turns": result.turns,
+                      **result.prefill_steps}
+    return {"topology": topology, "token_budget": token_budget, "quota_s": quota_s, "runs": runs}
 
 
 def decision_rate(hw: SimHardware, prefill_nodes: int, decode_nodes: int, agents_per_pe_node: int) -> dict:

@@ -48,6 +48,21 @@ def _pd_range(check: dict) -> list[str]:
     return out
 
 
+def _quota(quota: dict) -> list[str]:
+    out = [f"DualPath at {quota['topology']}; each PE engine's step packs its ready prefills FIFO up to "
+           f"{quota['token_budget']} new tokens, a node's engines step in lockstep (data-parallel attention meets "
+           "the experts' all-to-all every layer), so a node's step lasts as long as its slowest engine's; bubble = "
+           "engine time waiting for that, over the engines with work in the step. With the quota, a step's prefills "
+           "also stay under its predicted time (binary search, one block at least).", "",
+           "| steps | JCT s | mean agent completion s | node steps | step p50 s | p99 s | max s | bubble |",
+           "|---|--:|--:|--:|--:|--:|--:|--:|"]
+    for name, run in quota["runs"].items():
+        out.append(f"| {name} | {run['jct_s']:.1f} | {run['agent_mean_s']:.1f} | {run['steps']} | "
+                   f"{run['step_p50_s']:.3f} | {run['step_p99_s']:.3f} | {run['step_max_s']:.3f} | "
+                   f"{run['bubble_fraction']:.1%} |")
+    return out
+
+
 def _calibration(rows: list[dict]) -> list[str]:
     out = ["| run | topology | mode | measured JCT s | simulated JCT s | error |", "|---|---|---|--:|--:|--:|"]
     for row in rows:
@@ -69,6 +84,8 @@ def markdown(payload: dict) -> str:
                   f"{r['topology']} with {r['engines']} engines: {r['placements']} placements in {r['router_s']:.2f} s "
                   f"of the router's code (try_place + finish_prefill + finish_decode) = **{r['placements_per_s']:.0f} "
                   f"placements/s** on one core. {payload.get('decision_rate_note', '')}", ""]  # fmt: skip
+    if payload.get("quota"):
+        lines += ["## Compute quota (paper §6.2, A.4)", "", *_quota(payload["quota"]), ""]
     if payload.get("pd_range"):
         lines += ["## The bottleneck-free P/D range, simulated (paper §4.2)", "", *_pd_range(payload["pd_range"]), ""]
     if payload.get("calibration"):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import replace
 
 import pytest
@@ -11,6 +12,7 @@ from dualpath_bench.simulate import experiments
 from dualpath_bench.simulate.cluster import Simulation
 from dualpath_bench.simulate.events import EventLoop
 from dualpath_bench.simulate.hardware import preset
+from dualpath_bench.simulate.prefill_steps import NodeStepper, PrefillSteps, _Prefill
 from dualpath_bench.trace import TraceConfig, turn_lengths
 from dualpath_router.dispatcher import Dispatcher
 from dualpath_router.policies import BasicPolicy, DualPathPolicy
@@ -136,3 +138,48 @@ def test_one_pass_read_queues_equal_each_nodes_read_queue_tokens():
     queues = accounting.read_queues()
     assert queues == {node: accounting.read_queue_tokens(node) for node in accounting.nodes()}
     assert len(set(queues.values())) > 1  # the comparison is not between all-zero books
+
+
+# --- the compute quota: PE nodes stepping in lockstep (dualpath_bench/simulate/prefill_steps.py) ---------
+
+# The paper's hardware with a lighter trace: many agents, so PEs queue prefills of different lengths.
+PAPER = preset("paper")
+QUOTA_AGENTS = turn_lengths(replace(experiments.PAPER_TRACE, agents=256, turns=6))
+
+
+def stepper(hw, settings):
+    return NodeStepper(hw, settings, EventLoop(), {"pe0": ["pe0.0"]}, lambda turn: None)
+
+
+def test_a_quota_step_is_the_largest_chunk_under_the_quota_fifo():
+    plan = stepper(PAPER, PrefillSteps(16384, quota_s=0.3)).plan
+    fits_whole, long = _Prefill("a", 400, 30_000), _Prefill("b", 16_000, 0)
+    chosen = plan(deque([fits_whole, long, _Prefill("c", 10, 0)]))
+    assert [p.turn for p, _ in chosen] == ["a", "b"]  # FIFO; "c" waits behind the chunked one
+    assert chosen[0][1] == 400
+    used = PAPER.prefill_s(400, 30_000)
+    chunk = chosen[1][1]
+    assert used + PAPER.prefill_s(chunk, 0) <= 0.3 < used + PAPER.prefill_s(chunk + 1, 0)
+    # Without the quota only the token budget cuts; with it, a prefill that alone exceeds it gets the floor.
+    assert [n for _, n in stepper(PAPER, PrefillSteps(16384)).plan(deque([long]))] == [16_000]
+    assert [n for _, n in stepper(PAPER, PrefillSteps(16384, quota_s=1e-6)).plan(deque([long]))] == [PAPER.block_tokens]
+
+
+def test_quota_bounds_node_steps_and_shrinks_bubbles_with_every_turn_done():
+    runs = {quota: Simulation(PAPER, 1, 1, "dualpath", prefill_steps=PrefillSteps(16384, quota)).run(QUOTA_AGENTS)
+            for quota in (None, 0.3)}  # fmt: skip
+    plain = Simulation(PAPER, 1, 1, "dualpath").run(QUOTA_AGENTS)
+    for result in runs.values():
+        assert result.turns == plain.turns == sum(map(len, QUOTA_AGENTS))
+        assert result.hit_bytes == plain.hit_bytes  # stepping changes compute, never what is read
+    with_quota, without = runs[0.3].prefill_steps, runs[None].prefill_steps
+    assert with_quota["step_max_s"] <= 0.3 < without["step_max_s"]  # the negative control exceeds it
+    assert with_quota["bubble_fraction"] < without["bubble_fraction"]
+    assert plain.prefill_steps == {}
+
+
+def test_prefill_step_settings_are_checked():
+    with pytest.raises(BenchUsageError, match="token_budget"):
+        PrefillSteps(0)
+    with pytest.raises(BenchUsageError, match="compute quota"):
+        PrefillSteps(1024, quota_s=0.0)
