@@ -58,6 +58,9 @@ class ComputeQuotaConfig:
     min_fit_steps: int = 32
     fit_window_steps: int = 2048
     refit_every_steps: int = 16
+    # The engine's first steps are not measured: they include one-time warm-up (on CPU the first
+    # step took 3.3 s for a 50 ms prefill), which would skew a least-squares fit for a long time.
+    ignore_first_steps: int = 4
     # Refit from measured steps while serving (off: the profile's coefficients stay as loaded).
     learn_online: bool = True
 
@@ -76,6 +79,10 @@ class ComputeQuotaConfig:
         if self.refit_every_steps < 1:
             raise ConfigError(
                 f"bad value for {_WHERE}'refit_every_steps': {self.refit_every_steps!r} must be >= 1"
+            )
+        if self.ignore_first_steps < 0:
+            raise ConfigError(
+                f"bad value for {_WHERE}'ignore_first_steps': {self.ignore_first_steps!r} must be >= 0"
             )
         if self.profile is None and not self.learn_online:
             raise ConfigError(f"{_WHERE}'learn_online': false needs {_WHERE}'profile' (else nothing fits a model)")
@@ -157,6 +164,7 @@ class _ComputeQuotaMixin:
         self._prefill_in_step = False
         self._pending: dict[int, _PendingStep] = {}
         self._last_output_at = 0.0
+        self._steps_to_ignore = config.ignore_first_steps
         # Counters for logs and tests: steps whose prefill the quota cut, and the chunks cut.
         self.quota_limited_steps = 0
         self.quota_limited_chunks = 0
@@ -186,7 +194,9 @@ class _ComputeQuotaMixin:
     def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
         now = time.perf_counter()
         pending = self._pending.pop(id(scheduler_output), None)
-        if pending is not None:
+        if pending is not None and self._steps_to_ignore:
+            self._steps_to_ignore -= 1
+        elif pending is not None:
             # From when the step was handed over, or when the previous one finished if it ran
             # behind it (async scheduling), to its result: the step's own execution time.
             seconds = now - max(pending.scheduled_at, self._last_output_at)

@@ -140,6 +140,7 @@ def test_attention_work_counts_causal_pairs():
     ({"min_fit_steps": 2}, "min_fit_steps"),
     ({"min_fit_steps": 64, "fit_window_steps": 32}, "fit_window_steps"),
     ({"refit_every_steps": 0}, "refit_every_steps"),
+    ({"ignore_first_steps": -1}, "ignore_first_steps"),
     ({"learn_online": False}, "learn_online"),
     ({"quota": 300}, "quota"),
 ])
@@ -261,9 +262,10 @@ def test_floor_when_decodes_fill_the_quota(make_vllm_config, profile):
 
 
 def test_no_profile_learns_online_then_applies(make_vllm_config):
-    scheduler = build(QuotaScheduler, make_vllm_config({"min_fit_steps": 4, "refit_every_steps": 1}))
+    scheduler = build(QuotaScheduler, make_vllm_config({"min_fit_steps": 4, "refit_every_steps": 1,
+                                                        "ignore_first_steps": 2}))
     scheduler.add_request(request("a", 100))
-    steps = [step(scheduler) for _ in range(3)]
+    steps = [step(scheduler) for _ in range(5)]  # 2 ignored, 3 measured
     assert not scheduler.step_model.fitted and steps[0] == {"a": 100}
     step(scheduler)
     assert scheduler.step_model.fitted
@@ -272,7 +274,7 @@ def test_no_profile_learns_online_then_applies(make_vllm_config):
 def test_profile_written_at_shutdown_and_bad_profile_refused(make_vllm_config, tmp_path):
     path = tmp_path / "learned.json"
     scheduler = build(QuotaScheduler, make_vllm_config({"min_fit_steps": 4, "refit_every_steps": 1,
-                                                        "profile": str(path)}))
+                                                        "ignore_first_steps": 0, "profile": str(path)}))
     scheduler.add_request(request("a", 100))
     for _ in range(5):
         step(scheduler)
