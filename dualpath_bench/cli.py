@@ -98,6 +98,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0 if not result["summary"]["agents_failed"] else 1
 
 
+def _rates(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(r) for r in text.split(",") if r.strip())
+    except ValueError:
+        raise BenchUsageError(f"--rates must be comma-separated numbers, got {text!r}") from None
+
+
 def cmd_cluster(args: argparse.Namespace) -> int:
     from dualpath_bench import report
     try:
@@ -121,7 +128,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         topologies=tuple(t.strip() for t in args.topologies.split(",") if t.strip()),
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         cluster=ClusterConfig(storage_mbit=args.storage_mbit, compute_mbit=args.compute_mbit, subnet=args.subnet),
-        replay_mode=args.mode, rate=args.rate, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_ms / 1000,
+        replay_mode=args.mode, rate=args.rate, rates=_rates(args.rates),
+        slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_ms / 1000,
         slo_percentile=args.slo_percentile, nic_interval_s=args.nic_interval_s,
         max_model_len=args.max_model_len, progress=args.progress,
     ).validate()  # fmt: skip
@@ -263,6 +271,8 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cluster", help="Basic vs DualPath vs Oracle on an emulated cluster (root, netns)")
     p.add_argument("--topologies", default="1P1D", help="comma-separated, e.g. 1P1D,1P2D,2P1D")
     p.add_argument("--modes", default="basic,dualpath,oracle")
+    p.add_argument("--rates", default="", help="online: arrival rates to sweep per mode until the SLO breaks "
+                   "(APS at SLO), e.g. 0.05,0.1,0.2")
     p.add_argument("--storage-mbit", type=float, default=16.0, help="each node's storage NIC, both directions")
     p.add_argument("--compute-mbit", type=float, default=0.0, help="compute network per node; 0: unshaped")
     p.add_argument("--subnet", default="10.213", help="first two octets of the private /16 to use")

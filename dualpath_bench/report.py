@@ -66,6 +66,15 @@ def markdown(payload: dict) -> str:
             f"{c['bound']:.2f}x bound ({_fmt(c['fraction_of_bound'], '.0%')}); DualPath/Oracle JCT "
             f"{_fmt(c['dualpath_over_oracle'], '.2f', 'x')}."
         )
+        if c.get("aps_at_slo"):
+            held = ", ".join(f"{mode} {_fmt(aps, '.3g', '/s')}" for mode, aps in c["aps_at_slo"].items())
+            lines.append(f"- {topology['topology']}: agent arrivals per second at the SLO: {held}; DualPath/Basic "
+                         f"{_fmt(c.get('dualpath_aps_speedup'), '.2f', 'x')}.")  # fmt: skip
+            for mode, run in topology["runs"].items():
+                steps = ", ".join(f"{s['rate']:g}/s {'held' if s['holds'] else 'broke'} (TTFT {s['ttft_s']:.2f} s)"
+                                  for s in run.get("sweep", []))  # fmt: skip
+                if steps:
+                    lines.append(f"  - {mode}: {steps}")
     for topology in payload["topologies"]:
         for mode, run in topology["runs"].items():
             events = {label: sum(engine.get(series, 0) for engine in run.get("engine_deltas", {}).values())

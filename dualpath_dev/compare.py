@@ -89,6 +89,8 @@ class BenchConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     replay_mode: str = "offline"
     rate: float = 0.0
+    # Online: agent arrival rates to try in increasing order per mode, until the SLO breaks (APS at SLO, §7.4).
+    rates: tuple[float, ...] = ()
     slo_ttft_s: float = 4.0
     slo_tpot_s: float = 0.05
     slo_percentile: float = 90.0
@@ -109,6 +111,9 @@ class BenchConfig:
             raise BenchError(f"bench.nic_interval_s must be > 0, got {self.nic_interval_s}")
         if not 0 <= self.busy_fraction < 1:
             raise BenchError(f"bench.busy_fraction must be in [0, 1), got {self.busy_fraction}")
+        if self.rates and (self.replay_mode != "online" or min(self.rates) <= 0):
+            raise BenchError(f"bench.rates (APS at SLO) needs the online replay and positive rates, got "
+                             f"{list(self.rates)} with replay {self.replay_mode!r}")  # fmt: skip
         self.cluster.validate()
         return self
 
@@ -259,6 +264,29 @@ def _run_mode(cluster: EmulatedCluster, mode: str, agents: list[Agent], config: 
     }
 
 
+def _run_or_sweep(cluster: EmulatedCluster, mode: str, agents: list[Agent], config: BenchConfig, salt: int,
+                  watcher: StoreWatcher, bytes_per_token: float) -> dict:  # fmt: skip
+    """One run; with ``config.rates``, online runs at increasing rates until the SLO breaks (§7.4's APS at SLO).
+
+    The result is the run at the highest rate whose SLO held (the lowest rate's if none did), with the
+    whole ``sweep`` and ``aps_at_slo`` (None: the SLO broke at every rate tried).
+    """
+    if not config.rates:
+        return _run_mode(cluster, mode, agents, config, salt, watcher, bytes_per_token)
+    sweep, held = [], None
+    for k, rate in enumerate(sorted(config.rates)):
+        # Every rate in a fresh prefix space of its own.
+        run = _run_mode(cluster, mode, agents, replace(config, rate=rate), salt + 10 * (k + 1), watcher,
+                        bytes_per_token)  # fmt: skip
+        slo = run["summary"]["slo"]
+        sweep.append({"rate": rate, "holds": slo["holds"], "ttft_s": slo["ttft_s"], "tpot_s": slo["tpot_s"]})
+        if not slo["holds"]:
+            held = held or run
+            break
+        held = {**run, "aps_at_slo": rate}
+    return {**held, "sweep": sweep, "aps_at_slo": held.get("aps_at_slo")}
+
+
 def _watcher(cluster: EmulatedCluster) -> tuple[StoreWatcher, float]:
     """A store watcher on the control link, and KV bytes per token, from an engine's key space."""
     key_space = next(iter(cluster.engines.values())).key_space()
@@ -280,7 +308,7 @@ def run_topology(topology: str, agents: list[Agent], config: BenchConfig, workdi
             watcher, bytes_per_token = _watcher(cluster)
             with contextlib.closing(watcher):
                 for mode in plain:
-                    runs[mode] = _guarded(mode, lambda m=mode: _run_mode(
+                    runs[mode] = _guarded(mode, lambda m=mode: _run_or_sweep(
                         cluster, m, agents, config, MODES.index(m) + 1, watcher, bytes_per_token))  # fmt: skip
         if "oracle" in config.modes:
             def oracle() -> dict:
@@ -288,7 +316,7 @@ def run_topology(topology: str, agents: list[Agent], config: BenchConfig, workdi
                                                  env=ORACLE_ENV, name="oracle"))  # fmt: skip
                 watcher, bytes_per_token = _watcher(cluster)
                 with contextlib.closing(watcher):
-                    return _run_mode(cluster, "oracle", agents, config, MODES.index("oracle") + 1, watcher,
+                    return _run_or_sweep(cluster, "oracle", agents, config, MODES.index("oracle") + 1, watcher,
                                      bytes_per_token)  # fmt: skip
 
             runs["oracle"] = _guarded("oracle", oracle)
@@ -321,7 +349,10 @@ def compare_runs(runs: dict[str, dict], bound: float) -> dict:
 
     basic, dual, oracle = jct("basic"), jct("dualpath"), jct("oracle")
     speedup = basic / dual if basic and dual else None
+    aps = {mode: run.get("aps_at_slo") for mode, run in runs.items() if "sweep" in run}
     return {
+        "aps_at_slo": aps,
+        "dualpath_aps_speedup": aps["dualpath"] / aps["basic"] if aps.get("basic") and aps.get("dualpath") else None,
         "dualpath_speedup": speedup,
         "bound": bound,
         "fraction_of_bound": speedup / bound if speedup else None,
