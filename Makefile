@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
-.PHONY: setup test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation soak gpu-connector-check
+.PHONY: setup test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak gpu-connector-check
 
 setup: $(STAMP) mma
 
@@ -73,6 +73,11 @@ bench-dualblade: setup
 # namespaces): idle, one FIFO, priority classes; BENCH_ARGS adds options (e.g. --quick). Results: benchmarks/results/traffic-isolation.*
 bench-traffic-isolation: setup
 	$(PY) benchmarks/bench_traffic_isolation.py $(BENCH_ARGS)
+
+# Step-time spread with vLLM's scheduler vs the compute-quota scheduler on one CPU engine under a mixed long/short load,
+# greedy outputs asserted identical; BENCH_ARGS adds options (e.g. --quota-ms 50). Results: benchmarks/results/compute-quota.*
+bench-compute-quota: setup
+	$(PY) benchmarks/bench_compute_quota.py $(BENCH_ARGS)
 
 # TTFT of a 90%-hit prompt at 8k/16k/32k tokens: bulk vs layerwise store loads vs all-local (vLLM's prefix cache), plus layerwise's per-layer stall.
 bench-injection: setup
