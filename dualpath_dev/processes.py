@@ -1,4 +1,4 @@
-"""Child processes for tests, demos and benchmarks: free ports, process groups, a health-checked service.
+"""Child processes for tests, demos and benchmarks: free ports, process groups, health-checked services.
 
 Everything started here runs in its own process group and is stopped by the
 PID held here (SIGTERM, then SIGKILL after a grace period).
@@ -10,7 +10,9 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 
@@ -97,3 +99,27 @@ class ServiceProcess:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+
+def start_all(services: Sequence[ServiceProcess]) -> None:
+    """Start services side by side, each ready when this returns; stop them all if one fails.
+
+    A vLLM engine's start-up is mostly single-threaded imports in three
+    processes one after the other, so engines started together overlap.
+    """
+    errors: list[BaseException] = []
+
+    def start(service: ServiceProcess) -> None:
+        try:
+            service.start()
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=start, args=(s,)) for s in services]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        for service in services:
+            service.stop()
+        raise errors[0]

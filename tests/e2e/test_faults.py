@@ -50,7 +50,7 @@ import pytest
 
 from dualpath_connector.protocol import PrefillRequest, counter_total_name, metric_totals
 from dualpath_dev.engines import ClusterKeys, RouterProcess, VLLMServer, cached_tokens
-from dualpath_dev.processes import ServiceProcess
+from dualpath_dev.processes import ServiceProcess, start_all
 from dualpath_dev.seaweedfs import SeaweedFS
 from dualpath_dev.tiny_model import TINY_LLAMA
 from nixl_backends.configuration import ConfigError
@@ -273,27 +273,6 @@ def healthy(service: ServiceProcess) -> bool:
         return urllib.request.urlopen(service.health_url, timeout=10).status == 200
     except OSError:
         return False
-
-
-def start_all(services: list[ServiceProcess]) -> None:
-    """Start services side by side (vLLM's start-up is mostly imports); stop them all if one fails."""
-    errors: list[BaseException] = []
-
-    def start(service: ServiceProcess) -> None:
-        try:
-            service.start()
-        except BaseException as exc:
-            errors.append(exc)
-
-    threads = [threading.Thread(target=start, args=(s,)) for s in services]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if errors:
-        for service in services:
-            service.stop()
-        raise errors[0]
 
 
 def _live_members(group: int) -> list[int]:
