@@ -12,13 +12,15 @@ bridge) with both nodes' compute links shaped to ``--link-mbit`` on their egress
   marked with DSCP ``--dscp`` (``IP_TOS``), as the model's collectives would be in their own traffic
   class; one RTT per message, a message unanswered after ``--timeout-ms`` counts as lost.
 
-Three runs, each on a freshly built network: ``idle`` (no KV, the link shaped as in ``fifo``),
+Three modes, each run on a freshly built network: ``idle`` (no KV, the link shaped as in ``fifo``),
 ``fifo`` (KV and the flow in one htb class: no isolation) and ``prio`` (the same htb rate limit
 split into two classes: the flow's DSCP -> a high-priority class served first, everything else,
 KV included, -> a low-priority class that may use all the link the flow leaves; this kernel has no
 ``prio``/``ets`` qdisc, so htb's own class priorities do it). :func:`link_commands` lists the exact
 tc commands; docs/traffic-isolation.md ("Measured in emulation") quotes them beside the RoCE DSCP ->
-TC mapping they mirror. Reported per run: RTT p50/p99/p99.9, lost messages, the p99 ratio to
+TC mapping they mirror. The modes run in turn, ``--rounds`` times, and each mode's samples are
+pooled, so whatever else the machine does weighs on all of them alike. Reported per mode: RTT
+p50/p99/p99.9, lost messages, the p99 ratio to
 ``idle`` (goal: <= 1.20 with isolation) and the KV goodput during the flow's window (bytes of READs
 completed in it); the JSON adds every RTT, the tc counters of the PE link's classes (which class
 the flow's packets went through) and each worker's CPU seconds.
@@ -26,8 +28,10 @@ the flow's packets went through) and each worker's CPU seconds.
 The links, as a fabric's: the compute links get ``--mtu`` (9000 by default, jumbo frames; RDMA
 fabrics run 4096-byte MTUs) and no segmentation offload (``gso_max_segs 1``), so a queue holds
 wire-sized packets: with offload a single 64 KiB TCP super-packet would hold the link for
-milliseconds ahead of any priority. The flow's endpoints run SCHED_FIFO (``--flow-scheduling``),
-standing for collectives that a GPU and a NIC drive, not processes queueing for a CPU.
+milliseconds ahead of any priority. The flow's endpoints run SCHED_FIFO (``--flow-scheduling``)
+on a CPU of their own, the KV workers on the others (``--pin``): they stand for collectives that GPUs
+and NICs drive, and for KV bytes an RDMA NIC moves without a CPU, not for processes queueing for
+the same core.
 
 What limits the figures: veth links on one kernel (no NIC, no switch queues, no RDMA: UCX moves
 KV over TCP, so TCP's congestion control fills the bottleneck queue); a 2-core machine where the
@@ -292,6 +296,17 @@ WORKERS = {"echo": echo_worker, "ping": ping_worker, "kv-source": kv_source_work
 # --- the harness -------------------------------------------------------------------------------------
 
 
+def cpu_split() -> tuple[list[int] | None, list[int] | None]:
+    """(the flow's CPUs, the KV workers' CPUs): the last CPU this process may use, and the others; (None, None)
+    with fewer than two.
+
+    Over RDMA a NIC moves KV bytes without a CPU and the collectives run on GPUs; over TCP on veth each
+    KV packet costs CPU time, and on a shared core that time would land in the flow's latency.
+    """
+    cpus = sorted(os.sched_getaffinity(0))
+    return ([cpus[-1]], cpus[:-1]) if len(cpus) >= 2 else (None, None)
+
+
 @dataclass(frozen=True)
 class RunSpec:
     """What one measurement does; the same for every mode but ``mode``."""
@@ -308,6 +323,8 @@ class RunSpec:
     subnet: str
     mtu: int = 9000
     realtime: bool = True
+    flow_cpus: list[int] | None = None  # None: not pinned
+    kv_cpus: list[int] | None = None
     prefix: str = ""
 
     @property
@@ -386,22 +403,25 @@ def measure(net, spec: RunSpec, kv: bool) -> dict:
     pe, de = net.nodes
     ucx = {"UCX_TLS": "tcp"}
     with workers() as started:
-        echo = Worker(pe, "echo", {"host": pe.compute_addr, "dscp": spec.dscp, "realtime": spec.realtime})
+        echo = Worker(pe, "echo", {"host": pe.compute_addr, "dscp": spec.dscp, "realtime": spec.realtime,
+                                   "cpus": spec.flow_cpus})  # fmt: skip
         started.append(echo)
         port = echo.line(READY)["port"]
         reader = None
         if kv:
-            source = Worker(pe, "kv-source", {"read_bytes": int(spec.read_mib * MIB), "progress_interval_s": 0.001},
-                            {**ucx, "UCX_NET_DEVICES": pe.compute_if})  # fmt: skip
+            source = Worker(pe, "kv-source", {"read_bytes": int(spec.read_mib * MIB), "progress_interval_s": 0.001,
+                                              "cpus": spec.kv_cpus}, {**ucx, "UCX_NET_DEVICES": pe.compute_if})  # fmt: skip
             started.append(source)
             reader = Worker(de, "kv-reader", {"source": source.line(READY), "reads_in_flight": spec.reads_in_flight,
-                                              "timeout_s": 60.0}, {**ucx, "UCX_NET_DEVICES": de.compute_if})  # fmt: skip
+                                              "timeout_s": 60.0, "cpus": spec.kv_cpus},
+                            {**ucx, "UCX_NET_DEVICES": de.compute_if})  # fmt: skip
             started.append(reader)
             reader.line(READY)  # connected, and one READ through: the link is busy from here on
         before = class_counters(pe.namespace, pe.compute_if)
         ping = Worker(de, "ping", {"host": pe.compute_addr, "port": port, "dscp": spec.dscp, "count": spec.count,
                                    "rate": spec.rate, "message_bytes": spec.message_bytes,
-                                   "timeout_ms": spec.timeout_ms, "realtime": spec.realtime})  # fmt: skip
+                                   "timeout_ms": spec.timeout_ms, "realtime": spec.realtime,
+                                   "cpus": spec.flow_cpus})  # fmt: skip
         started.append(ping)
         flow = ping.finish(timeout_s=30.0)
         after = class_counters(pe.namespace, pe.compute_if)
@@ -417,34 +437,45 @@ def percentile_us(rtts: Sequence[float], q: float) -> float:
     return float(np.percentile(np.asarray(rtts), q)) if rtts else float("nan")
 
 
-def summarize(spec: RunSpec, raw: dict) -> dict:
-    """One row: the flow's RTT percentiles and losses, the KV goodput in the flow's window, the classes' counters."""
-    flow = raw["flow"]
-    answered = [r for r in flow["rtt_us"] if r is not None]
-    window = flow["end"] - flow["start"]
+def summarize(mode: str, raws: Sequence[dict]) -> dict:
+    """One row from a mode's runs (one per round): the flow's RTT percentiles and losses over all of
+    them, the KV goodput in the flow's windows, the classes' counters and the workers' CPU seconds, summed."""
+    rtts = [r for raw in raws for r in raw["flow"]["rtt_us"]]
+    answered = [r for r in rtts if r is not None]
+    windows = [raw["flow"]["end"] - raw["flow"]["start"] for raw in raws]
+    classes: dict[str, dict[str, int]] = {}
+    for raw in raws:
+        for handle, counters in raw["classes"].items():
+            total = classes.setdefault(handle, {"bytes": 0, "packets": 0})
+            for name in total:
+                total[name] += counters[name]
+    kv = all("kv" in raw for raw in raws)
     row = {
-        "mode": spec.mode, "kv": "kv" in raw, "messages": len(flow["rtt_us"]),
-        "lost": len(flow["rtt_us"]) - len(answered),
+        "mode": mode, "kv": kv, "rounds": len(raws), "messages": len(rtts), "lost": len(rtts) - len(answered),
         "p50_us": percentile_us(answered, 50), "p99_us": percentile_us(answered, 99),
         "p99_9_us": percentile_us(answered, 99.9), "max_us": max(answered, default=float("nan")),
-        "window_s": window, "flow_cpu_s": flow["cpu_s"], "classes": raw["classes"],
+        "p99_us_per_round": [percentile_us([r for r in raw["flow"]["rtt_us"] if r is not None], 99) for raw in raws],
+        "window_s": sum(windows), "flow_cpu_s": sum(raw["flow"]["cpu_s"] for raw in raws), "classes": classes,
     }  # fmt: skip
-    if "kv" in raw:
-        kv = raw["kv"]
-        in_window = sum(1 for t in kv["done"] if flow["start"] <= t <= flow["end"])
-        row.update(kv_reads_in_window=in_window, kv_MBps=in_window * kv["read_bytes"] / window / MB,
-                   kv_bytes_equal=kv["bytes_equal"], kv_reader_cpu_s=kv["cpu_s"],
-                   kv_source_cpu_s=raw["kv_source"]["cpu_s"])  # fmt: skip
+    if kv:
+        in_window = [sum(raw["flow"]["start"] <= t <= raw["flow"]["end"] for t in raw["kv"]["done"]) for raw in raws]
+        moved = sum(n * raw["kv"]["read_bytes"] for n, raw in zip(in_window, raws))
+        row.update(kv_reads_in_window=sum(in_window), kv_MBps=moved / sum(windows) / MB,
+                   kv_MBps_per_round=[n * raw["kv"]["read_bytes"] / w / MB for n, raw, w in zip(in_window, raws, windows)],
+                   kv_bytes_equal=all(raw["kv"]["bytes_equal"] for raw in raws),
+                   kv_reader_cpu_s=sum(raw["kv"]["cpu_s"] for raw in raws),
+                   kv_source_cpu_s=sum(raw["kv_source"]["cpu_s"] for raw in raws))  # fmt: skip
+    row["rtt_us"] = rtts
     return row
 
 
 def run_mode(spec: RunSpec) -> dict:
+    """One run on a fresh network: the raw samples and counters (see :func:`measure`)."""
     net = shaped_network(spec)
     try:
-        raw = measure(net, spec, kv=spec.mode != "idle")
+        return measure(net, spec, kv=spec.mode != "idle")
     finally:
         net.teardown()
-    return {**summarize(spec, raw), "rtt_us": raw["flow"]["rtt_us"]}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -452,18 +483,24 @@ def run(args: argparse.Namespace) -> dict:
     if not ok:
         raise SystemExit(f"bench_traffic_isolation needs network namespaces (root): {why}")
     commands = {mode: link_commands("<link>", args.link_mbit, mode, args.dscp) for mode in args.modes}
-    rows = []
-    for mode in args.modes:
-        spec = RunSpec(mode=mode, link_mbit=args.link_mbit, dscp=args.dscp, duration_s=args.duration,
-                       rate=args.rate, message_bytes=args.message_bytes, timeout_ms=args.timeout_ms,
-                       read_mib=args.read_mib, reads_in_flight=args.reads_in_flight, subnet=args.subnet,
-                       mtu=args.mtu, realtime=args.flow_scheduling == "realtime", prefix=args.prefix)  # fmt: skip
-        print(f"{mode}: {spec.count} messages at {spec.rate:g}/s on a {spec.link_mbit:g} Mbit/s link ...",
-              file=sys.stderr)  # fmt: skip
-        row = run_mode(spec)
-        print(f"  p50 {row['p50_us']:.0f} us, p99 {row['p99_us']:.0f} us, lost {row['lost']}"
-              + (f", KV {row['kv_MBps']:.1f} MB/s" if row["kv"] else ""), file=sys.stderr)  # fmt: skip
-        rows.append(row)
+    flow_cpus, kv_cpus = cpu_split() if args.pin else (None, None)
+    raws: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    # Rounds of every mode in turn: whatever else the machine does then weighs on all modes alike.
+    for round_ in range(args.rounds):
+        for mode in args.modes:
+            spec = RunSpec(mode=mode, link_mbit=args.link_mbit, dscp=args.dscp, duration_s=args.duration,
+                           rate=args.rate, message_bytes=args.message_bytes, timeout_ms=args.timeout_ms,
+                           read_mib=args.read_mib, reads_in_flight=args.reads_in_flight, subnet=args.subnet,
+                           mtu=args.mtu, realtime=args.flow_scheduling == "realtime", flow_cpus=flow_cpus,
+                           kv_cpus=kv_cpus, prefix=args.prefix)  # fmt: skip
+            print(f"round {round_ + 1}/{args.rounds}, {mode}: {spec.count} messages at {spec.rate:g}/s on a "
+                  f"{spec.link_mbit:g} Mbit/s link ...", file=sys.stderr)  # fmt: skip
+            raw = run_mode(spec)
+            raws[mode].append(raw)
+            answered = [r for r in raw["flow"]["rtt_us"] if r is not None]
+            print(f"  p50 {percentile_us(answered, 50):.0f} us, p99 {percentile_us(answered, 99):.0f} us, "
+                  f"lost {len(raw['flow']['rtt_us']) - len(answered)}", file=sys.stderr)  # fmt: skip
+    rows = [summarize(mode, raws[mode]) for mode in args.modes]
     idle = next((r for r in rows if r["mode"] == "idle"), None)
     for row in rows:
         row["p99_over_idle"] = row["p99_us"] / idle["p99_us"] if idle else None
@@ -472,12 +509,12 @@ def run(args: argparse.Namespace) -> dict:
     if idle and prio:
         goal = {"p99_over_idle": prio["p99_over_idle"], "limit": GOAL_P99_RATIO,
                 "met": prio["p99_over_idle"] <= GOAL_P99_RATIO and prio["lost"] == 0}  # fmt: skip
-    return result_payload(args, tc_commands=commands, link_settings=link_settings("<link>", args.mtu), runs=rows,
-                          goal=goal)  # fmt: skip
+    return result_payload(args, tc_commands=commands, link_settings=link_settings("<link>", args.mtu),
+                          cpus={"flow": flow_cpus, "kv": kv_cpus}, runs=rows, goal=goal)  # fmt: skip
 
 
 def table(payload: dict) -> str:
-    cfg = payload["config"]
+    cfg, cpus = payload["config"], payload["cpus"]
     rows = []
     for r in payload["runs"]:
         ratio = r["p99_over_idle"]
@@ -490,10 +527,12 @@ def table(payload: dict) -> str:
         f"A UDP request/response flow ({cfg['message_bytes']} B, {cfg['rate']:g}/s, DSCP {cfg['dscp']}) between the "
         f"emulated DE and PE namespaces, alone (idle) and while the DE pulls {cfg['read_mib']:g} MiB NIXL READs "
         f"from the PE back to back ({cfg['reads_in_flight']} in flight, UCX over TCP), on compute links shaped to "
-        f"{cfg['link_mbit']:g} Mbit/s (htb): fifo = one queue for both, prio = the flow's DSCP in a high-priority htb "
-        f"class. {payload['environment']['cpu_count']} CPUs, load average "
+        f"{cfg['link_mbit']:g} Mbit/s (htb, MTU {cfg['mtu']}): fifo = one queue for both, prio = the flow's DSCP in "
+        f"a high-priority htb class. {cfg['rounds']} round(s) of {cfg['duration']:g} s per mode, modes in turn, "
+        f"samples pooled; flow endpoints {cfg['flow_scheduling']}, CPUs flow/KV {cpus['flow'] or 'shared'}/"
+        f"{cpus['kv'] or 'shared'} of {payload['environment']['cpu_count']}, load average "
         f"{payload['environment']['load_avg_at_start'][0]:.1f} at start. RTT in microseconds; KV MB/s: READs "
-        f"completed during the flow's window."
+        f"completed during the flow's windows."
     )
     text = markdown_table(["run", "KV", "messages", "lost", "p50 us", "p99 us", "p99.9 us", "p99 / idle",
                            "KV MB/s"], rows, caption)  # fmt: skip
@@ -544,7 +583,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
     parser.add_argument("--modes", type=_modes, default=list(MODES), help="runs, in order (idle,fifo,prio)")
     parser.add_argument("--link-mbit", type=float, default=200.0, help="compute link rate (htb), Mbit/s")
-    parser.add_argument("--duration", type=float, default=30.0, help="seconds of the flow per run")
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds of the flow per run")
     parser.add_argument("--rate", type=float, default=200.0, help="flow messages per second")
     parser.add_argument("--message-bytes", type=int, default=128, help="flow message size (UDP payload)")
     parser.add_argument("--dscp", type=int, default=46, help="the flow's DSCP (46: EF); 0 leaves it unmarked")
@@ -555,6 +594,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         help="compute links' MTU (jumbo: a fabric's large MTU, a sixth of 1500's packets)")
     parser.add_argument("--flow-scheduling", choices=("realtime", "normal"), default="realtime",
                         help="CPU scheduling of the flow's endpoints: SCHED_FIFO, or as every other process")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of all modes in turn (results pooled)")
+    parser.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                        help="the flow's endpoints on one CPU, the KV workers on the others (needs 2+ CPUs)")
     parser.add_argument("--subnet", default="10.214", help="private /16 (two octets) for the emulated network")
     parser.add_argument("--prefix", default="", help="namespace and link name prefix (dpb + 1-5 of [0-9a-z]); "
                         "default: a fresh random one per run")  # fmt: skip
@@ -562,13 +604,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out-dir", type=Path, default=REPO_ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)
     if args.quick:
-        args.duration = 5.0
+        args.duration, args.rounds = 5.0, 1
     checks = {
         "--link-mbit": args.link_mbit > 0, "--duration": args.duration > 0, "--rate": args.rate > 0,
         "--message-bytes": 8 <= args.message_bytes <= 1400, "--dscp": 0 <= args.dscp <= 63,
         "--timeout-ms": args.timeout_ms > 0, "--read-mib": args.read_mib > 0,
         "--reads-in-flight": args.reads_in_flight >= 1, "--mtu": 1280 <= args.mtu <= 65535,
-        "--prefix": not args.prefix or bool(PREFIX_RE.match(args.prefix)),
+        "--rounds": args.rounds >= 1, "--prefix": not args.prefix or bool(PREFIX_RE.match(args.prefix)),
     }  # fmt: skip
     if problems := [name for name, ok in checks.items() if not ok]:
         parser.error(f"out of range: {', '.join(problems)} (message bytes 8..1400, dscp 0..63, mtu 1280..65535, "
@@ -582,6 +624,8 @@ def main() -> None:
         # Stopped by the harness: exit at once. Unwinding would free buffers under READs still in flight
         # (UCX may write them: a crash); the namespace's removal and the kernel clean up the rest.
         signal.signal(signal.SIGTERM, lambda *_: os._exit(143))
+        if spec.get("cpus"):
+            os.sched_setaffinity(0, spec["cpus"])  # before NIXL starts threads: they inherit it
         result = WORKERS[role](spec)
         _say(RESULT, result)
         return

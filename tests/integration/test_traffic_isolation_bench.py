@@ -187,3 +187,12 @@ def test_sigterm_midway_tears_down(tmp_path, prefix):
     assert bench_run.returncode == 143
     assert leftovers(prefix) == []
     assert not list(tmp_path.iterdir())  # no result written for an interrupted run
+
+
+def test_cpu_split_gives_the_flow_a_cpu_of_its_own():
+    flow, kv = bench.cpu_split()
+    if len(os.sched_getaffinity(0)) < 2:
+        assert (flow, kv) == (None, None)
+    else:
+        assert len(flow) == 1 and kv and not set(flow) & set(kv)
+        assert set(flow) | set(kv) == os.sched_getaffinity(0)
