@@ -80,6 +80,15 @@ def test_link_settings_set_the_mtu_and_turn_segmentation_offload_off():
     assert bench.link_settings("eth9", 9000) == ["link", "set", "dev", "eth9", "mtu", "9000", "gso_max_segs", "1"]
 
 
+def test_cpu_split_gives_the_flow_a_cpu_of_its_own():
+    flow, kv = bench.cpu_split()
+    if len(os.sched_getaffinity(0)) < 2:
+        assert (flow, kv) == (None, None)
+    else:
+        assert len(flow) == 1 and kv and not set(flow) & set(kv)
+        assert set(flow) | set(kv) == os.sched_getaffinity(0)
+
+
 @pytest.mark.parametrize(("argv", "named"), [(["--dscp", "64"], "--dscp"), (["--modes", "idle,strict"], "--modes"),
                                              (["--message-bytes", "4"], "--message-bytes"),
                                              (["--link-mbit", "0"], "--link-mbit"), (["--mtu", "100"], "--mtu")])  # fmt: skip
@@ -188,11 +197,3 @@ def test_sigterm_midway_tears_down(tmp_path, prefix):
     assert leftovers(prefix) == []
     assert not list(tmp_path.iterdir())  # no result written for an interrupted run
 
-
-def test_cpu_split_gives_the_flow_a_cpu_of_its_own():
-    flow, kv = bench.cpu_split()
-    if len(os.sched_getaffinity(0)) < 2:
-        assert (flow, kv) == (None, None)
-    else:
-        assert len(flow) == 1 and kv and not set(flow) & set(kv)
-        assert set(flow) | set(kv) == os.sched_getaffinity(0)
