@@ -102,33 +102,31 @@ def run_nixl_transfers(
     transfers: Sequence[tuple[np.ndarray, np.ndarray]],
     remote_mem_type: str,
     timeout_s: float,
+    window: int | None = None,
 ) -> list[bool]:
-    """Post every transfer at once, then wait for all; one flag per transfer.
+    """Post the transfers (at most ``window`` in flight; all at once without one), wait for all; one flag each.
 
     Each transfer is a pair of Nx3 descriptor arrays: local DRAM descriptors
     and the backend-side descriptors. One NIXL request per chunk lets a single
-    bad chunk fail alone. Raises :class:`TransferAbandoned` if any is still in
-    flight after ``timeout_s``.
+    bad chunk fail alone. A window keeps a backend's own queue short: NIXL's
+    OBJ plugin runs every request of an agent on one thread pool, first come
+    first served, so a write posted behind a whole hit's reads would wait for
+    all of them. Raises :class:`TransferAbandoned` if any is still in flight
+    after ``timeout_s``.
     """
-    handles: list[Any] = []
-    for local, remote in transfers:
-        try:
-            handle = agent.initialize_xfer(
-                op,
-                agent.get_xfer_descs(local, "DRAM"),
-                agent.get_xfer_descs(remote, remote_mem_type),
-                agent.name,
-            )
-            if agent.transfer(handle) == "ERR":
-                agent.release_xfer_handle(handle)
-                handle = None
-        except Exception as exc:  # NIXL raises nixlBackendError and friends per request
-            logger.debug("NIXL %s could not start: %s", op, exc)
-            handle = None
-        handles.append(handle)
+    handles: list[Any] = [None] * len(transfers)
+    ok = [False] * len(transfers)
+    pending: set[int] = set()
+    posted = 0
 
-    ok = [h is not None for h in handles]
-    pending = {i for i, h in enumerate(handles) if h is not None}
+    def post_more() -> None:
+        nonlocal posted
+        while posted < len(transfers) and (window is None or len(pending) < window):
+            index, posted = posted, posted + 1
+            handle = _post(agent, op, *transfers[index], remote_mem_type)
+            if handle is not None:
+                handles[index] = handle
+                pending.add(index)
 
     def all_ended() -> bool:
         for i in list(pending):
@@ -142,11 +140,27 @@ def run_nixl_transfers(
             pending.discard(i)
             ok[i] = state == "DONE"
             agent.release_xfer_handle(handles[i])
-        return not pending
+        post_more()
+        return not pending and posted == len(transfers)
 
+    post_more()
     if not wait_until(all_ended, timeout_s):
         # A handle still in flight cannot be released safely: NIXL may still
         # write its memory, so it is left to NIXL, and so is the memory (the
         # caller must not reuse it).
         raise TransferAbandoned(op, len(pending), timeout_s)
     return ok
+
+
+def _post(agent, op: str, local: np.ndarray, remote: np.ndarray, remote_mem_type: str) -> Any:
+    """One posted NIXL request, or None if it could not start (counted as failed)."""
+    try:
+        handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, "DRAM"),
+                                       agent.get_xfer_descs(remote, remote_mem_type), agent.name)  # fmt: skip
+        if agent.transfer(handle) == "ERR":
+            agent.release_xfer_handle(handle)
+            return None
+        return handle
+    except Exception as exc:  # NIXL raises nixlBackendError and friends per request
+        logger.debug("NIXL %s could not start: %s", op, exc)
+        return None

@@ -82,7 +82,10 @@ class S3Store(KVStore):
             (descriptors(addr + offsets, lengths), descriptors(offsets, lengths, dev_id))
             for addr, dev_id in zip(addrs, dev_ids)
         ]
-        results = run_nixl_transfers(self._agent, op, transfers, OBJ, self.config.io_timeout_s)
+        # As many requests in flight as the plugin has threads: a write (the save lane) then queues behind at
+        # most one round of a read's GETs (the read lane), not behind the whole hit.
+        results = run_nixl_transfers(self._agent, op, transfers, OBJ, self.config.io_timeout_s,
+                                     window=self.config.io_threads)  # fmt: skip
         # Deregistered only after every transfer ended (TransferAbandoned skips this).
         self._agent.deregister_memory(registration)
         return results

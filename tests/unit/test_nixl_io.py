@@ -90,6 +90,50 @@ def test_transfers_in_flight_at_the_deadline_are_abandoned_not_released():
     assert agent.released == []
 
 
+class _CountingAgent:
+    """Transfers that finish on their second state check; records how many were in flight at once."""
+
+    name = "counting"
+
+    def __init__(self, fail: set[int] = frozenset()) -> None:
+        self.fail = fail
+        self.in_flight: set[int] = set()
+        self.most_in_flight = 0
+        self.checks: dict[int, int] = {}
+        self.posted: list[int] = []
+
+    def get_xfer_descs(self, descs, mem_type):
+        return descs
+
+    def initialize_xfer(self, op, local, remote, agent_name):
+        return int(local[0][0])  # the local address names the transfer
+
+    def transfer(self, handle):
+        self.posted.append(handle)
+        self.in_flight.add(handle)
+        self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
+        return "PROC"
+
+    def check_xfer_state(self, handle):
+        self.checks[handle] = self.checks.get(handle, 0) + 1
+        if self.checks[handle] < 2:
+            return "PROC"
+        return "ERR" if handle in self.fail else "DONE"
+
+    def release_xfer_handle(self, handle):
+        self.in_flight.discard(handle)
+
+
+@pytest.mark.parametrize("window", [1, 3, None])
+def test_a_window_bounds_the_transfers_in_flight_and_keeps_every_result(window):
+    agent = _CountingAgent(fail={4096 * 5})
+    transfers = [(descriptors(4096 * i, 64), descriptors(0, 64, i)) for i in range(1, 11)]
+    ok = run_nixl_transfers(agent, "READ", transfers, "OBJ", timeout_s=10.0, window=window)
+    assert ok == [i != 5 for i in range(1, 11)]
+    assert agent.posted == [4096 * i for i in range(1, 11)]  # in order, each once
+    assert agent.most_in_flight == (window or 10) and not agent.in_flight
+
+
 def test_transfer_abandoned_is_still_importable_from_the_store_module():
     from nixl_backends.store import TransferAbandoned as FromStore
 
