@@ -20,9 +20,8 @@ KV included, -> a low-priority class that may use all the link the flow leaves; 
 tc commands; docs/traffic-isolation.md ("Measured in emulation") quotes them beside the RoCE DSCP ->
 TC mapping they mirror. The modes run in turn, ``--rounds`` times, and each mode's samples are
 pooled, so whatever else the machine does weighs on all of them alike. Reported per mode: RTT
-p50/p99/p99.9, lost messages, the p99 ratio to
-``idle`` (goal: <= 1.20 with isolation) and the KV goodput during the flow's window (bytes of READs
-completed in it); the JSON adds every RTT, the tc counters of the PE link's classes (which class
+p50/p99/p99.9, lost messages, the p99 ratio to ``idle`` (goal: <= 1.20 with isolation) and the KV
+goodput during the flow's windows (bytes of READs completed in them); the JSON adds every RTT, the tc counters of the PE link's classes (which class
 the flow's packets went through) and each worker's CPU seconds.
 
 The links, as a fabric's: the compute links get ``--mtu`` (9000 by default, jumbo frames; RDMA
@@ -36,8 +35,9 @@ the same core.
 What limits the figures: veth links on one kernel (no NIC, no switch queues, no RDMA: UCX moves
 KV over TCP, so TCP's congestion control fills the bottleneck queue); a 2-core machine where the
 kernel's packet processing (softirq) for KV and for the flow, the UCX workers and anything else
-running share the CPUs: at a 1500-byte MTU the KV packets alone cost enough of them to add
-hundreds of microseconds to the flow even in its own class (``--mtu 1500`` shows it), and a
+running share the CPUs: with the flow on the KV workers' CPUs (``--no-pin``), or at a 1500-byte MTU
+(six times the KV packets), that kernel work adds hundreds of microseconds to the flow's tail even
+in its own class (docs/traffic-isolation.md quotes both), and a
 latency spike may be scheduling, not the link (the JSON records the workers' CPU time and the load
 average); Python timestamps around ``send``/``recv`` (tens of microseconds of noise).
 
