@@ -136,6 +136,9 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = make_tiny_llama(args.workdir / "tiny-llama")
     payload = run_comparison(agents, config, args.workdir.resolve(), model)
+    if not args.trace:
+        # What the simulator's calibration regenerates the same trace from.
+        payload["trace_config"] = {f.name: getattr(args, f.name) for f in fields(TraceConfig)}
     paths = report.write(payload, args.out_dir, args.name)
     print(paths["md"].read_text())
     for kind, path in paths.items():

@@ -8,7 +8,12 @@ A turn's life, every step an event in simulated time:
    (:func:`dualpath_bench.simulate.links.hit_legs`) carries the bytes; Oracle reads nothing (§7.2);
 3. the PE computes the new tokens when the read is done, one request at a time;
 4. the PE's answer is booked with ``finish_prefill``; the DE decodes ``output_tokens`` steps and the
-   decode is booked with ``finish_decode``; the agent's next turn starts at once (offline, §7.3).
+   decode is booked with ``finish_decode``; the agent's next turn starts at once (offline, §7.3), or
+   once the chunks it will hit are stored: the PE saves the prompt blocks it computed and the DE the
+   blocks decoding completed, each through its own node's storage NIC (the write direction).
+
+A PE-side read whose storage NIC is still busy with earlier reads moves to the DE's when that one
+would finish it sooner (work stealing between the links, as the connector's ``move_queued_reads``).
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class Turn:
     hit_tokens: int
     output_tokens: int
     placement: Placement | None = None
+    # When every chunk the agent's next turn will hit is in the store.
+    stored_at: float = 0.0
 
 
 @dataclass
@@ -64,6 +71,8 @@ class RunResult:
     events: int
     wall_s: float
     side_bytes: dict[str, float] = field(default_factory=dict)  # hit bytes read per side
+    moved_reads: int = 0  # PE-side reads the PE's busy link moved to the DE
+    saved_bytes: float = 0.0
     prefill_steps: dict = field(default_factory=dict)  # with PrefillSteps: the PE nodes' step times
 
     @property
@@ -78,7 +87,8 @@ class RunResult:
 
 def _node(hw: SimHardware, name: str) -> NodeLinks:
     return NodeLinks(Link(f"{name}/storage", "storage NIC, reads", hw.storage_bytes_per_s),
-                     Link(f"{name}/dram", f"{name[:2].upper()} DRAM", hw.dram_bytes_per_s))  # fmt: skip
+                     Link(f"{name}/dram", f"{name[:2].upper()} DRAM", hw.dram_bytes_per_s),
+                     Link(f"{name}/storage-write", "storage NIC, writes", hw.storage_bytes_per_s))  # fmt: skip
 
 
 def _gpu(hw: SimHardware, name: str, role: str) -> GpuLinks:
@@ -143,6 +153,8 @@ class Simulation:
         self._placement_s = 0.0
         self._read_sides = {"pe": 0, "de": 0}
         self._side_bytes = {"pe": 0.0, "de": 0.0}
+        self._moved_reads = 0
+        self._saved_bytes = 0.0
         self.hit_bytes = 0.0
         self.turns_done = 0
         self._agents_done = 0
@@ -194,16 +206,31 @@ class Simulation:
         placement = turn.placement
         now = self.loop.now
         done = now
+        pe_node, de_node = self.nodes[placement.prefill.node], self.nodes[placement.decode.node]
         if self.mode != "oracle" and turn.hit_tokens:
             nbytes = turn.hit_tokens * self.hw.kv_bytes_per_token
-            legs = hit_legs(placement.read_side, self.nodes[placement.prefill.node], self.gpus[placement.prefill.name],
-                            self.nodes[placement.decode.node], self.gpus[placement.decode.name])  # fmt: skip
+            pe_busy_until = pe_node.storage.free_at
+            if placement.read_side == "pe" and placement.decode_may_read and pe_busy_until > max(now, de_node.storage.free_at):
+                # The PE's link is busy and the DE's would finish it sooner: the read moves there.
+                placement.read_side = "de"
+                self._moved_reads += 1
+            legs = hit_legs(placement.read_side, pe_node, self.gpus[placement.prefill.name], de_node,
+                            self.gpus[placement.decode.name])  # fmt: skip
             for link, times in legs:
                 done = max(done, link.carry(now, times * nbytes))
             self.hit_bytes += nbytes
             self._side_bytes[placement.read_side] += nbytes
         self._read_sides[placement.read_side] += 1
         self.loop.at(done, self._compute, turn)
+
+    def _save(self, turn: Turn, node: NodeLinks, first_token: int, end_token: int) -> None:
+        """``node`` saves the whole blocks of tokens [first_token, end_token) through its storage NIC."""
+        blocks = self.hw.block_tokens
+        tokens = end_token // blocks * blocks - first_token // blocks * blocks
+        if tokens > 0:
+            nbytes = tokens * self.hw.kv_bytes_per_token
+            self._saved_bytes += nbytes
+            turn.stored_at = max(turn.stored_at, node.storage_write.carry(self.loop.now, nbytes))
 
     def _compute(self, turn: Turn) -> None:
         pe = turn.placement.prefill.name
@@ -216,6 +243,8 @@ class Simulation:
         self.loop.at(self._compute_free[pe], self._prefilled, turn)
 
     def _prefilled(self, turn: Turn) -> None:
+        # The PE saves the prompt blocks it computed.
+        self._save(turn, self.nodes[turn.placement.prefill.node], turn.hit_tokens, turn.prompt_tokens)
         t0 = time.perf_counter()
         self.dispatcher.finish_prefill(turn.placement, completed=True)
         self._placement_s += time.perf_counter() - t0
@@ -229,8 +258,12 @@ class Simulation:
         self._placement_s += time.perf_counter() - t0
         self.turns_done += 1
         self._context[turn.agent] = turn.prompt_tokens + turn.output_tokens
+        # The DE saves the blocks decoding completed (the last output token has no KV yet).
+        self._save(turn, self.nodes[turn.placement.decode.node], turn.prompt_tokens,
+                   turn.prompt_tokens + turn.output_tokens - 1)  # fmt: skip
         if turn.index + 1 < len(self._agents[turn.agent]):
-            self._start_turn((turn.agent, turn.index + 1))
+            # The next turn waits until what it will hit is stored (as the bench's replay does).
+            self.loop.at(max(self.loop.now, turn.stored_at), self._start_turn, (turn.agent, turn.index + 1))
         else:
             self._agents_done += 1
             self._agent_end_sum += self.loop.now
@@ -238,7 +271,7 @@ class Simulation:
 
     # -- results -----------------------------------------------------------------------------------
     def links(self) -> list[Link]:
-        return [link for n in self.nodes.values() for link in (n.storage, n.dram)] + \
+        return [link for n in self.nodes.values() for link in (n.storage, n.dram, n.storage_write)] + \
                [link for g in self.gpus.values() for link in (g.read, g.write)]  # fmt: skip
 
     def _result(self, jct: float, wall_s: float) -> RunResult:
@@ -254,6 +287,6 @@ class Simulation:
             link_bytes={link.name: link.bytes for link in self.links()}, utilisation=utilisation,
             utilisation_max=utilisation_max,
             placements=self._placements, placement_s=self._placement_s, events=self.loop.processed, wall_s=wall_s,
-            side_bytes=dict(self._side_bytes),
+            side_bytes=dict(self._side_bytes), moved_reads=self._moved_reads, saved_bytes=self._saved_bytes,
             prefill_steps=self._stepper.stats.to_json() if self._stepper is not None else {},
         )  # fmt: skip

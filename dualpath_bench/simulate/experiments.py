@@ -130,16 +130,22 @@ def pd_range_check(hw: SimHardware, agents_per_node: int) -> dict:
 
 
 def calibration(hw: SimHardware, measured_paths: list[Path], trace: dict) -> list[dict]:
-    """Predicted vs measured JCT for each emulated-cluster run in ``measured_paths`` (same trace settings)."""
-    agents = [[(len(t.append), t.output_tokens) for t in a.turns] for a in generate(TraceConfig.from_dict(trace))]
+    """Predicted vs measured JCT for each emulated-cluster run in ``measured_paths``.
+
+    Each run is simulated on its own trace (``trace_config`` in its JSON; ``trace`` for runs that predate
+    it) and its own storage NIC rate.
+    """
     rows = []
     for path in measured_paths:
         payload = json.loads(path.read_text())
+        run_trace = TraceConfig.from_dict(payload.get("trace_config", trace))
+        agents = [[(len(t.append), t.output_tokens) for t in a.turns] for a in generate(run_trace)]
+        run_hw = replace(hw, storage_bytes_per_s=payload["config"]["cluster"]["storage_mbit"] * 1e6 / 8)
         for topo in payload["topologies"]:
             for mode, run in topo["runs"].items():
                 if "summary" not in run or mode not in MODES:
                     continue
-                predicted = _run(hw, topo["topology"], mode, agents)
+                predicted = _run(run_hw, topo["topology"], mode, agents)
                 measured = run["summary"]["jct_s"]
                 rows.append({"source": path.name, "topology": topo["topology"], "mode": mode, "measured_jct_s": measured,
                              "predicted_jct_s": predicted.jct_s, "error": predicted.jct_s / measured - 1,

@@ -31,10 +31,12 @@ class Link:
 
 @dataclass
 class NodeLinks:
-    """A machine's storage NIC (reads) and its DRAM (half duplex: reads and writes add up, §4.2)."""
+    """A machine's storage NIC (reads; writes, the other direction) and its DRAM (half duplex: reads and
+    writes add up, §4.2)."""
 
     storage: Link
     dram: Link
+    storage_write: Link
 
 
 @dataclass

@@ -9,7 +9,7 @@ import pytest
 
 from dualpath_bench.errors import BenchUsageError
 from dualpath_bench.simulate import experiments
-from dualpath_bench.simulate.cluster import Simulation
+from dualpath_bench.simulate.cluster import Simulation, Turn
 from dualpath_bench.simulate.events import EventLoop
 from dualpath_bench.simulate.hardware import preset
 from dualpath_bench.simulate.prefill_steps import NodeStepper, PrefillSteps, _Prefill
@@ -20,6 +20,18 @@ from dualpath_router.policies import BasicPolicy, DualPathPolicy
 # Storage-bound: the emulated cluster's 2 MB/s storage NICs against an 8k-context agent trace.
 HW = preset("emulated")
 AGENTS = turn_lengths(TraceConfig(agents=8, turns=8, first_append_tokens=2048, sigma=0.3))
+
+
+def expected_saved_tokens(agents, block):
+    """Whole blocks each turn stores: its prompt's after the hit (the PE) and those decoding completed (the DE)."""
+    total = 0
+    for turns in agents:
+        context = 0
+        for append, output in turns:
+            hit = min(context, context + append - 1) // block * block
+            total += (context + append + output - 1) // block * block - hit
+            context += append + output
+    return total
 
 
 def expected_hit_tokens(agents, block):
@@ -57,8 +69,11 @@ def test_every_hit_byte_is_read_once_and_every_link_byte_is_accounted(mode):
     for link in sim.links():
         by_kind[link.kind] = by_kind.get(link.kind, 0.0) + link.bytes
     # Each link's bytes are the paper's per-path multiples (§4.2, Eqs. 1-8), summed over all requests.
+    saved = expected_saved_tokens(AGENTS, HW.block_tokens) * HW.kv_bytes_per_token
+    assert result.saved_bytes == saved
     assert by_kind == {
         "storage NIC, reads": hit,
+        "storage NIC, writes": saved,
         "PE DRAM": 2 * pe_side,
         "DE DRAM": 2 * pe_side + 3 * de_side,
         "PE compute NIC, reads": 2 * pe_side,
@@ -73,7 +88,41 @@ def test_every_hit_byte_is_read_once_and_every_link_byte_is_accounted(mode):
 def test_oracle_reads_nothing():
     sim = Simulation(HW, 1, 1, "oracle")
     result = sim.run(AGENTS)
-    assert result.hit_bytes == 0 and all(link.bytes == 0 for link in sim.links())
+    # Only the saves move bytes (the emulated Oracle saves too: the next turns' lookups find their chunks).
+    assert result.hit_bytes == 0 and all(link.bytes == 0 for link in sim.links() if link.kind != "storage NIC, writes")
+    assert result.saved_bytes == expected_saved_tokens(AGENTS, HW.block_tokens) * HW.kv_bytes_per_token
+
+
+@pytest.mark.parametrize("pe_busy_until, de_busy_until, decode_may_read, moved", [
+    (5.0, 0.0, True, True),     # the PE's link is busy, the DE's idle: the read moves
+    (5.0, 6.0, True, False),    # the DE would finish it later: it stays
+    (0.0, 0.0, True, False),    # the PE's link is idle: it stays
+    (5.0, 0.0, False, False),   # Basic: DEs never read
+])  # fmt: skip
+def test_a_pe_side_read_moves_to_the_de_when_that_finishes_it_sooner(pe_busy_until, de_busy_until, decode_may_read,
+                                                                   moved):
+    sim = Simulation(HW, 1, 1, "dualpath")
+    placement = sim.dispatcher.try_place(sim._pes, 1000, 960, None)
+    placement.read_side, placement.decode_may_read = "pe", decode_may_read
+    sim.nodes["pe0"].storage.free_at, sim.nodes["de0"].storage.free_at = pe_busy_until, de_busy_until
+    sim._read(Turn(0, 0, 1000, 960, 10, placement))
+    assert placement.read_side == ("de" if moved else "pe") and sim._moved_reads == int(moved)
+    reader = sim.nodes["de0" if moved else "pe0"].storage
+    assert reader.bytes == 960 * HW.kv_bytes_per_token  # read once, on one side
+
+
+def test_every_read_is_counted_once_with_moves():
+    result = Simulation(HW, 1, 1, "dualpath").run(AGENTS)
+    assert result.side_bytes["pe"] + result.side_bytes["de"] == result.hit_bytes
+    assert result.moved_reads <= result.read_sides["de"]
+
+
+def test_a_turn_waits_for_the_chunks_it_will_hit_to_be_stored():
+    slow_writes = Simulation(replace(HW, storage_bytes_per_s=HW.storage_bytes_per_s), 1, 1, "oracle")
+    fast = slow_writes.run(AGENTS).jct_s
+    slower = Simulation(replace(HW, storage_bytes_per_s=HW.storage_bytes_per_s / 4), 1, 1, "oracle").run(AGENTS)
+    # Oracle reads nothing: only the saves (the store waits) see the slower NIC, and they lengthen the run.
+    assert slower.jct_s > fast
 
 
 def test_the_policies_are_the_routers_own_objects(monkeypatch):
