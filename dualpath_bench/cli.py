@@ -224,12 +224,11 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         payload["calibration"] = experiments.calibration(hw, sorted(args.measured_dir.glob("dualpath-bench*.json")),
                                                          CLUSTER_TRACE)  # fmt: skip
         payload["calibration_note"] = (
-            "Same trace (seed 0), same topologies. The simulator's engine figures come from the Basic 1P1D run; "
-            "everything else is predicted. The model has the links' limits and the engines' measured speeds, but no "
-            "term for the emulated cluster's shared CPU: every engine, SeaweedFS and the router share two cores, so "
-            "compute, decode and the DE-side reads slow each other down. The Oracle rows (no KV I/O at all) measure "
-            "that floor: where the measured Oracle is far above the simulated one, the same gap sits inside the "
-            "measured Basic and DualPath JCTs.")
+            "Each run is simulated on its own trace and storage NIC rate, with the engine figures of the preset. "
+            "One figure is fitted per run, on its Oracle (no KV I/O but the saves): the per-turn overhead of the "
+            "emulated cluster's shared CPU (every engine, SeaweedFS and the router share two cores), at which the "
+            "simulated Oracle takes the measured time. Basic and DualPath are then predicted, and their error is "
+            "what the model lacks besides that floor.")
     paths = report.write(payload, args.out_dir, args.name or f"simulate-{args.preset}")
     print(paths["md"].read_text())
     for kind, path in paths.items():

@@ -64,10 +64,12 @@ def _quota(quota: dict) -> list[str]:
 
 
 def _calibration(rows: list[dict]) -> list[str]:
-    out = ["| run | topology | mode | measured JCT s | simulated JCT s | error |", "|---|---|---|--:|--:|--:|"]
+    out = ["| run | topology | mode | measured JCT s | simulated JCT s | error | per-turn overhead s |",
+           "|---|---|---|--:|--:|--:|--:|"]  # fmt: skip
     for row in rows:
+        error = "fitted" if row.get("fitted") else f"{row['error']:+.0%}"
         out.append(f"| {row['source']} | {row['topology']} | {row['mode']} | {row['measured_jct_s']:.1f} | "
-                   f"{row['predicted_jct_s']:.1f} | {row['error']:+.0%} |")  # fmt: skip
+                   f"{row['predicted_jct_s']:.1f} | {error} | {row.get('overhead_s', 0.0):.2f} |")  # fmt: skip
     return out
 
 
