@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import deque
 from dataclasses import replace
 
@@ -232,3 +233,19 @@ def test_prefill_step_settings_are_checked():
         PrefillSteps(0)
     with pytest.raises(BenchUsageError, match="compute quota"):
         PrefillSteps(1024, quota_s=0.0)
+
+
+def test_calibration_fits_the_oracle_then_predicts_the_others(tmp_path):
+    trace = {"agents": 4, "turns": 4, "first_append_tokens": 1024, "sigma": 0.3}
+    agents = turn_lengths(TraceConfig.from_dict(trace))
+    # A "measured" run: the simulator's own JCTs with a 2 s per-turn overhead the preset does not have.
+    truth = replace(HW, request_overhead_s=2.0)
+    runs = {mode: {"summary": {"jct_s": Simulation(truth, 1, 1, mode).run(agents).jct_s, "hit_tokens": 0}}
+            for mode in ("basic", "dualpath", "oracle")}  # fmt: skip
+    payload = {"config": {"cluster": {"storage_mbit": HW.storage_bytes_per_s * 8 / 1e6}}, "trace_config": trace,
+               "topologies": [{"topology": "1P1D", "runs": runs}]}  # fmt: skip
+    (tmp_path / "dualpath-bench.json").write_text(json.dumps(payload))
+    rows = {row["mode"]: row for row in experiments.calibration(HW, [tmp_path / "dualpath-bench.json"], {})}
+    assert rows["oracle"]["fitted"] and rows["oracle"]["overhead_s"] == pytest.approx(2.0, abs=0.05)
+    for mode in ("basic", "dualpath"):
+        assert not rows[mode]["fitted"] and abs(rows[mode]["error"]) < 0.02
