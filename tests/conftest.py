@@ -1,6 +1,6 @@
-"""Shared fixtures: a real SeaweedFS on 127.0.0.1, the tiny test models, NIXL agents; and the helpers
-test modules import from here (the checkout's root, an example as a module, a POST, a poll, output
-comparison, a resealed stored chunk).
+"""Shared fixtures: a real SeaweedFS on 127.0.0.1, the tiny test models, an engine without a connector
+(one per session), NIXL agents; and the helpers test modules import from here (the checkout's root, an
+example as a module, a POST, a poll, output comparison, a resealed stored chunk, a PD pair).
 
 Everything a fixture starts it stops in its finalizer, by the PID it holds.
 """
@@ -17,16 +17,19 @@ import urllib.error
 import urllib.request
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from dualpath_dev.engines import VLLMServer
+from dualpath_dev.processes import start_all
 from dualpath_dev.seaweedfs import SeaweedFS
 from dualpath_dev.tiny_model import make_tiny_deepseek_v2, make_tiny_llama
 from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout
+from tests.vllm_engine import Engine
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _agent_names = itertools.count()
@@ -88,6 +91,22 @@ def tiny_model() -> Path:
     return make_tiny_llama(REPO_ROOT / ".cache" / "tiny-llama")
 
 
+# The step (max_num_batched_tokens) of ``plain_engine``: a comparison with it needs the same chunking.
+PLAIN_ENGINE_BATCH_TOKENS = 512
+
+
+@pytest.fixture(scope="session")
+def plain_engine(tiny_model):
+    """The tiny Llama without any KV connector, the reference of every module that compares against one.
+
+    Shared by the session: an engine start costs 40-90 s here, and a greedy
+    output does not depend on what the engine served before once its prefix
+    cache is reset (each ``generate`` resets it unless told otherwise).
+    """
+    with Engine(tiny_model, max_num_batched_tokens=PLAIN_ENGINE_BATCH_TOKENS) as engine:
+        yield engine
+
+
 @pytest.fixture(scope="session")
 def tiny_mla_model() -> Path:
     """The tiny random DeepSeek-V2-style MLA model, made once per checkout like ``tiny_model``."""
@@ -142,19 +161,21 @@ def router_model(router) -> str:
 
 @contextlib.contextmanager
 def pd_pair(model: Path, seaweedfs: SeaweedFS, logs: Path, **options) -> Iterator[tuple]:
-    """A started PE and DE (``dualpath_dev.engines.VLLMServer`` on configs/pe.json and de.json, ``options`` for
-    both: ``keys`` is required), warmed up; stopped by the PIDs they hold, also on failure."""
+    """A PE and a DE (``dualpath_dev.engines.VLLMServer`` on configs/pe.json and de.json, ``options`` for
+    both: ``keys`` is required), started and warmed up side by side; stopped by the PIDs they hold, also on
+    failure."""
     pe = VLLMServer(model, seaweedfs, logs / "pe.log", config="pe.json", **options)
     de = VLLMServer(model, seaweedfs, logs / "de.log", config="de.json", **options)
     try:
-        pe.start()
-        de.start()
+        start_all([pe, de])
         # vLLM compiles its logprobs gather on first use, which stalls that
-        # engine for a minute on 2 cores; do it before the DE serves peers.
+        # engine for seconds to a minute on 2 cores; do it before the DE serves
+        # peers, in both engines at once.
         warm_up = {"model": str(model), "prompt": [1, 2, 3], "max_tokens": 2, "logprobs": 0,
                    "return_tokens_as_token_ids": True}
-        for server in (pe, de):
-            server.post("/v1/completions", warm_up, timeout_s=900)
+        with ThreadPoolExecutor(2) as pool:
+            for warmed in [pool.submit(server.post, "/v1/completions", warm_up, 900) for server in (pe, de)]:
+                warmed.result()
         yield pe, de
     finally:
         pe.stop()

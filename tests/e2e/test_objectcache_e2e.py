@@ -27,14 +27,14 @@ from dualpath_connector.protocol import metric_samples
 from dualpath_dev.engines import ClusterKeys, RouterProcess
 from dualpath_dev.gateway import GatewayProcess, gateway_config
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout, chunk_hashes, chunk_key
-from tests.conftest import pd_pair, poll, same, through_router
+from tests.conftest import PLAIN_ENGINE_BATCH_TOKENS, pd_pair, poll, same, through_router
 from tests.vllm_engine import Engine
 
 pytestmark = pytest.mark.engine
 
 CHUNK = 32
 MAX_TOKENS = 24
-BATCH_TOKENS = 512
+BATCH_TOKENS = PLAIN_ENGINE_BATCH_TOKENS  # the baseline's step: every engine here chunks prefill alike
 BUCKET = "dualpath-objcache"
 NUM_LAYERS = 4  # the tiny Llama's
 
@@ -103,26 +103,26 @@ def gateways(seaweedfs, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_model):
+def baseline(plain_engine):
     """Outputs of an engine without the connector: A after P (its own prefix-cache hit), A cold, PD sessions."""
+    engine = plain_engine
     out: dict = {}
-    with Engine(tiny_model, max_num_batched_tokens=BATCH_TOKENS) as engine:
-        engine.generate([P], MAX_TOKENS)
-        out["A_after_P"] = engine.generate([A], MAX_TOKENS, reset_prefix_cache=False)[0]
-        assert out["A_after_P"]["num_cached_tokens"] == len(P) // CHUNK * CHUNK
-        out["B_after_P"] = engine.generate([B], MAX_TOKENS, reset_prefix_cache=False)[0]
-        assert out["B_after_P"]["num_cached_tokens"] == len(P) // CHUNK * CHUNK
-        out["A"] = engine.generate([A], MAX_TOKENS)[0]
-        for side, appends in PD_SESSIONS.items():
-            history: list[int] = []
-            turns = []
-            for turn, append in enumerate(appends):
-                prompt = history + append
-                engine.generate([prompt], 1, reset_prefix_cache=turn == 0)  # the PE's prefill
-                result = engine.generate([prompt], PD_OUTPUT_TOKENS, reset_prefix_cache=False)[0]
-                turns.append({"prompt": prompt, **result})
-                history = prompt + result["tokens"]
-            out[side] = turns
+    engine.generate([P], MAX_TOKENS)
+    out["A_after_P"] = engine.generate([A], MAX_TOKENS, reset_prefix_cache=False)[0]
+    assert out["A_after_P"]["num_cached_tokens"] == len(P) // CHUNK * CHUNK
+    out["B_after_P"] = engine.generate([B], MAX_TOKENS, reset_prefix_cache=False)[0]
+    assert out["B_after_P"]["num_cached_tokens"] == len(P) // CHUNK * CHUNK
+    out["A"] = engine.generate([A], MAX_TOKENS)[0]
+    for side, appends in PD_SESSIONS.items():
+        history: list[int] = []
+        turns = []
+        for turn, append in enumerate(appends):
+            prompt = history + append
+            engine.generate([prompt], 1, reset_prefix_cache=turn == 0)  # the PE's prefill
+            result = engine.generate([prompt], PD_OUTPUT_TOKENS, reset_prefix_cache=False)[0]
+            turns.append({"prompt": prompt, **result})
+            history = prompt + result["tokens"]
+        out[side] = turns
     return out
 
 
