@@ -23,6 +23,7 @@ key (``DUALPATH_ENGINE_API_KEY``): only the router talks to the engines.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import signal
 import sys
@@ -35,6 +36,7 @@ from openai import OpenAI
 
 from dualpath_connector.protocol import counter_total_name
 from dualpath_dev.engines import ClusterKeys, RouterProcess, VLLMServer
+from dualpath_dev.processes import start_all
 from dualpath_dev.seaweedfs import SeaweedFS
 from dualpath_dev.tiny_model import make_tiny_llama
 
@@ -126,7 +128,12 @@ def run(args: argparse.Namespace) -> dict:
         de = VLLMServer(model, s3, workdir / "demo-de.log", config="de.json", keys=keys)
         print(f"PE {pe.base_url} (side channel {pe.side_channel}), DE {de.base_url} (side channel {de.side_channel})")
         print(f"starting both engines (logs: {pe.log_path}, {de.log_path}) ...", flush=True)
-        with pe, de, RouterProcess([pe], [de], s3, workdir, policy="dualpath") as router:
+        with contextlib.ExitStack() as running:
+            running.callback(de.stop)
+            running.callback(pe.stop)
+            # Side by side: an engine's start-up is mostly single-threaded imports.
+            start_all([pe, de])
+            router = running.enter_context(RouterProcess([pe], [de], s3, workdir, policy="dualpath"))
             print(f"dualpath-router on {router.url} (log: {router.log_path})\n", flush=True)
             session = {"router": router, "model": str(model), "de": de}
             chat_rows = _chat(session, args) if args.chat_turns else []
@@ -142,13 +149,15 @@ def run(args: argparse.Namespace) -> dict:
             pe_read = pe.metric_total(counter_total_name("bytes_read"))
             de_read = de.metric_total(counter_total_name("bytes_read_for_peer"))
             pulled = pe.metric_total(counter_total_name("bytes_pulled_from_peer"))
-            written = de.metric_total(counter_total_name("bytes_written"))
+            # The PE saves the prompt chunks it computed, the DE those decoding completed.
+            written = {name: e.metric_total(counter_total_name("bytes_written")) for name, e in (("PE", pe), ("DE", de))}
     sides = sorted({r["read_side"] for r in rows if r["hit_tokens"]})
     print(f"\nread sides used for hits: {', '.join(sides) or 'none'}")
     print(f"bytes read from the store: PE side {pe_read / 2**20:.1f} MiB, DE side {de_read / 2**20:.1f} MiB "
-          f"(pulled by the PE from the DE over NIXL: {pulled / 2**20:.1f} MiB); written by the DE {written / 2**20:.1f} MiB")  # fmt: skip
+          f"(pulled by the PE from the DE over NIXL: {pulled / 2**20:.1f} MiB); written by the PE "
+          f"{written['PE'] / 2**20:.1f} MiB and the DE {written['DE'] / 2**20:.1f} MiB")  # fmt: skip
     return {"chat": chat_rows, "turns": rows, "pe_bytes_read": pe_read, "de_bytes_read": de_read, "pulled": pulled,
-            "written": written}
+            "written": sum(written.values())}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

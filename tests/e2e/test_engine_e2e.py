@@ -71,19 +71,19 @@ def s3(seaweedfs):
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_model):
+def baseline(plain_engine):
     """Outputs of an engine without the connector, in the histories described above."""
-    with Engine(tiny_model) as engine:
-        out = {"P": engine.generate([P], MAX_TOKENS)[0]}
-        out["A_after_P"] = engine.generate([A], MAX_TOKENS, reset_prefix_cache=False)[0]
-        assert out["A_after_P"]["num_cached_tokens"] == len(P) // CHUNK * CHUNK
-        out["A"] = engine.generate([A], MAX_TOKENS)[0]
-        out["S0"] = engine.generate([BATCH[0]], MAX_TOKENS)[0]
-        out["BATCH_after_S0"] = engine.generate(BATCH, MAX_TOKENS, reset_prefix_cache=False)
-        engine.generate([BATCH[0]], MAX_TOKENS)
-        out["S1_after_S0"] = engine.generate([BATCH[1]], MAX_TOKENS, reset_prefix_cache=False)[0]
-        out["S2"] = engine.generate([BATCH[2]], MAX_TOKENS)[0]
-        return out
+    engine = plain_engine
+    out = {"P": engine.generate([P], MAX_TOKENS)[0]}
+    out["A_after_P"] = engine.generate([A], MAX_TOKENS, reset_prefix_cache=False)[0]
+    assert out["A_after_P"]["num_cached_tokens"] == len(P) // CHUNK * CHUNK
+    out["A"] = engine.generate([A], MAX_TOKENS)[0]
+    out["S0"] = engine.generate([BATCH[0]], MAX_TOKENS)[0]
+    out["BATCH_after_S0"] = engine.generate(BATCH, MAX_TOKENS, reset_prefix_cache=False)
+    engine.generate([BATCH[0]], MAX_TOKENS)
+    out["S1_after_S0"] = engine.generate([BATCH[1]], MAX_TOKENS, reset_prefix_cache=False)[0]
+    out["S2"] = engine.generate([BATCH[2]], MAX_TOKENS)[0]
+    return out
 
 
 @pytest.fixture(scope="module")

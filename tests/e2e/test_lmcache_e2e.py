@@ -23,7 +23,7 @@ import pytest
 pytest.importorskip("lmcache")
 
 from dualpath_dev.processes import ServiceProcess, free_port  # noqa: E402
-from tests.conftest import poll, resealed, same  # noqa: E402
+from tests.conftest import PLAIN_ENGINE_BATCH_TOKENS, poll, resealed, same  # noqa: E402
 from tests.vllm_engine import Engine  # noqa: E402
 
 pytestmark = pytest.mark.engine
@@ -81,7 +81,7 @@ def lmcache_stack(tiny_model, seaweedfs, s3_bucket, tmp_path):
             "kv_role": "kv_both",
             "kv_connector_extra_config": {"lmcache.mp.host": "tcp://127.0.0.1", "lmcache.mp.port": server.port},
         }
-        with Engine(tiny_model, kv_config, max_num_batched_tokens=512) as engine:
+        with Engine(tiny_model, kv_config, max_num_batched_tokens=PLAIN_ENGINE_BATCH_TOKENS) as engine:
             yield server, engine, s3_bucket
     finally:
         server.stop()
@@ -92,9 +92,8 @@ def _stored(seaweedfs, bucket: str) -> list[str]:
     return sorted(item["Key"] for item in listing.get("Contents", []))
 
 
-def test_hit_from_our_l2_matches_no_cache_and_a_swapped_chunk_does_not(tiny_model, seaweedfs, lmcache_stack):
-    with Engine(tiny_model, max_num_batched_tokens=512) as plain:
-        baseline = plain.generate([PROMPT], MAX_TOKENS)[0]
+def test_hit_from_our_l2_matches_no_cache_and_a_swapped_chunk_does_not(plain_engine, seaweedfs, lmcache_stack):
+    baseline = plain_engine.generate([PROMPT], MAX_TOKENS)[0]
     server, engine, bucket = lmcache_stack
 
     cold = engine.generate([PROMPT], MAX_TOKENS)[0]

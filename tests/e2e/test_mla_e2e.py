@@ -16,7 +16,7 @@ import pytest
 from dualpath_dev.tiny_model import TINY_DEEPSEEK_V2
 from nixl_backends.layout import DIGEST_BYTES, chunk_hashes, chunk_key
 from tests.conftest import resealed, same
-from tests.vllm_engine import Engine
+from tests.vllm_engine import Engine, start_side_by_side
 
 pytestmark = pytest.mark.engine
 
@@ -69,27 +69,41 @@ def dualpath(root) -> dict:
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_mla_model, tmp_path_factory):
+def store_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("mla-store")
+
+
+@pytest.fixture(scope="module")
+def first_runs(tiny_mla_model, store_root, tmp_path_factory) -> dict:
+    """The baseline engine (ExampleConnector) serves P then A; a first engine with the connector serves P,
+    which stores its chunks. The two are independent: they start side by side, and stop before the tests."""
     root = tmp_path_factory.mktemp("example-connector")
-    with Engine(tiny_mla_model, example_connector(root), **MLA_BACKEND) as engine:
-        out = {"P": engine.generate([P], MAX_TOKENS)[0]}
-        out["A_after_P"] = engine.generate([A], MAX_TOKENS)[0]
+    engines = start_side_by_side(lambda: Engine(tiny_mla_model, example_connector(root), **MLA_BACKEND),
+                                 lambda: Engine(tiny_mla_model, dualpath(store_root), **MLA_BACKEND))  # fmt: skip
+    reference, first = engines
+    try:
+        baseline = {"P": reference.generate([P], MAX_TOKENS)[0]}
+        baseline["A_after_P"] = reference.generate([A], MAX_TOKENS)[0]
+        saved = first.generate([P], MAX_TOKENS)[0]
+        return {"baseline": baseline, "saved": saved, "ready": first.ready}
+    finally:
+        for engine in engines:
+            engine.stop()
+
+
+@pytest.fixture(scope="module")
+def baseline(first_runs):
+    out = first_runs["baseline"]
     assert out["P"]["num_cached_tokens"] == 0
     assert out["A_after_P"]["num_cached_tokens"] == HIT
     return out
 
 
 @pytest.fixture(scope="module")
-def store_root(tmp_path_factory):
-    return tmp_path_factory.mktemp("mla-store")
-
-
-@pytest.fixture(scope="module")
-def populated(tiny_mla_model, store_root, baseline):
-    """A first engine with the connector serves P; the connector stores its chunks."""
-    with Engine(tiny_mla_model, dualpath(store_root), **MLA_BACKEND) as engine:
-        out = engine.generate([P], MAX_TOKENS)[0]
-        namespace, prefix = engine.ready["namespace"], engine.ready["key_prefix"]
+def populated(store_root, first_runs):
+    """What the first engine with the connector answered for P; where its chunks are."""
+    out = first_runs["saved"]
+    namespace, prefix = first_runs["ready"]["namespace"], first_runs["ready"]["key_prefix"]
 
     def chunk_hash(tokens: list[int], i: int) -> str:
         return chunk_hashes(namespace, tokens, CHUNK)[i]

@@ -34,8 +34,7 @@ import pytest
 
 from dualpath_connector.protocol import PrefillRequest, counter_total_name
 from dualpath_dev.engines import ClusterKeys, RouterProcess
-from tests.conftest import pd_pair, poll, post, router_model, same, through_router
-from tests.vllm_engine import Engine
+from tests.conftest import PLAIN_ENGINE_BATCH_TOKENS, pd_pair, poll, post, router_model, same, through_router
 
 pytestmark = pytest.mark.engine
 
@@ -62,25 +61,25 @@ FALLBACK_APPEND = session_prompts(99)[1]
 
 
 @pytest.fixture(scope="module")
-def baseline(tiny_model) -> dict:
-    """Per session, per turn: the prompt and the output of an engine without the connector."""
+def baseline(plain_engine) -> dict:
+    """Per session, per turn: the prompt and the output of an engine without the connector (the session's)."""
+    assert PLAIN_ENGINE_BATCH_TOKENS == BATCH_TOKENS  # its prefill chunked as the PE chunks it
     out: dict = {}
-    with Engine(tiny_model, max_num_batched_tokens=BATCH_TOKENS) as engine:
-        for side, appends in SESSIONS.items():
-            history: list[int] = []
-            turns = []
-            for turn, append in enumerate(appends):
-                prompt = history + append
-                # Sessions are independent: each starts from an empty prefix cache.
-                engine.generate([prompt], 1, reset_prefix_cache=turn == 0)
-                result = engine.generate([prompt], OUTPUT_TOKENS, reset_prefix_cache=False)[0]
-                assert result["num_cached_tokens"] == len(prompt) - 1
-                turns.append({"prompt": prompt, **result})
-                history = prompt + result["tokens"]
-            out[side] = turns
-        last = out[READ_SIDES[-1]][-1]
-        prompt = last["prompt"] + last["tokens"] + FALLBACK_APPEND
-        out["fallback"] = {"prompt": prompt, **engine.generate([prompt], OUTPUT_TOKENS, reset_prefix_cache=False)[0]}
+    for side, appends in SESSIONS.items():
+        history: list[int] = []
+        turns = []
+        for turn, append in enumerate(appends):
+            prompt = history + append
+            # Sessions are independent: each starts from an empty prefix cache.
+            plain_engine.generate([prompt], 1, reset_prefix_cache=turn == 0)
+            result = plain_engine.generate([prompt], OUTPUT_TOKENS, reset_prefix_cache=False)[0]
+            assert result["num_cached_tokens"] == len(prompt) - 1
+            turns.append({"prompt": prompt, **result})
+            history = prompt + result["tokens"]
+        out[side] = turns
+    last = out[READ_SIDES[-1]][-1]
+    prompt = last["prompt"] + last["tokens"] + FALLBACK_APPEND
+    out["fallback"] = {"prompt": prompt, **plain_engine.generate([prompt], OUTPUT_TOKENS, reset_prefix_cache=False)[0]}
     return out
 
 
