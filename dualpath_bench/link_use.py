@@ -33,11 +33,15 @@ def link_use(records: list[dict], engine_nodes: dict[str, str], t0: float, t1: f
     ]
     both = [all(busy[node][i] for node in nodes) for i, waiting in enumerate(outstanding) if waiting >= len(nodes)]
     waits = {kind: [r["started"] - r["queued"] for r in reads if r.get("kind") == kind] for kind in ("own", "for_peer")}
+    # What one read achieved on its link (the link's effective rate, below its nominal one).
+    rates = {kind: [r["tokens"] / (r["finished"] - r["started"]) for r in reads
+                    if r.get("kind") == kind and r["finished"] > r["started"]] for kind in ("own", "for_peer")}  # fmt: skip
     return {
         "reads": len(reads),
         "declined": sum(r.get("outcome") == "declined" for r in records if r.get("engine") in engine_nodes),
         "use_while_waiting": statistics.fmean(shares) if shares else None,
         "all_busy_while_enough_wait": statistics.fmean(both) if both else None,
         "queue_wait_s_median": {kind: statistics.median(w) if w else None for kind, w in waits.items()},
+        "read_tokens_per_s_median": {kind: statistics.median(r) if r else None for kind, r in rates.items()},
         "series": {"t": [t - t0 for t in times], "outstanding": outstanding, "busy": busy},
     }

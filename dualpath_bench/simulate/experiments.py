@@ -142,15 +142,22 @@ def calibration(hw: SimHardware, measured_paths: list[Path], trace: dict) -> lis
         agents = [[(len(t.append), t.output_tokens) for t in a.turns] for a in generate(run_trace)]
         run_hw = replace(hw, storage_bytes_per_s=payload["config"]["cluster"]["storage_mbit"] * 1e6 / 8)
         for topo in payload["topologies"]:
+            # A read's measured rate on the Basic run's PE link (TCP and S3 below the link's nominal rate).
+            measured_rate = (topo["runs"].get("basic", {}).get("link_use") or {}).get("read_tokens_per_s_median", {})
+            topo_hw = run_hw
+            if measured_rate.get("own"):
+                topo_hw = replace(run_hw, storage_bytes_per_s=measured_rate["own"] * hw.kv_bytes_per_token)
             oracle = topo["runs"].get("oracle", {}).get("summary")
             # The shared CPU's cost per turn, from the run without KV I/O; then Basic and DualPath are predicted.
-            topo_hw = _fit_overhead(run_hw, topo["topology"], agents, oracle["jct_s"]) if oracle else run_hw
+            if oracle:
+                topo_hw = _fit_overhead(topo_hw, topo["topology"], agents, oracle["jct_s"])
             for mode, run in topo["runs"].items():
                 if "summary" not in run or mode not in MODES:
                     continue
                 predicted = _run(topo_hw, topo["topology"], mode, agents)
                 measured = run["summary"]["jct_s"]
                 rows.append({"source": path.name, "topology": topo["topology"], "mode": mode, "measured_jct_s": measured,
+                             "storage_bytes_per_s": topo_hw.storage_bytes_per_s,
                              "predicted_jct_s": predicted.jct_s, "error": predicted.jct_s / measured - 1,
                              "overhead_s": topo_hw.request_overhead_s, "fitted": mode == "oracle" and oracle is not None,
                              "measured_hit_tokens": run["summary"]["hit_tokens"],

@@ -21,6 +21,7 @@ def test_two_links_reading_side_by_side_are_fully_used():
     assert use["use_while_waiting"] == pytest.approx(1.0)
     assert use["all_busy_while_enough_wait"] == pytest.approx(1.0)
     assert use["queue_wait_s_median"] == {"own": pytest.approx(2.0), "for_peer": pytest.approx(2.0)}
+    assert use["read_tokens_per_s_median"] == {"own": pytest.approx(16.0), "for_peer": pytest.approx(16.0)}  # 64 in 4 s
 
 
 def test_links_taking_turns_while_reads_wait_score_half():
