@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dualpath_dev.cluster import netns_supported, remove
 from dualpath_dev.engines import VLLMServer
 from dualpath_dev.processes import start_all
 from dualpath_dev.seaweedfs import SeaweedFS
@@ -70,6 +71,20 @@ def poll(read: Callable[[], object], done: Callable[[object], bool], timeout_s: 
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: still {value!r} after {timeout_s:.0f}s")
         time.sleep(0.2)
+
+
+NETNS_OK, NETNS_WHY = netns_supported()
+# Tests that build network namespaces (the emulated cluster's network, the traffic-isolation bench).
+needs_netns = pytest.mark.skipif(not NETNS_OK, reason=f"network namespaces not allowed here: {NETNS_WHY}")
+
+
+@pytest.fixture
+def prefix():
+    """A fresh network-namespace prefix; whatever a failing test left under it is removed afterwards."""
+    name = f"dpb{os.urandom(3).hex()[:5]}"
+    yield name
+    if NETNS_OK:
+        remove(name)
 
 
 @pytest.fixture(scope="session")

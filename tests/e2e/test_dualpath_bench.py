@@ -27,16 +27,12 @@ from dualpath_dev.cluster import (
     NicSample,
     NicSampler,
     leftovers,
-    netns_supported,
-    remove,
 )
 from dualpath_dev.compare import compare_runs, nic_balance, ttft_breakdown
 from dualpath_bench.replay import ReplayConfig, ReplayError, replay
 from dualpath_bench.trace import TraceConfig, TraceError, generate, read_jsonl, summarize, write_jsonl
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, needs_netns
 
-_NETNS_OK, _NETNS_WHY = netns_supported()
-needs_netns = pytest.mark.skipif(not _NETNS_OK, reason=f"network namespaces not allowed here: {_NETNS_WHY}")
 
 
 # --- traces -------------------------------------------------------------------------------------
@@ -234,15 +230,6 @@ def test_report_renders_table_and_plot(tmp_path):
 
 
 # --- the emulated network -----------------------------------------------------------------------
-
-
-@pytest.fixture
-def prefix():
-    """A fresh run prefix; whatever a failing test left under it is removed afterwards (asserts come first)."""
-    name = f"dpb{os.urandom(3).hex()[:5]}"
-    yield name
-    if _NETNS_OK:
-        remove(name)
 
 
 def _subnet() -> str:

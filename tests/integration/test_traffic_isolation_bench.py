@@ -17,16 +17,14 @@ import time
 
 import pytest
 
-from dualpath_dev.cluster import htb_shaping, leftovers, netns_supported, remove
-from tests.conftest import REPO_ROOT
+from dualpath_dev.cluster import htb_shaping, leftovers
+from tests.conftest import REPO_ROOT, needs_netns
 
 _SCRIPT = REPO_ROOT / "benchmarks" / "bench_traffic_isolation.py"
 _spec = importlib.util.spec_from_file_location("bench_traffic_isolation", _SCRIPT)
 bench = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # dataclasses look their module up
 _spec.loader.exec_module(bench)
 
-_NETNS_OK, _NETNS_WHY = netns_supported()
-needs_netns = pytest.mark.skipif(not _NETNS_OK, reason=f"network namespaces not allowed here: {_NETNS_WHY}")
 
 
 # --- the tc trees ----------------------------------------------------------------------------------
@@ -99,15 +97,6 @@ def test_bad_options_are_refused_by_name(argv, named, capsys):
 
 
 # --- on the emulated network ---------------------------------------------------------------------------
-
-
-@pytest.fixture
-def prefix():
-    """A fresh run prefix; whatever a failing test left under it is removed afterwards (asserts come first)."""
-    name = f"dpb{os.urandom(3).hex()[:5]}"
-    yield name
-    if _NETNS_OK:
-        remove(name)
 
 
 def _subnet() -> str:
