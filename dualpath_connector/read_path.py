@@ -45,7 +45,7 @@ from dualpath_connector.peer import PeerLink
 from dualpath_connector.protocol import RELEASE, ReadAnswer, ReadRequest, StoreKeySpace
 from dualpath_connector.read_queue import StoreReadQueue
 from dualpath_connector.read_timeline import ReadSpan, ReadTimeline
-from dualpath_connector.side_channel import PeerBusy
+from dualpath_connector.side_channel import PeerBusy, PeerTimeout
 from dualpath_connector.stats import StatsRecorder
 
 logger = logging.getLogger(__name__)
@@ -372,6 +372,13 @@ class HitReader:
         except PeerBusy as exc:
             # Declined at once (the DE counts it): no time lost, and the peer is healthy.
             logger.info("request %s: %s; reading the hit here", spec.req_id, exc)
+            return None
+        except PeerTimeout as exc:
+            # Late is not dead: other requests may be READing hits from its buffer right now, and forgetting
+            # the peer would fail them. A dead DE fails those transfers, and they forget it.
+            logger.warning("request %s: DE %s did not read the hit in time (%s); reading it here", spec.req_id,
+                           address, exc)  # fmt: skip
+            self.stats.add(de_read_fallbacks=1)
             return None
         except Exception as exc:
             logger.warning("request %s: DE %s did not read the hit (%s); reading it here", spec.req_id, address, exc)

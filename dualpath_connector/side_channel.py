@@ -56,6 +56,10 @@ class SideChannelError(RuntimeError):
     """The peer did not answer in time, or answered with an error."""
 
 
+class PeerTimeout(SideChannelError):
+    """No answer within the deadline: a slow peer, a dead one, or one without this engine's cluster key."""
+
+
 class PeerBusy(SideChannelError):
     """The peer declined at once: it could not answer within the asker's deadline."""
 
@@ -228,7 +232,7 @@ def request(address: str, message: dict[str, Any], timeout_s: float, key: Cluste
         sock.send_multipart([b"", frame])
         if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
             # A server drops what fails its check unanswered, so a key mismatch looks like this too.
-            raise SideChannelError(
+            raise PeerTimeout(
                 f"no answer from {address} to {message['op']!r} within {timeout_s:.1f}s (is it up, on this "
                 "dualpath-kv release, with this engine's DUALPATH_CLUSTER_KEY?)"
             )

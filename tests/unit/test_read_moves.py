@@ -19,7 +19,7 @@ from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.metadata import LoadSpec
 from dualpath_connector.read_path import HitReader, LoadedHit
 from dualpath_connector.read_timeline import ReadTimeline, load
-from dualpath_connector.side_channel import PeerBusy
+from dualpath_connector.side_channel import PeerBusy, PeerTimeout, SideChannelError
 from dualpath_connector.stats import StatsRecorder
 from nixl_backends.buffers import HostBufferPool
 from nixl_backends.integrity import ChunkIntegrity
@@ -36,6 +36,7 @@ class FakePeers:
     def __init__(self, answer) -> None:
         self.answer = answer
         self.requests: list[tuple[str, dict, float]] = []
+        self.forgotten: list[str] = []
 
     def peer(self, address: str, timeout_s: float):
         return SimpleNamespace(agent="de-agent")
@@ -47,7 +48,7 @@ class FakePeers:
         return self.answer
 
     def forget(self, address: str) -> None:
-        pass
+        self.forgotten.append(address)
 
 
 class Reported:
@@ -127,6 +128,20 @@ def test_a_declined_move_is_read_here_once(made, tmp_path):
     ((record,),) = [load(tmp_path)]
     assert (record["engine"], record["kind"], record["tokens"], record["outcome"], record["chunks"]) == (
         "pe-0", "own", 20, "read", 3)  # fmt: skip
+
+
+@pytest.mark.parametrize("late", [PeerTimeout("no answer from 10.0.0.2:5700 to 'read' within 2.0s"),
+                                  SideChannelError("refused the answer of 10.0.0.2:5700 to 'read': bad signature")])
+def test_a_late_de_stays_known_and_a_broken_one_is_forgotten(made, late):
+    make, store = made
+    reader = make(late)
+    hit = _submit(reader, _spec())
+    # Read here either way, and counted as a fallback.
+    assert hit.remote is None and len(store.whole_reads) == 1
+    assert reader.stats.take().data["de_read_fallbacks"] == 1
+    # Late: other requests may be READing from that DE's buffer right now; only a broken answer drops it.
+    assert reader.peers.forgotten == ([] if isinstance(late, PeerTimeout) else [DE])
+    reader.release([hit])
 
 
 @pytest.mark.parametrize(
