@@ -287,15 +287,33 @@ def size_label(tokens: int) -> str:
     return str(tokens)
 
 
-def bar_chart(path: Path, labels: Sequence[str], series: dict[str, Sequence[float]], xlabel: str, title: str,
-              ylabel: str = "median TTFT (ms)") -> Path | None:
-    """Grouped bars, one group per label and one bar per series; None when matplotlib is missing."""
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend; None when matplotlib is not installed (no chart)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def save_figure(fig, path: Path) -> Path:
+    """Write ``fig`` to ``path`` (tight layout, 120 dpi) and free it."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def bar_chart(path: Path, labels: Sequence[str], series: dict[str, Sequence[float]], xlabel: str, title: str,
+              ylabel: str = "median TTFT (ms)") -> Path | None:
+    """Grouped bars, one group per label and one bar per series; None when matplotlib is missing."""
+    plt = pyplot()
+    if plt is None:
         return None
     width = 0.8 / len(series)
     fig, ax = plt.subplots(figsize=(6.4 + 0.8 * max(0, len(series) - 2), 4.0))
@@ -308,7 +326,4 @@ def bar_chart(path: Path, labels: Sequence[str], series: dict[str, Sequence[floa
     ax.set_ylabel(ylabel)
     ax.set_title(title)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)

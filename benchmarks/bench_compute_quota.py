@@ -31,7 +31,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
-from _common import REPO_ROOT, VOCAB, exit_on_sigterm, markdown_table, result_payload, run_and_report  # noqa: E402
+from _common import (  # noqa: E402
+    REPO_ROOT,
+    VOCAB,
+    exit_on_sigterm,
+    markdown_table,
+    pyplot,
+    result_payload,
+    run_and_report,
+    save_figure,
+)
 
 SCHEDULER = "dualpath_connector.compute_quota.QuotaScheduler"
 CONFIGS = ("vLLM scheduler", "compute quota")
@@ -213,12 +222,8 @@ def table(payload: dict) -> str:
 
 
 def chart(payload: dict, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(6.4, 4.0))
     for name, key in zip(CONFIGS, ("baseline", "quota")):
@@ -230,10 +235,7 @@ def chart(payload: dict, path: Path) -> Path | None:
     ax.set_ylabel("fraction of steps")
     ax.set_title("Step-time distribution, mixed long/short load (CPU)")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def main() -> None:

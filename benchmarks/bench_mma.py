@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
-from _common import RESULTS_DIR, environment, exit_on_sigterm, markdown_table, write_json  # noqa: E402
+from _common import RESULTS_DIR, environment, exit_on_sigterm, markdown_table, pyplot, save_figure, write_json  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MMA = ROOT / "mma_preload"
@@ -76,12 +76,8 @@ def main() -> None:
                          caption=f"mma_preload on the modelled runtime (4 GPUs, {LINK_GBPS} GB/s links, H2D to GPU 0)"))
     payload = {"env": environment(), "link_gbps": LINK_GBPS, "results": res}
     print("wrote", write_json("mma.json", payload))
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return
     fig, ax = plt.subplots(1, 3, figsize=(13, 3.6))
     ax[0].plot([r["mib"] for r in res["size"]], [r["native_gbps"] for r in res["size"]], "o-", label="native")
@@ -94,9 +90,7 @@ def main() -> None:
     ax[1].legend()
     ax[2].plot([r["chunk"] for r in res["chunk"]], [r["mma_gbps"] for r in res["chunk"]], "o-")
     ax[2].set(xlabel="chunk size (depth 2)", title="chunk size")
-    fig.tight_layout()
-    fig.savefig(RESULTS_DIR / "mma.png", dpi=120)
-    print("wrote", RESULTS_DIR / "mma.png")
+    print("wrote", save_figure(fig, RESULTS_DIR / "mma.png"))
 
 
 if __name__ == "__main__":

@@ -69,7 +69,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))
-from _common import REPO_ROOT, exit_on_sigterm, markdown_table, result_payload, run_and_report  # noqa: E402
+from _common import (  # noqa: E402
+    REPO_ROOT,
+    exit_on_sigterm,
+    markdown_table,
+    pyplot,
+    result_payload,
+    run_and_report,
+    save_figure,
+)
 
 from dualpath_dev.cluster import (  # noqa: E402
     PREFIX_RE, ClusterConfig, ClusterNetwork, htb_shaping, netns_supported, tc,
@@ -545,12 +553,8 @@ def table(payload: dict) -> str:
 
 def chart(payload: dict, path: Path) -> Path | None:
     """The flow's RTT distribution per run (CDF, log x); None without matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     fig, ax = plt.subplots(figsize=(7.0, 4.2))
     for r in payload["runs"]:
@@ -564,10 +568,7 @@ def chart(payload: dict, path: Path) -> Path | None:
     ax.set_title(f"Latency flow vs KV pulls on a {payload['config']['link_mbit']:g} Mbit/s link")
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def _modes(text: str) -> list[str]:

@@ -43,8 +43,10 @@ from _common import (  # noqa: E402
     VOCAB,
     exit_on_sigterm,
     markdown_table,
+    pyplot,
     result_payload,
     run_and_report,
+    save_figure,
     write_text,
 )
 
@@ -344,12 +346,8 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 def chart(payload: dict, path: Path) -> Path | None:
     """RSS growth and open fds of each process tree over time; None when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = pyplot()
+    if plt is None:
         return None
     minutes = [s["t_s"] / 60 for s in payload["samples"]]
     fig, (rss, fds) = plt.subplots(2, 1, sharex=True, figsize=(7.0, 6.0))
@@ -367,10 +365,7 @@ def chart(payload: dict, path: Path) -> Path | None:
     for ax in (rss, fds):
         ax.legend()
         ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
