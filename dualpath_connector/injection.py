@@ -162,7 +162,7 @@ class Injector:
         """Every layer of a DE-read hit arrived: count it and hand the DE its buffer back."""
         nbytes = len(hit.chunks) * self.layout.full_block_bytes
         self.stats.add(bytes_pulled_from_peer=nbytes)
-        self.stats.size("compute_network_bytes_per_request", nbytes)
+        self.stats.sample("compute_network_bytes_per_request", nbytes)
         self.release([hit])
 
 

@@ -48,7 +48,7 @@ class StepLoadTiming:
         device_load = max((start.seconds_until(end) for start, end in self.device_loads), default=0.0)
         wait = self.host_wait_s + device_wait
         load = max(self.host_load_s, device_load)
-        stats.time("layer_wait_seconds", wait)
-        stats.time("layer_load_seconds", load)
+        stats.sample("layer_wait_seconds", wait)
+        stats.sample("layer_load_seconds", load)
         if load > 0:
             stats.gauge(layer_load_hidden_fraction=round(max(0.0, 1.0 - wait / load), 4))

@@ -75,11 +75,11 @@ class PromptPuller:
         if ok:
             nbytes = len(spec.block_ids) * self._bytes_per_block
             self.stats.add(bytes_pulled_from_peer=nbytes, pulled_tokens=len(spec.block_ids) * self.block_size)
-            self.stats.size("compute_network_bytes_per_request", nbytes)
+            self.stats.sample("compute_network_bytes_per_request", nbytes)
         else:
             self.peers.forget(address)
             logger.warning("request %s: prompt KV not pulled from PE %s; recomputing it", spec.req_id, address)
-        self.stats.time("pull_seconds", time.perf_counter() - started)
+        self.stats.sample("pull_seconds", time.perf_counter() - started)
         return ok
 
     @staticmethod

@@ -107,7 +107,7 @@ class ChunkSaver:
             save_skipped_chunks=len(ok) - written,
             bytes_written=written * self.key_space.layout.full_block_bytes,
         )
-        self.stats.time("save_seconds", time.perf_counter() - started)
+        self.stats.sample("save_seconds", time.perf_counter() - started)
 
     def _written(self, spec: SaveSpec, ok: list[bool]) -> None:
         if self.on_written is not None:

@@ -84,13 +84,10 @@ class StatsRecorder:
         with self._lock:
             self._stats.data["gauges"].update(values)
 
-    def time(self, name: str, seconds: float) -> None:
+    def sample(self, name: str, value: float) -> None:
+        """One observation of a distribution (TIMINGS: seconds, SIZES: bytes)."""
         with self._lock:
-            self._stats.data[name].append(seconds)
-
-    def size(self, name: str, nbytes: int) -> None:
-        with self._lock:
-            self._stats.data[name].append(nbytes)
+            self._stats.data[name].append(value)
 
     def take(self) -> DualPathStats | None:
         with self._lock:

@@ -250,7 +250,7 @@ class DualPathWorker:
             loaded_tokens=loaded_blocks * self.geometry.block_size,
             load_failed_tokens=len(failed) * self.geometry.block_size,
         )
-        self.stats.time("load_seconds", time.perf_counter() - started)
+        self.stats.sample("load_seconds", time.perf_counter() - started)
         layerwise = self.config.load_mode == "layerwise"
         with self._lock:
             dropped = spec.req_id in self._dropped
@@ -329,7 +329,7 @@ class DualPathWorker:
             )
         ok = self.puller.pull(rest)
         if kept and not rest.block_ids:
-            self.stats.size("compute_network_bytes_per_request", 0)  # the whole prompt was kept here
+            self.stats.sample("compute_network_bytes_per_request", 0)  # the whole prompt was kept here
         if not spec.block_ids:
             return  # only the PE's blocks were released: no load to report
         with self._lock:

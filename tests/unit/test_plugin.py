@@ -69,7 +69,7 @@ def stats_payload() -> tuple[DualPathStats, dict]:
     """
     recorder = StatsRecorder()
     recorder.add(loaded_tokens=64, bytes_read=4096, saved_chunks=2)
-    recorder.time("load_seconds", 0.25)
+    recorder.sample("load_seconds", 0.25)
     recorder.gauge(read_queue_tokens=3)
     stats = recorder.take()
     assert stats is not None
