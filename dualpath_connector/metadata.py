@@ -31,8 +31,9 @@ class LoadSpec:
     # channel is ``de_side_channel`` reads it into its buffer, this engine pulls.
     read_side: str = "pe"
     de_side_channel: str | None = None
-    # Read side "de": the DE keeps the chunks it read under this token for its
-    # own decode of the prompt, and then pulls only the rest from this engine.
+    # With a DE named: if that DE reads the hit (read side "de", or a read moved
+    # there), it keeps the chunks under this token for its own decode of the
+    # prompt and then pulls only the rest from this engine.
     keep_token: str | None = None
 
     def num_blocks(self) -> int:

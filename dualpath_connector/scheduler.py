@@ -58,7 +58,8 @@ class _RequestState:
     remote_decode: PrefillRequest | None = None
     # DE: the PE's hand-off, until the pull is planned.
     remote_prefill: PrefillHandoff | None = None
-    # PE, read side "de": (keep token, first chunk, chunks) of the hit its DE keeps.
+    # PE, when the router named the decoding DE: (keep token, first chunk, chunks) of the hit that DE keeps if it
+    # reads it (read side "de", or a read moved there).
     kept: tuple[str, int, int] | None = None
 
 

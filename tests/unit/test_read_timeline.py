@@ -23,12 +23,6 @@ def test_spans_write_one_ordered_record_each(tmp_path):
         assert record["queued"] <= record["started"] <= record["finished"]
 
 
-def test_no_timeline_records_nothing():
-    span = ReadSpan(None, "own", 5)
-    span.started()
-    span.finished("read", 1)  # no file, no error
-
-
 def test_load_keeps_a_window_and_skips_a_cut_line(tmp_path):
     lines = [{"engine": "a", "queued": t, "started": t, "finished": t + 1} for t in (10.0, 20.0, 30.0)]
     (tmp_path / "reads-1.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"engine": "a", "que')

@@ -112,18 +112,11 @@ def test_a_pe_side_read_moves_to_the_de_when_that_finishes_it_sooner(pe_busy_unt
     assert reader.bytes == 960 * HW.kv_bytes_per_token  # read once, on one side
 
 
-def test_every_read_is_counted_once_with_moves():
-    result = Simulation(HW, 1, 1, "dualpath").run(AGENTS)
-    assert result.side_bytes["pe"] + result.side_bytes["de"] == result.hit_bytes
-    assert result.moved_reads <= result.read_sides["de"]
-
-
 def test_a_turn_waits_for_the_chunks_it_will_hit_to_be_stored():
-    slow_writes = Simulation(replace(HW, storage_bytes_per_s=HW.storage_bytes_per_s), 1, 1, "oracle")
-    fast = slow_writes.run(AGENTS).jct_s
-    slower = Simulation(replace(HW, storage_bytes_per_s=HW.storage_bytes_per_s / 4), 1, 1, "oracle").run(AGENTS)
+    nominal = Simulation(HW, 1, 1, "oracle").run(AGENTS).jct_s
+    slower = Simulation(replace(HW, storage_bytes_per_s=HW.storage_bytes_per_s / 4), 1, 1, "oracle").run(AGENTS).jct_s
     # Oracle reads nothing: only the saves (the store waits) see the slower NIC, and they lengthen the run.
-    assert slower.jct_s > fast
+    assert slower > nominal
 
 
 def test_the_policies_are_the_routers_own_objects(monkeypatch):
