@@ -21,6 +21,7 @@ RUN_EVENTS = {
     "DE reads declined": counter_total_name("de_reads_declined"),
     "DE read fallbacks": counter_total_name("de_read_fallbacks"),
     "PE reads moved to the DE": counter_total_name("reads_moved_to_de"),
+    "hit tokens the DE read of split PE reads": counter_total_name("split_read_tail_tokens"),
 }
 
 

@@ -72,6 +72,10 @@ class DualPathConfig:
     # request's DE, which reads it only if it can finish sooner (work stealing
     # between the two storage links; the DE keeps what it read for its decode).
     move_queued_reads: bool = True
+    # PE, with move_queued_reads: a hit long enough to give each side at least
+    # this many tokens is split so that the DE reads its tail while this engine
+    # reads the head, both links at once (read_split.py); 0: never split.
+    split_read_min_tokens: int = 1024
     # A directory for per-read timestamps (queued, started, finished), one
     # JSON-lines file per engine process (read_timeline.py); unset: none.
     read_timeline_dir: str | None = None
@@ -120,6 +124,8 @@ class DualPathConfig:
         for name in ("load_buffer_chunks", "save_buffer_chunks", "lookup_cache_chunks", "kv_events_max_queued"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{_WHERE}{name} must be positive, got {getattr(self, name)}")
+        if self.split_read_min_tokens < 0:
+            raise ConfigError(f"{_WHERE}split_read_min_tokens must not be negative, got {self.split_read_min_tokens}")
         if self.load_mode not in LOAD_MODES:
             raise ConfigError(f"bad value for {_WHERE}'load_mode': {self.load_mode!r}; supported: {LOAD_MODES}")
         for name in ("pd_lease_s", "de_read_timeout_s", "pd_transfer_timeout_s", "layer_arrival_timeout_s"):

@@ -274,6 +274,8 @@ COUNTERS = {
     "them back from the PE (DE-read flow)",
     "reads_moved_to_de": "PE-side reads this PE moved to the request's DE because its own storage link was busy "
     "and the DE could finish sooner (work stealing)",
+    "split_read_tail_tokens": "Hit tokens of PE-side reads split across both storage links that the request's DE "
+    "read (the tail; this PE read the head at the same time)",
     "de_read_fallbacks": "DE-side reads that failed or timed out, read from the store by the PE instead",
     "de_reads_declined": "PE read requests this DE declined (its read queue would miss the PE's deadline); "
     "the PE read those hits itself",

@@ -44,6 +44,7 @@ from dualpath_connector.metadata import ChunkLoad, LoadSpec
 from dualpath_connector.peer import PeerLink
 from dualpath_connector.protocol import RELEASE, ReadAnswer, ReadRequest, StoreKeySpace
 from dualpath_connector.read_queue import StoreReadQueue
+from dualpath_connector.read_split import PartsJoin, ReadPlan, plan_read, split_spec
 from dualpath_connector.read_timeline import ReadSpan, ReadTimeline
 from dualpath_connector.side_channel import PeerBusy, PeerTimeout
 from dualpath_connector.stats import StatsRecorder
@@ -99,6 +100,7 @@ class HitReader:
         de_read_timeout_s: float,
         cores: set[int] | None,
         move_queued_reads: bool = False,
+        split_read_min_tokens: int = 0,
         timeline: ReadTimeline | None = None,
         layer_arrival: bool = False,
         compute_window_s: Callable[[], float | None] = lambda: None,
@@ -114,6 +116,7 @@ class HitReader:
         self.stats = stats
         self.de_read_timeout_s = de_read_timeout_s
         self.move_queued_reads = move_queued_reads
+        self.split_read_min_tokens = split_read_min_tokens
         self.timeline = timeline
         # Hits read here arrive layer by layer (the store delivers per layer, the loads are layerwise).
         self.layer_arrival = layer_arrival and store.delivers_layers
@@ -169,36 +172,54 @@ class HitReader:
 
         self._de_reads.submit(job)
 
-    def submit_here_or_move(self, spec: LoadSpec, on_read: Callable[[LoadedHit], None]) -> None:
-        """A PE-side read: here, or by the request's DE if this engine's link is busy and the DE finishes sooner.
+    def submit_here_or_move(self, spec: LoadSpec, on_parts: Callable[[list[LoadedHit]], None]) -> None:
+        """A PE-side read: here, or (all or its tail) by the request's DE where that ends sooner.
 
-        Work stealing between the two storage links: a read that would queue
-        behind this engine's own is offered to the DE with the time it would
-        take here as the deadline; the DE takes it only if its own queue lets
-        it finish by then, and declines at once otherwise (then it is read
-        here). No chunk is read on both sides: a DE read that can no longer
-        end in time is declined before it starts.
+        Work stealing between the two storage links (:mod:`read_split`): a
+        read that would queue behind this engine's own is offered to the DE,
+        a long one is split so both links read it at once; the DE gets the
+        time the whole read would take here as its deadline, takes what it
+        is offered only if its own queue lets it finish by then, and declines
+        at once otherwise (then it is read here). No chunk is read on both
+        sides: a DE read that can no longer end in time is declined before it
+        starts. ``on_parts`` gets the hit as parts that form a prefix of it.
         """
-        deadline_s = self._move_deadline(spec)
-        if deadline_s is None:
-            self.submit_here(spec, on_read)
+        plan = self._plan(spec)
+        if not plan.offers_tail:
+            self.submit_here(spec, lambda hit: on_parts([hit]))
             return
+        if plan.head_chunks == 0:
 
-        def on_moved_or_here(hit: LoadedHit) -> None:
+            def on_moved_or_here(hit: LoadedHit) -> None:
+                if hit.remote is not None:
+                    self.stats.add(reads_moved_to_de=1)
+                on_parts([hit])
+
+            self.submit_through_de(spec, on_moved_or_here, plan.deadline_s)
+            return
+        head, tail = split_spec(spec, plan.head_chunks)
+        join = PartsJoin(plan.head_chunks, on_parts, self.release)
+
+        def on_tail(hit: LoadedHit) -> None:
             if hit.remote is not None:
-                self.stats.add(reads_moved_to_de=1)
-            on_read(hit)
+                self.stats.add(split_read_tail_tokens=hit.block_ids().size * self.block_size)
+            join.tail(hit)
 
-        self.submit_through_de(spec, on_moved_or_here, deadline_s)
+        self.submit_here(head, join.head)
+        self.submit_through_de(tail, on_tail, plan.deadline_s)
 
-    def _move_deadline(self, spec: LoadSpec) -> float | None:
-        """How long ``spec``'s read would take here behind the queued reads, if offering it to the DE may help."""
+    def _plan(self, spec: LoadSpec) -> ReadPlan:
         if not self.move_queued_reads or spec.de_side_channel is None or self.peers is None:
-            return None
-        ahead, rate = self.read_queue.queued_tokens, self.read_queue.tokens_per_s
-        if ahead <= 0 or rate is None:
-            return None  # this link is idle (or not measured yet): read here
-        return min((ahead + spec.num_blocks() * self.block_size) / rate, self.de_read_timeout_s)
+            return ReadPlan(len(spec.chunks))
+        return plan_read(
+            num_chunks=len(spec.chunks),
+            chunk_tokens=self.key_space.chunk_tokens,
+            hit_tokens=spec.num_blocks() * self.block_size,
+            queued_tokens=self.read_queue.queued_tokens,
+            tokens_per_s=self.read_queue.tokens_per_s,
+            max_deadline_s=self.de_read_timeout_s,
+            split_min_tokens=self.split_read_min_tokens,
+        )
 
     @staticmethod
     def _guarded(spec: LoadSpec, read: Callable[[], LoadedHit | None]) -> LoadedHit | None:

@@ -172,7 +172,8 @@ class DualPathWorker:
             store=self.store, pool=self.load_pool, block_size=self.geometry.block_size, key_space=self.key_space,
             integrity=self.integrity, kv_dtype=kv_caches[names[0]].dtype, peers=self.peers, lane=self._lanes["read"], stats=self.stats,
             de_read_timeout_s=self.config.de_read_timeout_s, cores=self._transfer_cores,
-            move_queued_reads=self.config.move_queued_reads, timeline=self.timeline,
+            move_queued_reads=self.config.move_queued_reads, split_read_min_tokens=self.config.split_read_min_tokens,
+            timeline=self.timeline,
             layer_arrival=self.config.load_mode == "layerwise", compute_window_s=lambda: self.compute_window.seconds,
         )  # fmt: skip
         # On a GPU, loads and saves each get a copy stream beside the forward's (the CPU path copies inline).
@@ -210,13 +211,13 @@ class DualPathWorker:
             with self._lock:
                 self._in_flight.add(spec.req_id)
             started = time.perf_counter()
-            on_read = lambda hit, spec=spec, started=started: self._on_read(spec, hit, started)  # noqa: E731
+            on_parts = lambda parts, spec=spec, started=started: self._on_read(spec, parts, started)  # noqa: E731
             if self.config.benchmark_oracle:
                 self._load_nothing(spec)
             elif spec.read_side == "de":
-                self.reader.submit_through_de(spec, on_read)
+                self.reader.submit_through_de(spec, lambda hit, on_parts=on_parts: on_parts([hit]))
             else:
-                self.reader.submit_here_or_move(spec, on_read)
+                self.reader.submit_here_or_move(spec, on_parts)
         for pull in meta.pulls:
             self._lanes["pull"].submit(lambda pull=pull: self._pull(pull))
 
@@ -227,18 +228,27 @@ class DualPathWorker:
             self._in_flight.discard(spec.req_id)
             self._done_loads.add(spec.req_id)
 
-    def _on_read(self, spec: LoadSpec, hit: LoadedHit, started: float) -> None:
-        """A read ended (on a read thread): inject now in bulk mode, then report the load."""
-        if self.config.load_mode == "bulk" and hit.chunks:
+    def _on_read(self, spec: LoadSpec, parts: list[LoadedHit], started: float) -> None:
+        """A read ended (on a read thread) as parts forming a prefix of the hit: inject now in bulk mode, then report."""
+        if self.config.load_mode == "bulk":
+            parts = self._inject_whole(spec, parts)
+        self._finish_load(spec, parts, started)
+
+    def _inject_whole(self, spec: LoadSpec, parts: list[LoadedHit]) -> list[LoadedHit]:
+        """Bulk mode: every part now, in order; one that fails ends the hit before it (later parts are released)."""
+        for i, part in enumerate(parts):
+            if not part.chunks:
+                continue
             try:
-                self.injector.inject_whole(hit)
+                self.injector.inject_whole(part)
             except Exception:
                 logger.exception("request %s: load failed", spec.req_id)
-                hit = LoadedHit(spec.req_id, [])
-        self._finish_load(spec, hit, started)
+                self.reader.release(parts[i + 1 :])
+                return parts[:i]
+        return parts
 
-    def _finish_load(self, spec: LoadSpec, hit: LoadedHit, started: float) -> None:
-        good = len(hit.chunks)
+    def _finish_load(self, spec: LoadSpec, parts: list[LoadedHit], started: float) -> None:
+        good = sum(len(part.chunks) for part in parts)
         failed = [b for chunk in spec.chunks[good:] for b in chunk.block_ids]
         if failed:
             logger.warning(
@@ -252,17 +262,18 @@ class DualPathWorker:
         )
         self.stats.sample("load_seconds", time.perf_counter() - started)
         layerwise = self.config.load_mode == "layerwise"
+        held = [part for part in parts if part.chunks]
         with self._lock:
             dropped = spec.req_id in self._dropped
-            if layerwise and hit.chunks and not dropped:
-                self._loaded.append(hit)
+            if layerwise and held and not dropped:
+                self._loaded.extend(held)
             else:
                 self._in_flight.discard(spec.req_id)
                 self._dropped.discard(spec.req_id)
             self._failed_blocks.update(failed)
             self._done_loads.add(spec.req_id)
         if dropped and layerwise:
-            self._release_hits([hit])
+            self._release_hits(parts)
 
     def _fail_arrived(self, hit: LoadedHit, good: int) -> None:
         """Chunks ``good..`` of an arriving hit did not land intact: vLLM recomputes their blocks after this forward."""

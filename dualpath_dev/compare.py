@@ -66,7 +66,7 @@ ENGINE_SERIES = (
     *map(counter_total_name, (
         "bytes_read", "bytes_read_for_peer", "bytes_pulled_from_peer", "bytes_written", "save_skipped_chunks",
         "loaded_tokens", "load_failed_tokens", "de_read_fallbacks", "de_reads_declined", "reads_moved_to_de",
-        "kept_tokens", "pulled_tokens", "saved_chunks",
+        "kept_tokens", "pulled_tokens", "saved_chunks", "split_read_tail_tokens",
     )),
 )  # fmt: skip
 

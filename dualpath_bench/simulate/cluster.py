@@ -12,8 +12,11 @@ A turn's life, every step an event in simulated time:
    once the chunks it will hit are stored: the PE saves the prompt blocks it computed and the DE the
    blocks decoding completed, each through its own node's storage NIC (the write direction).
 
-A PE-side read whose storage NIC is still busy with earlier reads moves to the DE's when that one
-would finish it sooner (work stealing between the links, as the connector's ``move_queued_reads``).
+A PE-side read goes where the connector sends it (:func:`dualpath_connector.read_split.plan_read`,
+with the connector's default settings): read on the PE, moved whole to the DE when the PE's storage NIC
+is busy with earlier reads, or split, the DE reading the tail while the PE reads the head; the DE takes
+what it is offered only if its own NIC would finish it sooner (``move_queued_reads``,
+``split_read_min_tokens``).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from dualpath_connector.config import DualPathConfig
+from dualpath_connector.read_split import plan_read
 from dualpath_router.accounting import Accounting, EngineLoad, ThroughputEstimate
 from dualpath_router.config import EngineConfig, RouterConfig, SchedulingConfig
 from dualpath_router.dispatcher import Dispatcher, Placement
@@ -72,6 +77,7 @@ class RunResult:
     wall_s: float
     side_bytes: dict[str, float] = field(default_factory=dict)  # hit bytes read per side
     moved_reads: int = 0  # PE-side reads the PE's busy link moved to the DE
+    split_reads: int = 0  # PE-side reads split: the DE read the tail
     saved_bytes: float = 0.0
     prefill_steps: dict = field(default_factory=dict)  # with PrefillSteps: the PE nodes' step times
 
@@ -101,14 +107,17 @@ class Simulation:
     """A cluster of ``prefill_nodes`` + ``decode_nodes`` nodes under one mode, run on one trace."""
 
     def __init__(self, hw: SimHardware, prefill_nodes: int, decode_nodes: int, mode: str,
-                 scheduling: SchedulingConfig | None = None, prefill_steps: PrefillSteps | None = None) -> None:
+                 scheduling: SchedulingConfig | None = None, prefill_steps: PrefillSteps | None = None,
+                 split_read_min_tokens: int = DualPathConfig.split_read_min_tokens) -> None:
         """``prefill_steps``: PEs compute in node-lockstep engine steps (prefill_steps.py), else each
-        turn's prefill whole, one at a time per engine."""  # fmt: skip
+        turn's prefill whole, one at a time per engine. ``split_read_min_tokens``: the connector's
+        setting (0: PE-side hits are never split)."""  # fmt: skip
         if mode not in MODES:
             raise BenchUsageError(f"unknown mode {mode!r}; known: {list(MODES)}")
         if prefill_nodes < 1 or decode_nodes < 1:
             raise BenchUsageError("a cluster needs at least one prefill and one decode node")
         self.hw, self.mode = hw, mode
+        self.split_read_min_tokens = split_read_min_tokens
         self.prefill_nodes, self.decode_nodes = prefill_nodes, decode_nodes
         self.loop = EventLoop()
         self.nodes: dict[str, NodeLinks] = {}
@@ -154,6 +163,7 @@ class Simulation:
         self._read_sides = {"pe": 0, "de": 0}
         self._side_bytes = {"pe": 0.0, "de": 0.0}
         self._moved_reads = 0
+        self._split_reads = 0
         self._saved_bytes = 0.0
         self.hit_bytes = 0.0
         self.turns_done = 0
@@ -208,20 +218,37 @@ class Simulation:
         done = now
         pe_node, de_node = self.nodes[placement.prefill.node], self.nodes[placement.decode.node]
         if self.mode != "oracle" and turn.hit_tokens:
-            nbytes = turn.hit_tokens * self.hw.kv_bytes_per_token
-            pe_busy_until = pe_node.storage.free_at
-            if placement.read_side == "pe" and placement.decode_may_read and pe_busy_until > max(now, de_node.storage.free_at):
-                # The PE's link is busy and the DE's would finish it sooner: the read moves there.
-                placement.read_side = "de"
-                self._moved_reads += 1
-            legs = hit_legs(placement.read_side, pe_node, self.gpus[placement.prefill.name], de_node,
-                            self.gpus[placement.decode.name])  # fmt: skip
-            for link, times in legs:
-                done = max(done, link.carry(now, times * nbytes))
-            self.hit_bytes += nbytes
-            self._side_bytes[placement.read_side] += nbytes
+            for side, tokens in self._read_parts(turn, pe_node, de_node):
+                nbytes = tokens * self.hw.kv_bytes_per_token
+                legs = hit_legs(side, pe_node, self.gpus[placement.prefill.name], de_node,
+                                self.gpus[placement.decode.name])  # fmt: skip
+                for link, times in legs:
+                    done = max(done, link.carry(now, times * nbytes))
+                self.hit_bytes += nbytes
+                self._side_bytes[side] += nbytes
         self._read_sides[placement.read_side] += 1
         self.loop.at(done, self._compute, turn)
+
+    def _read_parts(self, turn: Turn, pe_node: NodeLinks, de_node: NodeLinks) -> list[tuple[str, int]]:
+        """(side, hit tokens) read on each side: the connector's plan, the DE taking only what it ends sooner."""
+        placement, hit = turn.placement, turn.hit_tokens
+        if placement.read_side != "pe" or not placement.decode_may_read:
+            return [(placement.read_side, hit)]
+        now, rate = self.loop.now, self.hw.storage_bytes_per_s / self.hw.kv_bytes_per_token
+        plan = plan_read(
+            num_chunks=hit // self.hw.block_tokens, chunk_tokens=self.hw.block_tokens, hit_tokens=hit,
+            queued_tokens=round(max(0.0, pe_node.storage.free_at - now) * rate), tokens_per_s=rate,
+            max_deadline_s=DualPathConfig.de_read_timeout_s, split_min_tokens=self.split_read_min_tokens,
+        )  # fmt: skip
+        offered = hit - plan.head_chunks * self.hw.block_tokens
+        if not plan.offers_tail or max(now, de_node.storage.free_at) + offered / rate > now + plan.deadline_s:
+            return [("pe", hit)]  # nothing offered, or the DE declines
+        if plan.head_chunks == 0:
+            placement.read_side = "de"  # the whole read moves
+            self._moved_reads += 1
+            return [("de", hit)]
+        self._split_reads += 1
+        return [("pe", hit - offered), ("de", offered)]
 
     def _save(self, turn: Turn, node: NodeLinks, first_token: int, end_token: int) -> None:
         """``node`` saves the whole blocks of tokens [first_token, end_token) through its storage NIC."""
@@ -287,6 +314,7 @@ class Simulation:
             link_bytes={link.name: link.bytes for link in self.links()}, utilisation=utilisation,
             utilisation_max=utilisation_max,
             placements=self._placements, placement_s=self._placement_s, events=self.loop.processed, wall_s=wall_s,
-            side_bytes=dict(self._side_bytes), moved_reads=self._moved_reads, saved_bytes=self._saved_bytes,
+            side_bytes=dict(self._side_bytes), moved_reads=self._moved_reads, split_reads=self._split_reads,
+            saved_bytes=self._saved_bytes,
             prefill_steps=self._stepper.stats.to_json() if self._stepper is not None else {},
         )  # fmt: skip

@@ -44,8 +44,11 @@ BATCH_TOKENS = 512
 TURNS = 3
 BUCKET = "dualpath-pd"
 READ_SIDES = ("pe", "de", "dualpath")
-# Per engine: what the DE pulled or kept of each prompt, and the chunks each engine saved.
+# Per engine: what the DE pulled or kept of each prompt, and the chunks each engine saved; the PE's split reads.
 FLOW_COUNTERS = [(side, name) for side in ("pe", "de") for name in ("pulled_tokens", "kept_tokens", "saved_chunks")]
+FLOW_COUNTERS += [("pe", "split_read_tail_tokens"), ("de", "de_reads_declined")]
+# Small enough that the later turns' hits (26 and 36 chunks of 32 tokens) are split between the PE and the DE.
+SPLIT_READ_MIN_TOKENS = 8 * BLOCK
 
 
 def session_prompts(seed: int) -> list[list[int]]:
@@ -87,7 +90,8 @@ def baseline(plain_engine) -> dict:
 def cluster(tiny_model, seaweedfs, tmp_path_factory):
     """One PE and one DE (vLLM OpenAI servers) sharing one API key and cluster key, stopped by the PIDs they hold."""
     logs = tmp_path_factory.mktemp("pd-logs")
-    options = {"bucket": BUCKET, "max_num_batched_tokens": BATCH_TOKENS, "keys": ClusterKeys.generate()}
+    options = {"bucket": BUCKET, "max_num_batched_tokens": BATCH_TOKENS, "keys": ClusterKeys.generate(),
+               "extra": {"split_read_min_tokens": SPLIT_READ_MIN_TOKENS}}
     with pd_pair(tiny_model, seaweedfs, logs, **options) as pair:
         yield pair
 
@@ -138,13 +142,19 @@ def test_session_through_router_matches_single_engine(read_side, tiny_model, sea
         for side, name in FLOW_COUNTERS
     }
     # DE-read flow (paper §4.1): a hit the DE read for the PE stays in the DE's buffer, and the DE pulls only
-    # the blocks the PE computed; with PE reads the DE pulls every prompt block.
+    # the blocks the PE computed; with PE reads the DE pulls every prompt block. A PE-side hit the router let
+    # the DE help with is split: the DE reads (and keeps) the tail while the PE reads the head.
     prompts = [turn["prompt"] for turn in baseline[read_side]]
     prompt_tokens = sum(-(-len(prompt) // BLOCK) * BLOCK for prompt in prompts)
-    kept = sum(hit for hit, side in zip(hits, sides) if side == "de")
+    kept = sum(hit for hit, side in zip(hits, sides) if side == "de") + grew["pe", "split_read_tail_tokens"]
     assert (grew["de", "kept_tokens"], grew["de", "pulled_tokens"]) == (kept, prompt_tokens - kept)
     if read_side == "de":
         assert kept > 0
+    if read_side == "dualpath" and "pe" in sides[1:]:
+        # Split (or, if the DE's measured rate said it would finish late, declined and read by the PE).
+        assert grew["pe", "split_read_tail_tokens"] > 0 or grew["de", "de_reads_declined"] > 0
+    else:
+        assert grew["pe", "split_read_tail_tokens"] == 0
     # Saves on both storage links, each chunk once: the PE saves the prompt chunks it computed, the DE the
     # chunks decoding completed (every full chunk of the last prompt and its output is stored, by one of them).
     chunk_tokens = pe.key_space().chunk_tokens

@@ -81,6 +81,7 @@ def test_bad_pd_settings_name_the_key(kv_role, extra, named):
         ({"store": POSIX, "chunk_tokens": 0}, "chunk_tokens"),
         ({"store": POSIX, "load_buffer_chunks": -1}, "load_buffer_chunks"),
         ({"store": POSIX, "load_mode": "sideways"}, "'load_mode'"),
+        ({"store": POSIX, "split_read_min_tokens": -1}, "split_read_min_tokens must not be negative"),
         # Layers interleaved inside a head: a block is not one run per layer.
         ({"store": POSIX, "kv_cache_layout": "BHLNC"}, "'kv_cache_layout'"),
         ({"store": POSIX, "kv_cache_layout": "NHD"}, "'kv_cache_layout'"),

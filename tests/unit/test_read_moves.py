@@ -1,10 +1,13 @@
-"""Work stealing between the two storage links: a PE-side read offered to the DE while the PE's link is busy.
+"""Work stealing between the two storage links: a PE-side read offered to the DE, whole or split.
 
 ``HitReader.submit_here_or_move`` over a fake store and a fake side channel: the
-offer happens only when this engine has reads queued and a measured rate, it
-carries the time the read would take here as the DE's deadline (and the keep
-token), a DE that accepts serves it (counted in ``reads_moved_to_de``), and a
-DE that declines leaves it to this engine's own read, so no chunk is read twice.
+offer happens only when this engine has a measured rate and either reads queued
+(the whole read moves) or a hit long enough to split (the DE reads the tail while
+this engine reads the head); it carries the time the whole read would take here as
+the DE's deadline (and the keep token), a DE that accepts serves it (counted in
+``reads_moved_to_de`` / ``split_read_tail_tokens``), and a DE that declines leaves
+it to this engine's own read, so no chunk is read twice. A split read's parts
+always form a prefix of the hit. ``plan_read`` (where the split falls) is pure.
 """
 
 from __future__ import annotations
@@ -17,13 +20,15 @@ import torch
 
 from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.metadata import LoadSpec
+from dualpath_connector.protocol import RELEASE
 from dualpath_connector.read_path import HitReader, LoadedHit
+from dualpath_connector.read_split import ReadPlan, plan_read
 from dualpath_connector.read_timeline import ReadTimeline, load
 from dualpath_connector.side_channel import PeerBusy, PeerTimeout, SideChannelError
 from dualpath_connector.stats import StatsRecorder
 from nixl_backends.buffers import HostBufferPool
 from nixl_backends.integrity import ChunkIntegrity
-from tests.unit.test_layer_arrival_injection import BLOCK, CHUNKS, KEY_SPACE, LAYOUT, FakeAgent, LayerwiseStore
+from tests.unit.test_layer_arrival_injection import BLOCK, CHUNKS, HASHES, KEY_SPACE, LAYOUT, FakeAgent, LayerwiseStore
 
 PATIENT_S = 10.0
 DE = "10.0.0.2:5700"
@@ -37,6 +42,7 @@ class FakePeers:
         self.answer = answer
         self.requests: list[tuple[str, dict, float]] = []
         self.forgotten: list[str] = []
+        self.notified: list[bytes] = []
 
     def peer(self, address: str, timeout_s: float):
         return SimpleNamespace(agent="de-agent")
@@ -50,14 +56,17 @@ class FakePeers:
     def forget(self, address: str) -> None:
         self.forgotten.append(address)
 
+    def notify(self, agent: str, message: bytes) -> None:
+        self.notified.append(message)
+
 
 class Reported:
     def __init__(self) -> None:
-        self.hits: list[LoadedHit] = []
+        self.calls: list[list[LoadedHit]] = []
         self.done = threading.Event()
 
-    def __call__(self, hit: LoadedHit) -> None:
-        self.hits.append(hit)
+    def __call__(self, parts: list[LoadedHit]) -> None:
+        self.calls.append(parts)
         self.done.set()
 
 
@@ -68,12 +77,13 @@ def made():
     store.delivers_layers = False
     readers = []
 
-    def make(answer, *, move=True, queued_tokens=2000, rate=(1000, 1.0), timeline=None):
+    def make(answer, *, move=True, queued_tokens=2000, rate=(1000, 1.0), timeline=None, split_min_tokens=0):
         lane = IOLane("test-read", None)
         reader = HitReader(store=store, pool=pool, block_size=BLOCK, key_space=KEY_SPACE,
                            integrity=ChunkIntegrity(LAYOUT), kv_dtype=torch.bfloat16, peers=FakePeers(answer),
                            lane=lane, stats=StatsRecorder(), de_read_timeout_s=10.0, cores=None,
-                           move_queued_reads=move, timeline=timeline)  # fmt: skip
+                           move_queued_reads=move, split_read_min_tokens=split_min_tokens,
+                           timeline=timeline)  # fmt: skip
         if rate is not None:
             reader.read_queue.record_read(*rate)
         reader.read_queue.add(queued_tokens)  # reads of other requests, ahead of this one
@@ -87,11 +97,16 @@ def made():
     pool.close()
 
 
-def _submit(reader: HitReader, spec: LoadSpec) -> LoadedHit:
+def _submit_parts(reader: HitReader, spec: LoadSpec) -> list[LoadedHit]:
     reported = Reported()
     reader.submit_here_or_move(spec, reported)
     assert reported.done.wait(PATIENT_S)
-    (hit,) = reported.hits
+    (parts,) = reported.calls
+    return parts
+
+
+def _submit(reader: HitReader, spec: LoadSpec) -> LoadedHit:
+    (hit,) = _submit_parts(reader, spec)
     return hit
 
 
@@ -162,3 +177,88 @@ def test_a_long_queue_offers_at_most_the_de_read_timeout(made):
     reader = make(ACCEPTED, queued_tokens=10**7)
     _submit(reader, _spec())
     assert reader.peers.requests[0][2] == 10.0
+
+
+# -- splitting one hit across both links ------------------------------------------------------
+
+# CHUNKS: 3 chunks of 8 tokens (5 blocks of 4 tokens: the last chunk's first block is cached here).
+TAIL_ACCEPTED = {"readable": 2, "lease": "lease-2", "chunk_addrs": [4096, 8192]}
+
+
+def test_an_idle_link_reads_the_head_while_the_de_reads_the_tail(made):
+    make, store = made
+    reader = make(TAIL_ACCEPTED, queued_tokens=0, split_min_tokens=8)
+    head, tail = _submit_parts(reader, _spec())
+
+    # Head here (one chunk: about half of 20 tokens in chunks of 8), tail by the DE; each chunk read once.
+    assert head.remote is None and head.chunks == CHUNKS[:1] and store.whole_reads == [[KEY_SPACE.key(HASHES[0])]]
+    assert tail.remote is not None and tail.remote.lease == "lease-2" and tail.chunks == CHUNKS[1:]
+    ((_, message, timeout_s),) = reader.peers.requests
+    assert message["chunk_hashes"] == HASHES[1:]
+    # The deadline is the whole read here: 20 tokens at 1000 tokens/s; the DE keeps the tail for its decode.
+    assert timeout_s == pytest.approx(0.02) and message["keep_token"] == "ab" * 16
+    counted = reader.stats.take().data
+    assert counted["split_read_tail_tokens"] == 12 and counted["reads_moved_to_de"] == 0
+    reader.release([head, tail])
+
+
+def test_a_declined_tail_is_read_here_after_the_head(made):
+    make, store = made
+    reader = make(PeerBusy("DE 10.0.0.2:5700 is busy"), queued_tokens=0, split_min_tokens=8)
+    head, tail = _submit_parts(reader, _spec())
+
+    assert head.chunks + tail.chunks == CHUNKS and head.remote is None and tail.remote is None
+    keys = [KEY_SPACE.key(h) for h in HASHES]
+    assert store.whole_reads == [keys[:1], keys[1:]]  # no chunk read twice
+    assert reader.stats.take().data["split_read_tail_tokens"] == 0
+    reader.release([head, tail])
+
+
+def test_a_short_head_ends_the_hit_and_hands_the_tail_back(made):
+    make, store = made
+    del store.objects[KEY_SPACE.key(HASHES[0])]  # evicted since the lookup
+    reader = make(TAIL_ACCEPTED, queued_tokens=0, split_min_tokens=8)
+    (head,) = _submit_parts(reader, _spec())
+
+    # No hole in the hit: nothing after the missing chunk is used, and the DE's lease is released (it keeps
+    # the tail under the token, for its own decode, where its hashes match).
+    assert head.chunks == []
+    assert reader.peers.notified == [RELEASE + b"lease-2"]
+
+
+def test_without_splitting_an_idle_link_reads_the_whole_hit(made):
+    make, store = made
+    reader = make(TAIL_ACCEPTED, queued_tokens=0, split_min_tokens=0)
+    hit = _submit(reader, _spec())
+    assert reader.peers.requests == [] and hit.chunks == CHUNKS and len(store.whole_reads) == 1
+    reader.release([hit])
+
+
+PLAN = {"num_chunks": 10, "chunk_tokens": 100, "tokens_per_s": 100.0, "max_deadline_s": 60.0}
+
+
+@pytest.mark.parametrize(
+    "case, options, expected",
+    [
+        # Both sides end together when this engine keeps (hit - queued) / 2.
+        ("idle link: halved", {"hit_tokens": 1000, "queued_tokens": 0, "split_min_tokens": 100}, ReadPlan(5, 10.0)),
+        ("short queue: less here", {"hit_tokens": 1000, "queued_tokens": 400, "split_min_tokens": 100},
+         ReadPlan(3, 14.0)),
+        ("queue past the hit: all moves", {"hit_tokens": 1000, "queued_tokens": 1000, "split_min_tokens": 100},
+         ReadPlan(0, 20.0)),
+        ("parts under the minimum: here", {"hit_tokens": 1000, "queued_tokens": 0, "split_min_tokens": 600},
+         ReadPlan(10)),
+        ("a small head under the minimum: all moves", {"hit_tokens": 1000, "queued_tokens": 800,
+                                                        "split_min_tokens": 200}, ReadPlan(0, 18.0)),
+        ("splitting off: an idle link reads here", {"hit_tokens": 1000, "queued_tokens": 0, "split_min_tokens": 0},
+         ReadPlan(10)),
+        ("splitting off: a busy link still moves", {"hit_tokens": 1000, "queued_tokens": 10, "split_min_tokens": 0},
+         ReadPlan(0, 10.1)),
+        ("no measured rate: here", {"hit_tokens": 1000, "queued_tokens": 400, "split_min_tokens": 100,
+                                    "tokens_per_s": None}, ReadPlan(10)),
+        ("the deadline is capped", {"hit_tokens": 1000, "queued_tokens": 9000, "split_min_tokens": 100,
+                                    "max_deadline_s": 30.0}, ReadPlan(0, 30.0)),
+    ],
+)  # fmt: skip
+def test_plan_read(case, options, expected):
+    assert plan_read(**{**PLAN, **options}) == expected, case
