@@ -228,7 +228,10 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             "One figure is fitted per run, on its Oracle (no KV I/O but the saves): the per-turn overhead of the "
             "emulated cluster's shared CPU (every engine, SeaweedFS and the router share two cores), at which the "
             "simulated Oracle takes the measured time. Basic and DualPath are then predicted, and their error is "
-            "what the model lacks besides that floor.")
+            "what the model lacks besides that floor. The storage NIC rate is what a read achieved on the Basic "
+            "run's PE link (median per read). The last column repeats the prediction at the rate the mode's own "
+            "reads achieved (the mean of its sides' medians): on two shared cores a read slows down while both "
+            "links read, so that column uses a figure measured in the run it predicts.")
     paths = report.write(payload, args.out_dir, args.name or f"simulate-{args.preset}")
     print(paths["md"].read_text())
     for kind, path in paths.items():

@@ -64,12 +64,16 @@ def _quota(quota: dict) -> list[str]:
 
 
 def _calibration(rows: list[dict]) -> list[str]:
-    out = ["| run | topology | mode | measured JCT s | simulated JCT s | error | per-turn overhead s |",
-           "|---|---|---|--:|--:|--:|--:|"]  # fmt: skip
+    out = ["| run | topology | mode | measured JCT s | simulated JCT s | error | per-turn overhead s | "
+           "at the run's own read rate: tokens/s, JCT s, error |",
+           "|---|---|---|--:|--:|--:|--:|--:|"]  # fmt: skip
     for row in rows:
         error = "fitted" if row.get("fitted") else f"{row['error']:+.0%}"
+        own = "n/a"
+        if row.get("own_rate_jct_s") is not None:
+            own = f"{row['own_read_tokens_per_s']:.0f}, {row['own_rate_jct_s']:.1f}, {row['own_rate_error']:+.0%}"
         out.append(f"| {row['source']} | {row['topology']} | {row['mode']} | {row['measured_jct_s']:.1f} | "
-                   f"{row['predicted_jct_s']:.1f} | {error} | {row.get('overhead_s', 0.0):.2f} |")  # fmt: skip
+                   f"{row['predicted_jct_s']:.1f} | {error} | {row.get('overhead_s', 0.0):.2f} | {own} |")  # fmt: skip
     return out
 
 

@@ -261,3 +261,23 @@ def test_calibration_fits_the_oracle_then_predicts_the_others(tmp_path):
     assert rows["oracle"]["fitted"] and rows["oracle"]["overhead_s"] == pytest.approx(2.0, abs=0.05)
     for mode in ("basic", "dualpath"):
         assert not rows[mode]["fitted"] and abs(rows[mode]["error"]) < 0.02
+
+
+def test_calibration_also_predicts_each_mode_at_its_own_measured_read_rate(tmp_path):
+    trace = {"agents": 4, "turns": 4, "first_append_tokens": 1024, "sigma": 0.3}
+    agents = turn_lengths(TraceConfig.from_dict(trace))
+    rate = HW.storage_bytes_per_s / HW.kv_bytes_per_token
+    # DualPath's reads ran at half the link's rate (both sides' medians average to it); Basic reported none.
+    slower = replace(HW, storage_bytes_per_s=HW.storage_bytes_per_s / 2)
+    runs = {"basic": {"summary": {"jct_s": Simulation(HW, 1, 1, "basic").run(agents).jct_s, "hit_tokens": 0}},
+            "dualpath": {"summary": {"jct_s": Simulation(slower, 1, 1, "dualpath").run(agents).jct_s, "hit_tokens": 0},
+                         "link_use": {"read_tokens_per_s_median": {"own": rate * 0.4, "for_peer": rate * 0.6}}}}  # fmt: skip
+    payload = {"config": {"cluster": {"storage_mbit": HW.storage_bytes_per_s * 8 / 1e6}}, "trace_config": trace,
+               "topologies": [{"topology": "1P1D", "runs": runs}]}  # fmt: skip
+    (tmp_path / "dualpath-bench.json").write_text(json.dumps(payload))
+    rows = {row["mode"]: row for row in experiments.calibration(HW, [tmp_path / "dualpath-bench.json"], {})}
+    assert "own_rate_jct_s" not in rows["basic"]
+    dualpath = rows["dualpath"]
+    assert dualpath["own_read_tokens_per_s"] == pytest.approx(rate / 2)
+    # At the link's nominal rate the prediction misses the slower reads; at the run's own rate it matches.
+    assert dualpath["error"] < -0.1 and abs(dualpath["own_rate_error"]) < 0.01
