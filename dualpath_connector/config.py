@@ -16,6 +16,8 @@ from nixl_backends.layout import KVNamespace
 from nixl_backends.registry import parse_store_config
 from nixl_backends.traffic_isolation import UcxTraffic, parse_traffic
 
+from dualpath_connector.read_split import DE_READ_TIMEOUT_S, SPLIT_READ_MIN_TOKENS
+
 _WHERE = "kv_connector_extra_config."
 # Where the transport section's keys are named in errors (also those found at the UCX backend's creation).
 TRANSPORT_WHERE = f"{_WHERE}transport."
@@ -65,7 +67,7 @@ class DualPathConfig:
     pd_lease_s: float = 120.0
     # A PE waits this long for a DE to read a hit into its buffer, then reads
     # the store itself.
-    de_read_timeout_s: float = 10.0
+    de_read_timeout_s: float = DE_READ_TIMEOUT_S
     # Deadline of one NIXL transfer between engines.
     pd_transfer_timeout_s: float = 30.0
     # PE: a hit it would read behind its own queued reads is offered to the
@@ -75,7 +77,7 @@ class DualPathConfig:
     # PE, with move_queued_reads: a hit long enough to give each side at least
     # this many tokens is split so that the DE reads its tail while this engine
     # reads the head, both links at once (read_split.py); 0: never split.
-    split_read_min_tokens: int = 1024
+    split_read_min_tokens: int = SPLIT_READ_MIN_TOKENS
     # A directory for per-read timestamps (queued, started, finished), one
     # JSON-lines file per engine process (read_timeline.py); unset: none.
     read_timeline_dir: str | None = None

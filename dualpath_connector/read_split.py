@@ -26,6 +26,12 @@ if TYPE_CHECKING:
     from dualpath_connector.read_path import LoadedHit
 
 
+# The connector's defaults for the settings that shape a plan (config.py's), here so that the simulator,
+# which may import this module but not the config, plans with them too.
+SPLIT_READ_MIN_TOKENS = 1024
+DE_READ_TIMEOUT_S = 10.0
+
+
 @dataclass(frozen=True)
 class ReadPlan:
     """Where a PE-side read goes: ``head_chunks`` read here, the rest offered to the DE within ``deadline_s``."""

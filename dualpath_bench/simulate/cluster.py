@@ -25,8 +25,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from dualpath_connector.config import DualPathConfig
-from dualpath_connector.read_split import plan_read
+from dualpath_connector.read_split import DE_READ_TIMEOUT_S, SPLIT_READ_MIN_TOKENS, plan_read
 from dualpath_router.accounting import Accounting, EngineLoad, ThroughputEstimate
 from dualpath_router.config import EngineConfig, RouterConfig, SchedulingConfig
 from dualpath_router.dispatcher import Dispatcher, Placement
@@ -108,7 +107,7 @@ class Simulation:
 
     def __init__(self, hw: SimHardware, prefill_nodes: int, decode_nodes: int, mode: str,
                  scheduling: SchedulingConfig | None = None, prefill_steps: PrefillSteps | None = None,
-                 split_read_min_tokens: int = DualPathConfig.split_read_min_tokens) -> None:
+                 split_read_min_tokens: int = SPLIT_READ_MIN_TOKENS) -> None:
         """``prefill_steps``: PEs compute in node-lockstep engine steps (prefill_steps.py), else each
         turn's prefill whole, one at a time per engine. ``split_read_min_tokens``: the connector's
         setting (0: PE-side hits are never split)."""  # fmt: skip
@@ -238,7 +237,7 @@ class Simulation:
         plan = plan_read(
             num_chunks=hit // self.hw.block_tokens, chunk_tokens=self.hw.block_tokens, hit_tokens=hit,
             queued_tokens=round(max(0.0, pe_node.storage.free_at - now) * rate), tokens_per_s=rate,
-            max_deadline_s=DualPathConfig.de_read_timeout_s, split_min_tokens=self.split_read_min_tokens,
+            max_deadline_s=DE_READ_TIMEOUT_S, split_min_tokens=self.split_read_min_tokens,
         )  # fmt: skip
         offered = hit - plan.head_chunks * self.hw.block_tokens
         if not plan.offers_tail or max(now, de_node.storage.free_at) + offered / rate > now + plan.deadline_s:
