@@ -28,8 +28,9 @@ $(STAMP): pyproject.toml setup.py overrides.txt nixl_backends/csrc/cuobj_compat.
 test: setup
 	$(PY) -m pytest tests -v
 
+# Two workers, whole files each: the tier is CPU-bound (vLLM's import alone is ~13 s of it) and has no servers.
 test-unit: setup
-	$(PY) -m pytest tests/unit -v
+	$(PY) -m pytest tests/unit -v -n 2 --dist loadfile
 
 test-integration: setup
 	$(PY) -m pytest tests/integration -v
