@@ -180,9 +180,10 @@ class HitReader:
         a long one is split so both links read it at once; the DE gets the
         time the whole read would take here as its deadline, takes what it
         is offered only if its own queue lets it finish by then, and declines
-        at once otherwise (then it is read here). No chunk is read on both
-        sides: a DE read that can no longer end in time is declined before it
-        starts. ``on_parts`` gets the hit as parts that form a prefix of it.
+        at once otherwise (then it is read here). A DE read that can no
+        longer end in time is declined before it starts; one that still ends
+        late is read here as well (``de_read_fallbacks``). ``on_parts`` gets
+        the hit as parts that form a prefix of it.
         """
         plan = self._plan(spec)
         if not plan.offers_tail:

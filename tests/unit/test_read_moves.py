@@ -226,14 +226,6 @@ def test_a_short_head_ends_the_hit_and_hands_the_tail_back(made):
     assert reader.peers.notified == [RELEASE + b"lease-2"]
 
 
-def test_without_splitting_an_idle_link_reads_the_whole_hit(made):
-    make, store = made
-    reader = make(TAIL_ACCEPTED, queued_tokens=0, split_min_tokens=0)
-    hit = _submit(reader, _spec())
-    assert reader.peers.requests == [] and hit.chunks == CHUNKS and len(store.whole_reads) == 1
-    reader.release([hit])
-
-
 PLAN = {"num_chunks": 10, "chunk_tokens": 100, "tokens_per_s": 100.0, "max_deadline_s": 60.0}
 
 
