@@ -4,9 +4,11 @@
 A prompt is served cold (LMCache stores its chunks in L1 and, through our adapter, in the bucket); the
 server's L1 is cleared and vLLM's own prefix cache reset, so the same prompt's hit can only come from our
 L2; its greedy tokens and logprobs must equal those of an engine without any cache. The negative control
-swaps the stored chunks' payloads (each resealed under the other's hash, which the checksum mode cannot
-tell apart) and the same comparison must then fail: so the hit really came from the bucket, and the
-comparison can fail.
+writes one chunk's payload over another's (resealed under the overwritten chunk's hash, which the checksum
+mode cannot tell apart) and the same comparison must then fail: so the hit really came from the bucket, and
+the comparison can fail. The control changes *what* is loaded, not only where: a rotation of the prompt's own
+chunks among their keys would hand attention the same (K, V) pairs, RoPE positions baked into K, in other
+slots, and the uncached tail's attention over the same set is the same sum (up to rounding order).
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ def _stored(seaweedfs, bucket: str) -> list[str]:
     return sorted(item["Key"] for item in listing.get("Contents", []))
 
 
-def test_hit_from_our_l2_matches_no_cache_and_a_swapped_chunk_does_not(plain_engine, seaweedfs, lmcache_stack):
+def test_hit_from_our_l2_matches_no_cache_and_a_duplicated_chunk_does_not(plain_engine, seaweedfs, lmcache_stack):
     baseline = plain_engine.generate([PROMPT], MAX_TOKENS)[0]
     server, engine, bucket = lmcache_stack
 
@@ -109,13 +111,13 @@ def test_hit_from_our_l2_matches_no_cache_and_a_swapped_chunk_does_not(plain_eng
     assert hit["num_cached_tokens"] == CHUNKS * LMCACHE_CHUNK
     assert same(hit, baseline), "KV loaded through the L2 adapter changed the output"
 
-    # Negative control: every stored payload moved to another chunk's key and resealed for it.
+    # Negative control: one chunk's payload written over another's key and resealed for it, so the loaded
+    # KV holds the first chunk's keys and values twice and the second's not at all.
     s3 = seaweedfs.client()
-    bodies = [s3.get_object(Bucket=bucket, Key=name)["Body"].read() for name in names]
-    for i, name in enumerate(names):
-        swapped = resealed(bodies[(i + 1) % len(bodies)], name.rsplit("/", 1)[1], num_layers=1)
-        s3.put_object(Bucket=bucket, Key=name, Body=swapped)
+    source, target = names[0], names[1]
+    body = s3.get_object(Bucket=bucket, Key=source)["Body"].read()
+    s3.put_object(Bucket=bucket, Key=target, Body=resealed(body, target.rsplit("/", 1)[1], num_layers=1))
     server.clear_l1()
     wrong = engine.generate([PROMPT], MAX_TOKENS)[0]
-    assert wrong["num_cached_tokens"] == CHUNKS * LMCACHE_CHUNK
-    assert not same(wrong, baseline), "swapped KV went unnoticed: the comparison cannot fail"
+    assert wrong["num_cached_tokens"] == CHUNKS * LMCACHE_CHUNK  # the forged chunk was served
+    assert not same(wrong, baseline), "a duplicated chunk's KV went unnoticed: the comparison cannot fail"
