@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # gpu_check.sh: check libmma_preload.so against the real CUDA runtime on a machine with an NVIDIA GPU (PyTorch).
-# Never needed by CI (the modelled-runtime tests in tests/test_mma_preload.py cover it there).
+# Never needed by CI (the modelled-runtime tests in tests/integration/test_mma_preload.py cover it there).
 #
 #   mma_preload/gpu_check.sh [PYTHON]          # PYTHON defaults to .venv/bin/python, else python3
 #
