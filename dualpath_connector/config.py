@@ -172,6 +172,15 @@ def parse_config(extra_config: dict[str, Any] | None, kv_role: str = "kv_both") 
     return config
 
 
+def waits_per_layer(extra_config: dict[str, Any] | None) -> bool:
+    """Whether a forward waits inside itself, layer by layer, for KV: layerwise loads and the DE-side READs
+    that land in the forward do, bulk loads land before the forward. vLLM replays a full CUDA graph without
+    calling ``wait_for_layer_load``, so attention could read blocks before their KV arrived. Read before
+    the configuration is validated (vLLM asks while it resolves its own config), so an unknown mode
+    counts as waiting; the connector refuses it at start-up anyway."""
+    return (extra_config or {}).get("load_mode", DualPathConfig.load_mode) != "bulk"
+
+
 def resolve_chunk_tokens(config: DualPathConfig, block_size: int) -> int:
     chunk_tokens = config.chunk_tokens or block_size
     if chunk_tokens % block_size:

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from dualpath_connector.config import expected_kv_cache_layout, parse_config
+from dualpath_connector.config import expected_kv_cache_layout, parse_config, waits_per_layer
 from dualpath_connector.metadata import DualPathMetadata, SavedChunks
 from dualpath_connector.stats import DualPathPromMetrics, DualPathStats
 
@@ -138,6 +138,11 @@ class DualPathConnector(KVConnectorBase_V1):
         # derive alike, so it is fixed by configuration rather than left to the backend.
         kv_transfer = vllm_config.kv_transfer_config
         return expected_kv_cache_layout(parse_config(kv_transfer.kv_connector_extra_config, kv_transfer.kv_role))
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # vLLM then turns FULL_AND_PIECEWISE into PIECEWISE: the per-layer waits run between graph pieces.
+        return waits_per_layer(extra_config)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> DualPathStats:

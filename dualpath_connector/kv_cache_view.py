@@ -79,6 +79,9 @@ class KVCacheView:
     def __init__(self, layers: Sequence[torch.Tensor], num_blocks: int) -> None:
         if not layers:
             raise ValueError("a KV cache view needs at least one layer")
+        if layers[0].device.type not in ("cpu", "cuda"):
+            # The copy paths are the CPU's inline copies and CUDA's copy streams (DeviceCopier).
+            raise ValueError(f"KV cache on a {layers[0].device.type!r} device: the connector runs on CPU and CUDA only")
         self.layers = [physical_block_view(kv, num_blocks) for kv in layers]
         shapes = {tuple(view.shape) for view in self.layers}
         if len(shapes) != 1:
@@ -129,16 +132,19 @@ class KVCacheView:
         return CopyPlan(_long(slots), _long(sub_blocks), block_ids.to(self.device) if on_device else block_ids)
 
     def copy_in(self, host: torch.Tensor, plan: CopyPlan, layers: Sequence[int]) -> None:
-        """Copy ``layers`` of the planned blocks from the host buffer into the cache."""
+        """Copy ``layers`` of the planned blocks from the host buffer into a CPU cache, inline: done on return.
+
+        A CUDA cache is loaded on a copy stream (:class:`~dualpath_connector.device_copies.DeviceCopier`),
+        which the forward waits for per layer on the device, never with a host-side synchronize.
+        """
+        if self.device.type != "cpu":
+            raise RuntimeError("copy_in is the CPU path; a CUDA cache loads through DeviceCopier")
         if not len(plan):
             return
         for layer in layers:
             # host[...] is [n, outer, bytes]; the cache view wants [outer, n, bytes].
-            rows = host[plan.slots, layer, plan.sub_blocks].transpose(0, 1).to(self.device)
+            rows = host[plan.slots, layer, plan.sub_blocks].transpose(0, 1)
             self.layers[layer].index_copy_(1, plan.block_ids, rows)
-        if self.device.type != "cpu":
-            # The KV must be in the cache, not merely queued on a stream.
-            torch.accelerator.synchronize(self.device)
 
     def copy_out(self, host: torch.Tensor, plan: CopyPlan) -> None:
         """Copy every layer of the planned blocks from the cache into the host buffer."""

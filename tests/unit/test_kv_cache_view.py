@@ -133,3 +133,9 @@ def test_layouts_that_are_not_a_dense_permutation_are_refused():
         KVCacheView([torch.empty(2, NUM_BLOCKS, BLOCK * 2)[:, :, ::2]], NUM_BLOCKS)
     with pytest.raises(ValueError, match="num_blocks"):
         KVCacheView([torch.empty(2, NUM_BLOCKS + 1, BLOCK)], NUM_BLOCKS)
+
+
+def test_a_cache_on_another_device_type_is_refused():
+    """The copy paths are the CPU's inline copies and CUDA's copy streams; anything else is refused by name."""
+    with pytest.raises(ValueError, match="'meta' device"):
+        KVCacheView([torch.empty(2, NUM_BLOCKS, BLOCK, device="meta")], NUM_BLOCKS)
