@@ -174,9 +174,9 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from dataclasses import asdict, replace
 
     from dualpath_bench.simulate import experiments, report
-    from dualpath_bench.simulate.hardware import preset
+    from dualpath_bench.simulate.hardware import EMULATED_RUN, emulated_run, preset
 
-    hw = preset(args.preset)
+    hw = preset(args.preset, args.measured_dir)
     topologies = [t.strip() for t in args.topologies.split(",") if t.strip()]
     for topology in topologies:
         experiments.parse_topology(topology)
@@ -192,11 +192,13 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"{payload['trace']['hit_ratio']:.1%}). Placements, read sides and books: dualpath_router's own "
             "Dispatcher.try_place, policies and Accounting; Oracle = DualPath without KV I/O (§7.2).")
     else:
-        agents = [[(len(t.append), t.output_tokens) for t in a.turns] for a in generate(TraceConfig.from_dict(CLUSTER_TRACE))]
-        payload["trace"] = {**CLUSTER_TRACE, **summarize_lengths(agents)}
+        # The trace of the run the preset's figures come from (its trace_config: same agents, seed, lengths).
+        trace = emulated_run(args.measured_dir)["trace_config"]
+        agents = [[(len(t.append), t.output_tokens) for t in a.turns] for a in generate(TraceConfig.from_dict(trace))]
+        payload["trace"] = {**trace, **summarize_lengths(agents)}
         payload["description"] = (
-            "The emulated cluster's trace (dualpath-bench cluster's defaults, seed 0) on the emulated cluster's "
-            "parameters; engine figures are the measured Basic 1P1D run's.")
+            f"The trace of {EMULATED_RUN} (its trace_config: {trace['agents']} agents, seed {trace['seed']}) on the "
+            f"emulated cluster's parameters; engine figures are that file's Basic 1P1D run's.")
     payload["topologies"] = experiments.topology_sweep(hw, topologies, agents)
     if args.scale:
         scales = [int(k) for k in args.scale.split(",")]
@@ -224,7 +226,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         payload["calibration"] = experiments.calibration(hw, sorted(args.measured_dir.glob("dualpath-bench*.json")),
                                                          CLUSTER_TRACE)  # fmt: skip
         payload["calibration_note"] = (
-            "Each run is simulated on its own trace and storage NIC rate, with the engine figures of the preset. "
+            "Each offline run is simulated on its own trace and storage NIC rate, with the engine figures of the "
+            "preset (online runs are left out: the simulator replays offline). "
             "One figure is fitted per run, on its Oracle (no KV I/O but the saves): the per-turn overhead of the "
             "emulated cluster's shared CPU (every engine, SeaweedFS and the router share two cores), at which the "
             "simulated Oracle takes the measured time. Basic and DualPath are then predicted, and their error is "
@@ -316,7 +319,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--quota-token-budget", type=int, default=16384, help="new tokens per engine step in that run")
     p.add_argument("--pd-range-agents", type=int, default=256, help="agents per node in the P/D range runs")
     p.add_argument("--measured-dir", type=Path, default=Path("benchmarks/results"),
-                   help="emulated preset: where the measured dualpath-bench*.json runs are")
+                   help="emulated preset: where the measured dualpath-bench*.json runs are (figures and trace "
+                        "from dualpath-bench.json, calibration against every offline run)")
     p.add_argument("--out-dir", type=Path, default=Path("benchmarks/results"))
     p.add_argument("--name", default="", help="results file stem (default simulate-<preset>)")
     p.set_defaults(func=cmd_simulate)

@@ -133,11 +133,15 @@ def calibration(hw: SimHardware, measured_paths: list[Path], trace: dict) -> lis
     """Predicted vs measured JCT for each emulated-cluster run in ``measured_paths``.
 
     Each run is simulated on its own trace (``trace_config`` in its JSON; ``trace`` for runs that predate
-    it) and its own storage NIC rate.
+    it) and its own storage NIC rate. Online runs (agents arriving at a rate) are left out: the simulator
+    replays offline (§7.3), all agents at once, so their JCT is not comparable.
     """
     rows = []
     for path in measured_paths:
         payload = json.loads(path.read_text())
+        if payload["config"].get("replay_mode", "offline") != "offline":
+            logger.info("calibration: %s is an online run, left out", path.name)
+            continue
         run_trace = TraceConfig.from_dict(payload.get("trace_config", trace))
         agents = [[(len(t.append), t.output_tokens) for t in a.turns] for a in generate(run_trace)]
         run_hw = replace(hw, storage_bytes_per_s=payload["config"]["cluster"]["storage_mbit"] * 1e6 / 8)

@@ -6,7 +6,9 @@ paper (arXiv 2602.21548), a file of ours, or "assumption" with the reason.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from dualpath_bench.errors import BenchUsageError
 
@@ -97,36 +99,70 @@ def _paper() -> SimHardware:
     )  # fmt: skip
 
 
-def _emulated() -> SimHardware:
+# The measured run the emulated preset takes its figures and its trace from (make bench-dualpath's 1P1D run).
+EMULATED_RUN = "dualpath-bench.json"
+
+
+def emulated_run(measured_dir: Path) -> dict:
+    """The measured emulated-cluster run the ``emulated`` preset is made of (``EMULATED_RUN`` in ``measured_dir``)."""
+    path = Path(measured_dir) / EMULATED_RUN
+    if not path.is_file():
+        raise BenchUsageError(f"the emulated preset takes its figures from {path}, which is not there (--measured-dir)")
+    payload = json.loads(path.read_text())
+    if "trace_config" not in payload or not any(t["topology"] == "1P1D" and "summary" in t["runs"].get("basic", {})
+                                                for t in payload["topologies"]):  # fmt: skip
+        raise BenchUsageError(f"{path}: the emulated preset needs its trace_config and a Basic 1P1D run")
+    return payload
+
+
+def _emulated(measured_dir: Path) -> SimHardware:
     # The emulated cluster of benchmarks/results/dualpath-bench*.json (make bench-dualpath): one vLLM CPU
-    # engine per network namespace ("node"), a 16 Mbit/s storage NIC each, the compute network unshaped.
-    # The engine figures are the Basic 1P1D run's own measurements, so the prediction of the DualPath
-    # runs and of 1P2D is out of sample.
+    # engine per network namespace ("node"), a storage NIC of storage_mbit each, the compute network unshaped.
+    # The engine figures are read from the Basic 1P1D run of EMULATED_RUN, so the prediction of the DualPath
+    # runs and of the other topologies is out of sample.
+    payload = emulated_run(measured_dir)
+    basic = next(t["runs"]["basic"] for t in payload["topologies"] if t["topology"] == "1P1D")
+    storage_mbit = payload["config"]["cluster"]["storage_mbit"]
+    compute_mbit = payload["config"]["cluster"]["compute_mbit"]  # 0: the compute network is unshaped
+    compute = basic["cache_compute"]
+    tpot_s = basic["summary"]["tpot_s"]["p50"]
+    other_s = basic["ttft_breakdown"]["other_s"]
+    context = payload["trace"]["context"]
     return SimHardware(
-        name="emulated", gpus_per_node=1, engines_per_node=1, storage_bytes_per_s=16e6 / 8, cnic_bytes_per_s=1e9,
-        dram_bytes_per_s=10e9, kv_bytes_per_token=2048.0, linear_s_per_token=1 / 920.9, attention_s_per_pair=0.0,
-        tpot_s=0.0178, request_overhead_s=0.72, block_tokens=32, profile_context_tokens=2075,
+        name="emulated", gpus_per_node=1, engines_per_node=1, storage_bytes_per_s=storage_mbit * 1e6 / 8,
+        cnic_bytes_per_s=compute_mbit * 1e6 / 8 if compute_mbit else 1e9, dram_bytes_per_s=10e9,
+        kv_bytes_per_token=compute["bytes_per_token"],
+        linear_s_per_token=1 / compute["prefill_tokens_per_s"], attention_s_per_pair=0.0, tpot_s=tpot_s,
+        request_overhead_s=other_s, block_tokens=32, profile_context_tokens=round(context),
         sources={
             "gpus_per_node": "one vLLM CPU engine per network namespace (dualpath_dev/cluster.py)",
             "engines_per_node": "one engine per namespace",
-            "storage_bytes_per_s": "dualpath-bench.json config.cluster.storage_mbit = 16",
-            "cnic_bytes_per_s": "compute_mbit = 0 (unshaped veth): 1 GB/s, never the limit",
+            "storage_bytes_per_s": f"{EMULATED_RUN} config.cluster.storage_mbit = {storage_mbit:g}",
+            "cnic_bytes_per_s": f"{EMULATED_RUN} config.cluster.compute_mbit = {compute_mbit:g}"
+                                + (" (unshaped veth): 1 GB/s, never the limit" if not compute_mbit else ""),
             "dram_bytes_per_s": "not a limit on the emulated cluster: 10 GB/s",
-            "kv_bytes_per_token": "dualpath-bench.json runs.*.cache_compute.bytes_per_token = 2048",
-            "linear_s_per_token": "Basic 1P1D: cache_compute.prefill_tokens_per_s = 920.9 (vLLM's own prefill time)",
+            "kv_bytes_per_token": f"{EMULATED_RUN} Basic 1P1D: cache_compute.bytes_per_token = "
+                                  f"{compute['bytes_per_token']:g}",
+            "linear_s_per_token": f"{EMULATED_RUN} Basic 1P1D: cache_compute.prefill_tokens_per_s = "
+                                  f"{compute['prefill_tokens_per_s']:.1f} (vLLM's own prefill time)",
             "attention_s_per_pair": "the tiny test model's attention is negligible at 8k context",
-            "tpot_s": "Basic 1P1D: tpot_s.p50 = 17.8 ms",
-            "request_overhead_s": "Basic 1P1D: ttft_breakdown.other_s = 0.72 s (router, PD pull, DE first step)",
-            "block_tokens": "32: the trace's hits then total 136,128 tokens, the runs measured 136,000",
-            "profile_context_tokens": "dualpath-bench.json trace.context = 2075",
+            "tpot_s": f"{EMULATED_RUN} Basic 1P1D: summary.tpot_s.p50 = {tpot_s * 1000:.1f} ms",
+            "request_overhead_s": f"{EMULATED_RUN} Basic 1P1D: ttft_breakdown.other_s = {other_s:.2f} s "
+                                  "(router, PD pull, DE first step)",
+            "block_tokens": "the engines' vLLM block size (dualpath_dev/engines.py: --block-size 32)",
+            "profile_context_tokens": f"{EMULATED_RUN} trace.context = {context:.0f}",
         },
     )  # fmt: skip
 
 
-PRESETS = {"paper": _paper, "emulated": _emulated}
+PRESETS = ("paper", "emulated")
 
 
-def preset(name: str) -> SimHardware:
+def preset(name: str, measured_dir: Path | None = None) -> SimHardware:
+    """A preset by name; ``emulated`` reads its figures from ``EMULATED_RUN`` in ``measured_dir``
+    (default: the checkout's ``benchmarks/results``)."""
     if name not in PRESETS:
         raise BenchUsageError(f"unknown preset {name!r}; known: {sorted(PRESETS)}")
-    return PRESETS[name]()
+    if name == "paper":
+        return _paper()
+    return _emulated(measured_dir or Path(__file__).resolve().parents[2] / "benchmarks" / "results")
