@@ -25,6 +25,48 @@ RUN_EVENTS = {
 }
 
 
+MODE_LABELS = {"basic": "Basic", "dualpath": "DualPath", "oracle": "Oracle"}
+
+# Each row's "speedup vs Basic": the comparison's own field (``compare_runs``), never a second ratio of two JCTs.
+ROW_SPEEDUP = {"dualpath": "dualpath_speedup", "oracle": "basic_over_oracle"}
+
+
+def why_no_ratio(runs: dict[str, dict], modes: tuple[str, ...]) -> str | None:
+    """Why ``compare_runs`` left a ratio of these modes' JCTs null: the first mode that failed or left agents
+    unfinished (an incomplete run's JCT compares with nothing); None where every one of them finished."""
+    for mode in modes:
+        label = MODE_LABELS.get(mode, mode)
+        run = runs.get(mode)
+        if run is None:
+            return f"no {label} run"
+        if "error" in run or "summary" not in run:
+            return f"{label} failed"
+        summary = run["summary"]
+        if summary.get("agents_failed"):
+            done = summary.get("agents_done")
+            total = done + summary["agents_failed"] if done is not None else None
+            return (f"{label} finished {done} of {total} agents" if total is not None
+                    else f"{label} left {summary['agents_failed']} agents unfinished")  # fmt: skip
+    return None
+
+
+def _ratio(value: float | None, runs: dict[str, dict], modes: tuple[str, ...]) -> str:
+    """``value`` as ``1.23x``; where it is null, ``n/a`` and the reason (``n/a: Basic finished 15 of 16 agents``)."""
+    if value is not None:
+        return f"{value:.2f}x"
+    reason = why_no_ratio(runs, modes)
+    return f"n/a: {reason}" if reason else "n/a"
+
+
+def _row_speedup(mode: str, runs: dict[str, dict], comparison: dict) -> str:
+    if mode == "basic":
+        reason = why_no_ratio(runs, ("basic",))
+        return f"n/a: {reason}" if reason else "1.00x"
+    if mode not in ROW_SPEEDUP:
+        return "n/a"
+    return _ratio(comparison.get(ROW_SPEEDUP[mode]), runs, ("basic", mode))
+
+
 def markdown(payload: dict) -> str:
     trace = payload["trace"]
     cluster = payload["config"]["cluster"]
@@ -42,16 +84,15 @@ def markdown(payload: dict) -> str:
         "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|",
     ]
     for topology in payload["topologies"]:
-        basic = topology["runs"].get("basic", {}).get("summary")
         for mode, run in topology["runs"].items():
             if "error" in run:
                 lines.append(f"| {topology['topology']} | {mode} | failed: {run['error'][:120]} |" + " |" * 13)
                 continue
             s, b = run["summary"], run["ttft_breakdown"]
-            speedup = basic["jct_s"] / s["jct_s"] if basic and s["jct_s"] else None
+            speedup = _row_speedup(mode, topology["runs"], topology["comparison"])
             sides = ", ".join(f"{k or '?'}:{v}" for k, v in s["read_sides"].items())
             lines.append(
-                f"| {topology['topology']} | {mode} | {s['jct_s']:.1f} | {_fmt(speedup, '.2f', 'x')} "
+                f"| {topology['topology']} | {mode} | {s['jct_s']:.1f} | {speedup} "
                 f"| {topology['bound']:.2f}x | {_fmt(run['nic']['max_over_avg'])} "
                 f"| {_fmt(run.get('link_use', {}).get('use_while_waiting'), '.0%')} | {_fmt(b.get('ttft_s'))} "
                 f"| {_fmt(b.get('queue_s'))} | {_fmt(b.get('read_s'))} | {_fmt(b.get('prefill_s'))} "
@@ -61,11 +102,15 @@ def markdown(payload: dict) -> str:
             )
     lines += ["", "Comparison:", ""]
     for topology in payload["topologies"]:
-        c = topology["comparison"]
+        c, runs = topology["comparison"], topology["runs"]
+        speedup = _ratio(c["dualpath_speedup"], runs, ("basic", "dualpath"))
+        if c["dualpath_speedup"] is None:
+            of_bound = f"(bound {c['bound']:.2f}x)"
+        else:
+            of_bound = f"of a {c['bound']:.2f}x bound ({_fmt(c['fraction_of_bound'], '.0%')})"
         lines.append(
-            f"- {topology['topology']}: DualPath speedup {_fmt(c['dualpath_speedup'], '.2f', 'x')} of a "
-            f"{c['bound']:.2f}x bound ({_fmt(c['fraction_of_bound'], '.0%')}); DualPath/Oracle JCT "
-            f"{_fmt(c['dualpath_over_oracle'], '.2f', 'x')}."
+            f"- {topology['topology']}: DualPath speedup {speedup} {of_bound}; DualPath/Oracle JCT "
+            f"{_ratio(c['dualpath_over_oracle'], runs, ('dualpath', 'oracle'))}."
         )
         if c.get("aps_at_slo"):
             held = ", ".join(f"{mode} {_fmt(aps, '.3g', '/s')}" for mode, aps in c["aps_at_slo"].items())
@@ -78,8 +123,11 @@ def markdown(payload: dict) -> str:
                     lines.append(f"  - {mode}: {steps}")
     for topology in payload["topologies"]:
         for mode, run in topology["runs"].items():
-            events = {label: sum(engine.get(series, 0) for engine in run.get("engine_deltas", {}).values())
-                      for label, series in RUN_EVENTS.items()}  # fmt: skip
+            # A counter no engine reported (a run older than the counter) is left out, not printed as 0.
+            deltas = run.get("engine_deltas", {}).values()
+            events = {label: sum(engine.get(series, 0) for engine in deltas)
+                      for label, series in RUN_EVENTS.items()
+                      if any(series in engine for engine in deltas)}  # fmt: skip
             if any(events.values()):
                 lines.append(f"- {topology['topology']} {mode}: " + ", ".join(f"{k} {v:.0f}" for k, v in events.items()) + ".")
             slo = run.get("summary", {}).get("slo")

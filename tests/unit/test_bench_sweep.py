@@ -66,3 +66,42 @@ def test_the_report_names_the_rate_each_mode_held(monkeypatch):
     text = report.markdown(payload)
     assert "agent arrivals per second at the SLO: basic 0.1/s, dualpath 0.2/s; DualPath/Basic 2.00x" in text
     assert "  - basic: 0.1/s held (TTFT 1.00 s), 0.2/s broke (TTFT 9.00 s)" in text
+
+
+def _offline_payload(basic_agents_failed: int) -> dict:
+    def run(jct_s: float, agents_failed: int = 0) -> dict:
+        return {
+            "summary": {"jct_s": jct_s, "ttft_s": {"p90": 2.0}, "tpot_s": {"p50": 0.03}, "read_sides": {"pe": 3},
+                        "failed_requests": 0, "agents_done": 16 - agents_failed, "agents_failed": agents_failed},
+            "ttft_breakdown": {}, "nic": {"max_over_avg": 1.0},
+        }  # fmt: skip
+
+    runs = {"basic": run(610.1, basic_agents_failed), "dualpath": run(561.2), "oracle": run(576.2)}
+    return {
+        "config": {"cluster": {"storage_mbit": 16.0, "compute_mbit": 0.0}, "replay_mode": "offline"},
+        "trace": {"agents": 16, "turns": 8.0, "append": 10.0, "gen": 5.0, "context": 100.0, "hit_ratio": 0.9},
+        "topologies": [{"topology": "2P1D", "bound": 1.5, "runs": runs, "comparison": compare_runs(runs, 1.5)}],
+    }
+
+
+def test_a_null_speedup_is_printed_as_none_with_the_unfinished_agents():
+    payload = _offline_payload(basic_agents_failed=1)
+    assert payload["topologies"][0]["comparison"]["dualpath_speedup"] is None
+    text = report.markdown(payload)
+    # Not the plain ratio of the two JCTs (610.1 / 561.2 = 1.09x, Basic / Oracle 1.06x): no ratio, and why.
+    assert "1.09x" not in text and "1.06x" not in text
+    assert "| 2P1D | dualpath | 561.2 | n/a: Basic finished 15 of 16 agents |" in text
+    assert "| 2P1D | oracle | 576.2 | n/a: Basic finished 15 of 16 agents |" in text
+    assert "- 2P1D: DualPath speedup n/a: Basic finished 15 of 16 agents (bound 1.50x)" in text
+
+
+def test_a_recorded_speedup_is_printed():
+    payload = _offline_payload(basic_agents_failed=0)
+    comparison = payload["topologies"][0]["comparison"]
+    # The report prints the comparison's field: set it apart from the JCTs' ratio to see which one is printed.
+    comparison["dualpath_speedup"] = 1.23
+    text = report.markdown(payload)
+    assert "| 2P1D | dualpath | 561.2 | 1.23x |" in text
+    assert "- 2P1D: DualPath speedup 1.23x of a 1.50x bound" in text
+    assert f"| 2P1D | oracle | 576.2 | {comparison['basic_over_oracle']:.2f}x |" in text
+    assert "n/a: Basic" not in text
