@@ -47,6 +47,17 @@ class DualPathConfig:
     # Chunks remembered as present in the store (they are immutable, so a
     # positive answer stays true); saves a store round trip per lookup.
     lookup_cache_chunks: int = 100_000
+    # A remembered "present" is asked about again after this long (a chunk deleted by gc or a lifecycle rule;
+    # a load that finds one missing forgets it at once).
+    lookup_cache_ttl_s: float = 600.0
+    # A lookup's first absent chunk is remembered as absent this long: vLLM asks again every step about a
+    # request it cannot schedule yet, and a burst of requests with one prefix asks the store once. Short,
+    # because another engine may save that chunk any moment (this engine forgets it when it saves it).
+    lookup_absent_ttl_s: float = 1.0
+    # Store lookups on their own thread, vLLM's scheduler answered "ask again" meanwhile (a store with
+    # milliseconds per request would otherwise stall every running decode); false: on the scheduler thread
+    # (a local POSIX store answers in microseconds, and the request is scheduled one step sooner).
+    lookup_in_background: bool = True
     # Names the model in the namespace; set it when engines load the same
     # weights from different paths (default: vLLM's --model value).
     model_id: str | None = None
@@ -130,7 +141,8 @@ class DualPathConfig:
             raise ConfigError(f"{_WHERE}split_read_min_tokens must not be negative, got {self.split_read_min_tokens}")
         if self.load_mode not in LOAD_MODES:
             raise ConfigError(f"bad value for {_WHERE}'load_mode': {self.load_mode!r}; supported: {LOAD_MODES}")
-        for name in ("pd_lease_s", "de_read_timeout_s", "pd_transfer_timeout_s", "layer_arrival_timeout_s"):
+        for name in ("pd_lease_s", "de_read_timeout_s", "pd_transfer_timeout_s", "layer_arrival_timeout_s",
+                     "lookup_cache_ttl_s", "lookup_absent_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{_WHERE}{name} must be positive, got {getattr(self, name)}")
         if self.pd_lease_s <= self.de_read_timeout_s + self.pd_transfer_timeout_s:

@@ -48,6 +48,10 @@ class SaveSpec:
     chunk_hashes: list[str]
     # One list per chunk: the chunk's blocks in token order.
     block_ids: list[list[int]]
+    # Chunks recomputed after a failed load, some of them maybe stored already: write only those the store
+    # lacks. Objects are immutable; KV recomputed in other step shapes may differ in its last bits, and a
+    # re-put would change what every later hit of that prefix reads.
+    only_missing: bool = False
 
 
 @dataclass

@@ -90,12 +90,19 @@ READ_SIDES: tuple[str, ...] = ("pe", "de")
 
 @dataclass(frozen=True)
 class PrefillRequest:
-    """Router -> PE: prefill only, hand the KV to a DE; who reads the store hit.
+    """Router (or any P/D proxy) -> PE: prefill only, hand the KV to a DE; who reads the store hit.
 
     ``de_side_channel`` (``host:port``) is the side channel of the DE that
     will decode the request. ``read_side`` ``"de"`` makes that DE read the
     hit into its buffer (the side channel is then required); with ``"pe"``
     the PE reads it, or moves the read to that DE while its own link is busy.
+
+    Parameters without :data:`VERSION_KEY` come from a proxy that follows
+    NixlConnector's convention (vLLM's P/D proxy examples, llm-d, Dynamo):
+    ``{"do_remote_decode": true, ...}`` and NIXL's keys, which mean nothing
+    here and are ignored. They are served as a PE-side read, or as above when
+    they name ``de_side_channel`` (and ``read_side``). A version that is
+    present and not ours is refused: that is a mismatched release.
     """
 
     read_side: ReadSide = "pe"
@@ -114,7 +121,8 @@ class PrefillRequest:
         """The request in ``params``; None if it asks for no remote decode."""
         if not params or not params.get("do_remote_decode"):
             return None
-        check_version(params, "the router's kv_transfer_params")
+        if VERSION_KEY in params:
+            check_version(params, "the router's kv_transfer_params")
         side = params.get("read_side", "pe")
         if side not in READ_SIDES:
             raise ProtocolError(f"read_side must be one of {READ_SIDES}, got {side!r}")
@@ -267,6 +275,7 @@ COUNTERS = {
     "bytes_written": "Bytes written to the store",
     "saved_chunks": "Chunks written to the store",
     "save_skipped_chunks": "Chunks not saved because the save buffer was full or the write failed",
+    "resave_present_chunks": "Chunks recomputed after a failed load and not written again: the store had them",
     "bytes_read_for_peer": "Bytes read from the store into this engine's buffer for a PE (DE-side reads)",
     "bytes_pulled_from_peer": "Bytes pulled from another engine: DE-read hits on a PE, prefilled prompts on a DE",
     "pulled_tokens": "Prompt tokens whose KV a DE pulled from its PE",

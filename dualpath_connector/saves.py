@@ -88,8 +88,9 @@ class ChunkSaver:
         keys = [self.key_space.key(h) for h in spec.chunk_hashes]
         for chunk_hash, slot in zip(spec.chunk_hashes, slots):
             self.integrity.seal(chunk_hash, self.pool.slot_view(slot))
+        present = 0
         try:
-            ok = self.store.write(keys, [self.pool.slot_addr(s) for s in slots])
+            ok, present = self._write_keys(spec, keys, slots)
         except TransferAbandoned:
             # NIXL may still read these slots: they never return to the pool.
             logger.error("request %s: store write abandoned; %d save slots retired", spec.req_id, len(slots))
@@ -101,13 +102,27 @@ class ChunkSaver:
         else:
             self.pool.release(slots)
         self._written(spec, ok)
-        written = sum(ok)
+        written = sum(ok) - present
         self.stats.add(
             saved_chunks=written,
-            save_skipped_chunks=len(ok) - written,
+            save_skipped_chunks=len(ok) - written - present,
             bytes_written=written * self.key_space.layout.full_block_bytes,
         )
         self.stats.sample("save_seconds", time.perf_counter() - started)
+
+    def _write_keys(self, spec: SaveSpec, keys: list[str], slots: list[int]) -> tuple[list[bool], int]:
+        """The store write: which chunks are stored, and how many of them already were (``only_missing``:
+        only the chunks the store lacks are written)."""
+        todo = list(range(len(keys)))
+        if spec.only_missing:
+            todo = [i for i in todo if not self.store.lookup([keys[i]])]
+        present = len(keys) - len(todo)
+        self.stats.add(resave_present_chunks=present)
+        ok = [True] * len(keys)
+        written = self.store.write([keys[i] for i in todo], [self.pool.slot_addr(slots[i]) for i in todo]) if todo else []
+        for i, result in zip(todo, written):
+            ok[i] = result
+        return ok, present
 
     def _written(self, spec: SaveSpec, ok: list[bool]) -> None:
         if self.on_written is not None:

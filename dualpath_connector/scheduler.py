@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +18,7 @@ from nixl_backends.store import KVStore
 
 from dualpath_connector.config import ChunkGeometry, DualPathConfig, kv_events_enabled, namespace_for
 from dualpath_connector.kv_events import RemovalWatcher, StorageEvents
+from dualpath_connector.lookup_lane import InlineExecutor, LookupLane
 from dualpath_connector.metadata import (
     ChunkLoad,
     DualPathMetadata,
@@ -51,6 +54,8 @@ class _RequestState:
     stored_chunks: int = 0
     # Chunks handed to the worker for saving (or known stored).
     saved_chunks: int = 0
+    # After a failed load, chunks before this one are saved only where the store lacks them (SaveSpec.only_missing).
+    resave_until: int = 0
     block_ids: list[int] = field(default_factory=list)
     # Loads issued for this request; a second ask follows a failed load.
     loads_issued: int = 0
@@ -76,13 +81,22 @@ class DualPathScheduler:
         *,
         world_size: int = 1,
         kv_events: bool = False,
+        lookup_executor: Executor | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.kv_role = kv_role
         self.geometry = geometry
         self.key_space = StoreKeySpace.of(namespace, config.key_prefix)
         self.store = store
-        self._present = PresentChunks(config.lookup_cache_chunks)
+        self._present = PresentChunks(
+            config.lookup_cache_chunks, ttl_s=config.lookup_cache_ttl_s, absent_ttl_s=config.lookup_absent_ttl_s,
+            clock=clock,
+        )
+        # Store lookups off the scheduler thread (get_num_new_matched_tokens answers None meanwhile).
+        if lookup_executor is None and not config.lookup_in_background:
+            lookup_executor = InlineExecutor()
+        self._lookups = LookupLane(self._present, lambda: self.store, lookup_executor)
         self._states: dict[str, _RequestState] = {}
         # Hit found by get_num_new_matched_tokens, consumed by update_state_after_alloc.
         self._pending_hit_chunks: dict[str, int] = {}
@@ -182,7 +196,7 @@ class DualPathScheduler:
             or getattr(request, "prompt_embeds", None) is not None
         )
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.kv_role == "kv_consumer":
             handoff = self._parsed(request, PrefillHandoff)
             if handoff is not None:
@@ -209,13 +223,17 @@ class DualPathScheduler:
             # present may be what failed, so ask the store itself.
             self._present.forget(keys)
         try:
-            present = self._present.leading_present(self.store, keys)
+            present = self._lookups.answer(request.request_id, keys)
         except Exception as exc:  # a store outage is a miss, never a dead scheduler
             self._log_lookup_error(exc)
             present = 0
+        if present is None:
+            # The store is being asked on the lookup lane: vLLM schedules the others and asks again next step.
+            return None, False
         if state.loads_issued:
             # A re-ask after a failed load: the store's fresh answer replaces
             # what was known stored, so chunks it lost are saved again.
+            state.resave_until = max(state.resave_until, state.saved_chunks)
             state.stored_chunks = state.saved_chunks = present
         else:
             state.stored_chunks = max(state.stored_chunks, present)
@@ -370,6 +388,7 @@ class DualPathScheduler:
             if not failed:
                 continue
             first = failed[0] // bpc
+            state.resave_until = max(state.resave_until, state.saved_chunks)
             state.saved_chunks = min(state.saved_chunks, first)
             state.stored_chunks = min(state.stored_chunks, first)
             self._present.forget([self.key_space.key(h) for h in state.hashes[first:]])
@@ -407,11 +426,14 @@ class DualPathScheduler:
             return
         hashes = self._hashes(state, complete * self.geometry.chunk_tokens)
         first = state.saved_chunks
+        # Soon stored: a lookup must not be answered "absent" from memory for them.
+        self._present.forget([self.key_space.key(h) for h in hashes[first:complete]])
         meta.saves.append(
             SaveSpec(
                 req_id=state.request.request_id,
                 chunk_hashes=hashes[first:complete],
                 block_ids=[state.block_ids[c * bpc : (c + 1) * bpc] for c in range(first, complete)],
+                only_missing=first < state.resave_until,
             )
         )
         state.saved_chunks = complete
@@ -432,6 +454,7 @@ class DualPathScheduler:
 
         state = self._states.pop(request.request_id, None)
         self._pending_hit_chunks.pop(request.request_id, None)
+        self._lookups.drop(request.request_id)
         self._dropped.append(request.request_id)
         if state is None:
             return False, None
@@ -457,6 +480,7 @@ class DualPathScheduler:
         ).to_dict()
 
     def shutdown(self) -> None:
+        self._lookups.close()
         if self.removal_watcher is not None:
             self.removal_watcher.close()
             self.removal_watcher.store.close()

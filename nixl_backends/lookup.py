@@ -2,11 +2,13 @@
 
 Chunks are content-addressed and immutable, so a chunk found present stays
 present until something deletes it (``dualpath-kv gc``, an S3 lifecycle rule):
-positive answers are remembered, negative ones never are. A remembered answer
-is dropped when a load of it fails (:meth:`PresentChunks.forget`) and, with
-``ttl_s``, once it is older than that, so a cache that nobody loads through (the
-router's) stops answering "present" for a deleted chunk. The connector's
-scheduler and the router share :class:`PresentChunks`.
+positive answers are remembered. A remembered answer is dropped when a load of
+it fails (:meth:`PresentChunks.forget`) and, with ``ttl_s``, once it is older
+than that, so a cache that nobody loads through (the router's) stops answering
+"present" for a deleted chunk. Negative answers turn true as soon as some
+engine saves the chunk, so they are remembered only with ``absent_ttl_s``, for
+a short while (a burst of requests with one prefix asks the store once). The
+connector's scheduler and the router share :class:`PresentChunks`.
 """
 
 from __future__ import annotations
@@ -24,21 +26,32 @@ class PresentChunks:
 
     ``ttl_s``: a remembered answer expires this long after the store gave it
     (None: never). Using an answer does not extend it: a chunk deleted while it
-    is hot must still be asked about again. ``clock``: monotonic seconds.
+    is hot must still be asked about again. ``absent_ttl_s``: how long the first
+    absent key of a lookup is remembered as absent (None: not at all).
+    ``clock``: monotonic seconds.
     """
 
     def __init__(
-        self, capacity: int, *, ttl_s: float | None = None, clock: Callable[[], float] = time.monotonic
+        self,
+        capacity: int,
+        *,
+        ttl_s: float | None = None,
+        absent_ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
-        if ttl_s is not None and ttl_s <= 0:
-            raise ValueError(f"ttl_s must be positive or None, got {ttl_s}")
+        for name, value in (("ttl_s", ttl_s), ("absent_ttl_s", absent_ttl_s)):
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive or None, got {value}")
         self.capacity = capacity
         self.ttl_s = ttl_s
+        self.absent_ttl_s = absent_ttl_s
         self._clock = clock
         # key -> when the store last said it is present; oldest use first.
         self._present: OrderedDict[str, float] = OrderedDict()
+        # key -> when the store said it is absent; oldest first (entries are never refreshed in place).
+        self._absent: OrderedDict[str, float] = OrderedDict()
         self._lock = threading.Lock()
 
     def known_run(self, keys: Sequence[str]) -> int:
@@ -63,26 +76,61 @@ class PresentChunks:
             for key in keys:
                 self._present[key] = now
                 self._present.move_to_end(key)
+                self._absent.pop(key, None)
             while len(self._present) > self.capacity:
                 self._present.popitem(last=False)
 
     def forget(self, keys: Sequence[str]) -> None:
-        """Drop remembered answers (a load of them failed: the store is asked again)."""
+        """Drop remembered answers, present or absent (a load failed, a chunk is being saved: ask again)."""
         with self._lock:
             for key in keys:
                 self._present.pop(key, None)
+                self._absent.pop(key, None)
+
+    def settled_run(self, keys: Sequence[str]) -> int | None:
+        """The leading run of ``keys`` present if remembered answers settle it (every key present, or the run
+        ends at a key remembered absent); None when only the store can tell."""
+        known = self.known_run(keys)
+        if known == len(keys) or self._known_absent(keys[known]):
+            return known
+        return None
 
     def leading_present(self, store: KVStore, keys: Sequence[str]) -> int:
-        """The leading run of ``keys`` present; asks ``store`` only past the remembered run.
+        """The leading run of ``keys`` present; asks ``store`` only past what remembered answers settle.
 
         Store errors propagate: the caller decides what an outage means.
         """
+        settled = self.settled_run(keys)
+        if settled is not None:
+            return settled
         known = self.known_run(keys)
-        if known == len(keys):
-            return known
         found = store.lookup(keys[known:])
         self.remember(keys[known : known + found])
+        if known + found < len(keys) and self.absent_ttl_s is not None:
+            self._remember_absent(keys[known + found])
         return known + found
+
+    def _known_absent(self, key: str) -> bool:
+        if self.absent_ttl_s is None:
+            return False
+        with self._lock:
+            said = self._absent.get(key)
+            if said is None:
+                return False
+            if said <= self._clock() - self.absent_ttl_s:
+                del self._absent[key]
+                return False
+            return True
+
+    def _remember_absent(self, key: str) -> None:
+        now = self._clock()
+        with self._lock:
+            self._absent.pop(key, None)
+            self._absent[key] = now
+            # Oldest first: expired entries leave from the front, and the size stays bounded.
+            while self._absent and (len(self._absent) > self.capacity
+                                    or next(iter(self._absent.values())) <= now - self.absent_ttl_s):
+                self._absent.popitem(last=False)
 
 
 def wait_stored(store: KVStore, keys: Sequence[str], timeout_s: float, poll_s: float = 0.05) -> None:

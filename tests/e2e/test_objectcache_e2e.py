@@ -27,7 +27,7 @@ from dualpath_connector.protocol import metric_samples
 from dualpath_dev.engines import ClusterKeys, RouterProcess
 from dualpath_dev.gateway import GatewayProcess, gateway_config
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout, chunk_hashes, chunk_key
-from tests.conftest import PLAIN_ENGINE_BATCH_TOKENS, pd_pair, poll, same, through_router
+from tests.conftest import PLAIN_ENGINE_BATCH_TOKENS, pd_pair, poll, resealed, same, through_router
 from tests.vllm_engine import Engine
 
 pytestmark = pytest.mark.engine
@@ -149,7 +149,7 @@ def _stored(s3, key: str) -> bool:
         return False
 
 
-def test_hit_arrives_layer_by_layer_and_matches(engine, gateways, baseline):
+def test_hit_arrives_layer_by_layer_and_matches(engine, seaweedfs, gateways, baseline):
     paced = gateways["paced"]
     before = gateway_metric(paced, "s3agg_requests_total", mode="layerwise", outcome="ok")
     out = engine.generate([A], MAX_TOKENS)[0]
@@ -157,10 +157,28 @@ def test_hit_arrives_layer_by_layer_and_matches(engine, gateways, baseline):
     assert same(out, baseline["A_after_P"])
     # The hit came through the gateway, layer by layer, in one request.
     assert gateway_metric(paced, "s3agg_requests_total", mode="layerwise", outcome="ok") == before + 1
-    # Negative control: the comparison can fail. Not against a cold run of A: on hosts whose
-    # CPU attention uses AMX, a cold prefill computes bit-identical KV in any chunking. B
-    # (another suffix after the same hit) must answer differently.
-    assert not same(out, baseline["B_after_P"])
+    # Negative control: the comparison sees wrong KV that came the same way. The request above saved A's own
+    # chunks past P; once they landed, A is served again (its whole claimable prompt a hit) as the reference,
+    # then with chunk 4's KV resealed under a valid checksum trailer for chunk 5 (what the checksum mode cannot
+    # catch): the loaded set holds chunk 4 twice and chunk 5 not at all, everything else as in the reference,
+    # so the answer must change. (Not a cold run of A: on hosts whose CPU attention uses AMX, a cold prefill
+    # computes bit-identical KV in any chunking.)
+    s3 = seaweedfs.client()
+    a_keys = [chunk_key(engine.ready["key_prefix"], engine.ready["namespace"], h)
+              for h in chunk_hashes(engine.ready["namespace"], A[: (len(A) - 1) // CHUNK * CHUNK], CHUNK)]  # fmt: skip
+    poll(lambda: sum(_stored(s3, key) for key in a_keys), lambda n: n == len(a_keys), 120, "A's chunks in the bucket")
+    reference = engine.generate([A], MAX_TOKENS)[0]
+    assert reference["num_cached_tokens"] == len(a_keys) * CHUNK
+    original = s3.get_object(Bucket=BUCKET, Key=engine.keys[5])["Body"].read()
+    forged = resealed(s3.get_object(Bucket=BUCKET, Key=engine.keys[4])["Body"].read(),
+                      engine.keys[5].rsplit("/", 1)[1], NUM_LAYERS)  # fmt: skip
+    s3.put_object(Bucket=BUCKET, Key=engine.keys[5], Body=forged)
+    try:
+        wrong = engine.generate([A], MAX_TOKENS)[0]
+    finally:
+        s3.put_object(Bucket=BUCKET, Key=engine.keys[5], Body=original)
+    assert wrong["num_cached_tokens"] == reference["num_cached_tokens"]  # the forged chunk was served
+    assert not same(wrong, reference), "forged KV through the gateway went unnoticed"
 
 
 def test_layer_failing_its_check_mid_forward_is_recomputed(engine, seaweedfs, baseline):

@@ -22,12 +22,15 @@ from vllm.v1.request import Request
 
 from dualpath_connector.config import ChunkGeometry, kv_events_enabled, parse_config
 from dualpath_connector.kv_events import RemovalWatcher
+from dualpath_connector.lookup_lane import InlineExecutor
 from dualpath_connector.metadata import SavedChunks
 from dualpath_connector.scheduler import DualPathScheduler
 from nixl_backends.configuration import ConfigError
 from nixl_backends.gc import KeyPattern, PosixChunks
 from nixl_backends.removals import MAX_RECORD_BYTES, RECORDS_DIR, RecordError, RemovalLog, RemovalRecord, records_prefix
-from tests.unit.test_scheduler import BLOCK, CHUNK, KEY_PREFIX, NAMESPACE, FakeStore, hashes_of, keys_of, new_req, step
+from tests.unit.test_scheduler import (
+    BLOCK, CHUNK, KEY_PREFIX, NAMESPACE, FakeStore, hashes_of, keys_of, new_req, step,
+)  # fmt: skip
 
 NS = NAMESPACE.digest()
 _HASH_FN = get_hash_fn_by_name("sha256")
@@ -48,7 +51,7 @@ def events_scheduler(tmp_path, world_size: int = 1, **extra) -> tuple[DualPathSc
     store = FakeStore()
     scheduler = DualPathScheduler(
         parse_config(raw), "kv_both", ChunkGeometry(block_size=BLOCK, chunk_tokens=CHUNK), NAMESPACE, store,
-        world_size=world_size, kv_events=True,
+        world_size=world_size, kv_events=True, lookup_executor=InlineExecutor(),
     )  # fmt: skip
     return scheduler, store
 
@@ -126,7 +129,8 @@ def test_each_block_is_announced_once_however_often_its_chunk_is_saved(tmp_path)
 
 def test_no_events_unless_enabled(tmp_path):
     raw = {"store": {"backend": "posix", "root": str(tmp_path)}, "key_prefix": KEY_PREFIX}
-    scheduler = DualPathScheduler(parse_config(raw), "kv_both", ChunkGeometry(BLOCK, CHUNK), NAMESPACE, FakeStore())
+    scheduler = DualPathScheduler(parse_config(raw), "kv_both", ChunkGeometry(BLOCK, CHUNK), NAMESPACE, FakeStore(),
+                                  lookup_executor=InlineExecutor())  # fmt: skip
     request = vllm_request("r1", prompt_of(2 * CHUNK))
     hashes = save_all(scheduler, request)
     assert len(hashes) == 2  # saving is unchanged

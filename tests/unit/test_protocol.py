@@ -93,9 +93,31 @@ def test_another_or_missing_version_is_refused_naming_both(message, version):
     with pytest.raises(ProtocolError) as info:
         parse({**message, VERSION_KEY: version})
     assert f"version {version!r}" in str(info.value) and f"speaks {PROTOCOL_VERSION}" in str(info.value)
-    without = {k: v for k, v in message.items() if k != VERSION_KEY}
+
+
+def test_a_handoff_without_a_version_is_refused():
+    """Only our PE writes hand-offs (a proxy forwards them as they are): one without a version is not ours."""
+    without = {k: v for k, v in HANDOFF.to_dict().items() if k != VERSION_KEY}
     with pytest.raises(ProtocolError, match="version None"):
-        parse(without)
+        PrefillHandoff.from_dict(without)
+
+
+# What vLLM's P/D proxy examples (and llm-d's sidecar) send a prefill engine under NixlConnector's convention.
+NIXL_PROXY_PREFILL = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                      "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+
+
+def test_a_prefill_request_in_nixl_connector_convention_is_a_pe_side_read():
+    assert PrefillRequest.from_dict(NIXL_PROXY_PREFILL) == PrefillRequest("pe", None)
+    # The one optional field a proxy may add to name the decoding DE (enables DE-side and moved reads).
+    named = {**NIXL_PROXY_PREFILL, "de_side_channel": "10.0.0.2:5700"}
+    assert PrefillRequest.from_dict(named) == PrefillRequest("pe", "10.0.0.2:5700")
+    assert PrefillRequest.from_dict({**named, "read_side": "de"}) == PrefillRequest("de", "10.0.0.2:5700")
+    # The same checks as for the router's form: a DE read without a side channel, a bad side.
+    with pytest.raises(ProtocolError, match="de_side_channel"):
+        PrefillRequest.from_dict({**NIXL_PROXY_PREFILL, "read_side": "de"})
+    with pytest.raises(ProtocolError, match="read_side"):
+        PrefillRequest.from_dict({**NIXL_PROXY_PREFILL, "read_side": "both"})
 
 
 @pytest.mark.parametrize(

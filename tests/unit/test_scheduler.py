@@ -15,6 +15,7 @@ import pytest
 from vllm.v1.request import RequestStatus
 
 from dualpath_connector.config import ChunkGeometry, parse_config
+from dualpath_connector.lookup_lane import InlineExecutor
 from dualpath_connector.metadata import ChunkLoad, PullSpec, SaveSpec
 from dualpath_connector.protocol import VERSION_KEY, PrefillHandoff, PrefillRequest
 from dualpath_connector.scheduler import MAX_LOAD_ATTEMPTS, DualPathScheduler
@@ -63,13 +64,14 @@ class FakeStore:
         self.closed = True
 
 
-def make_scheduler(tmp_path, kv_role="kv_both", **extra) -> tuple[DualPathScheduler, FakeStore]:
+def make_scheduler(tmp_path, kv_role="kv_both", clock=time.monotonic, **extra) -> tuple[DualPathScheduler, FakeStore]:
     raw = {"store": {"backend": "posix", "root": str(tmp_path)}, "key_prefix": KEY_PREFIX, **extra}
     if kv_role != "kv_both":
         raw.setdefault("side_channel_port", PORT)
     store = FakeStore()
     scheduler = DualPathScheduler(
-        parse_config(raw, kv_role), kv_role, ChunkGeometry(block_size=BLOCK, chunk_tokens=CHUNK), NAMESPACE, store
+        parse_config(raw, kv_role), kv_role, ChunkGeometry(block_size=BLOCK, chunk_tokens=CHUNK), NAMESPACE, store,
+        lookup_executor=InlineExecutor(), clock=clock,
     )
     return scheduler, store
 
@@ -569,6 +571,27 @@ def test_pe_hands_its_prefill_to_the_de(tmp_path):
     assert "p1" in meta.dropped_req_ids
 
 
+def test_pe_hands_off_a_prefill_asked_for_in_nixl_connector_convention(tmp_path):
+    """A proxy that knows only NixlConnector's keys (no version, no DE named): a PE-side read, and the hand-off
+    in the answer's params, which the proxy gives the decode request as they are."""
+    scheduler, store = make_scheduler(tmp_path, "kv_producer")
+    prompt = prompt_of(100)
+    store_chunks(store, prompt, 2)
+    params = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+    request = make_request("p1", prompt, params)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (2 * CHUNK, True)
+    scheduler.update_state_after_alloc(request, Blocks([40, 41, 42, 43]), 2 * CHUNK)
+    load = scheduler.build_connector_meta(empty_step()).loads[0]
+    assert (load.read_side, load.de_side_channel, load.keep_token) == ("pe", None, None)
+    blocks = list(range(40, 47))
+    scheduler.build_connector_meta(step(new=[new_req("p1", blocks, 2 * CHUNK)], scheduled={"p1": 36}))
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    delay_free, handed = scheduler.request_finished(request, blocks)
+    assert delay_free is True
+    assert PrefillHandoff.from_dict(handed) == PrefillHandoff(f"127.0.0.1:{PORT}", "p1", blocks, stored_chunks=3)
+
+
 @pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR])
 def test_pe_hands_nothing_off_for_an_unfinished_prefill(tmp_path, status):
     scheduler, _ = make_scheduler(tmp_path, "kv_producer")
@@ -703,7 +726,7 @@ def test_chunks_missing_on_a_retry_are_saved_again(tmp_path):
 
     # vLLM recomputes chunk 2 from the store's answer: it must be written back.
     meta = scheduler.build_connector_meta(step(new=[new_req("r1", range(7), 2 * CHUNK)], scheduled={"r1": 36}))
-    assert meta.saves == [SaveSpec("r1", [hashes_of(prompt)[2]], [[4, 5]])]
+    assert meta.saves == [SaveSpec("r1", [hashes_of(prompt)[2]], [[4, 5]], only_missing=True)]
 
 
 # -- 10. uncacheable requests --------------------------------------------------
@@ -773,8 +796,19 @@ def test_a_store_outage_is_a_miss_not_an_error(tmp_path):
 # -- 12. lookup cache ----------------------------------------------------------
 
 
+class Clock:
+    """Monotonic seconds the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_chunks_known_present_are_not_looked_up_again(tmp_path):
-    scheduler, store = make_scheduler(tmp_path)
+    clock = Clock()
+    scheduler, store = make_scheduler(tmp_path, clock=clock)
     prompt = prompt_of(100)
     keys = keys_of(prompt)
     store_chunks(store, prompt, 2)
@@ -782,7 +816,9 @@ def test_chunks_known_present_are_not_looked_up_again(tmp_path):
     assert scheduler.get_num_new_matched_tokens(make_request("r1", prompt), 0) == (2 * CHUNK, True)
     assert store.calls == [keys[:3]]
 
-    # Same prefix, longer prompt: only the keys past the known run go to the store.
+    # Same prefix, longer prompt, once the remembered miss (chunk 2) expired: only the keys past the known run
+    # go to the store.
+    clock.now += scheduler.config.lookup_absent_ttl_s
     longer = prompt + prompt_of(64, seed=2)
     longer_keys = keys_of(longer)
     assert longer_keys[:3] == keys[:3]
@@ -791,17 +827,39 @@ def test_chunks_known_present_are_not_looked_up_again(tmp_path):
 
     # Everything claimable known present: no store round trip at all.
     store_chunks(store, prompt, 3)
+    clock.now += scheduler.config.lookup_absent_ttl_s
     scheduler.get_num_new_matched_tokens(make_request("r3", prompt), 0)
     assert store.calls[2] == keys[2:3]
     assert scheduler.get_num_new_matched_tokens(make_request("r4", prompt), 0) == (3 * CHUNK, True)
     assert len(store.calls) == 3
 
 
-def test_misses_are_not_remembered(tmp_path):
-    scheduler, store = make_scheduler(tmp_path)
+def test_a_miss_is_remembered_for_lookup_absent_ttl_s(tmp_path):
+    clock = Clock()
+    scheduler, store = make_scheduler(tmp_path, clock=clock, lookup_absent_ttl_s=2.0)
     prompt = prompt_of(100)
     assert scheduler.get_num_new_matched_tokens(make_request("r1", prompt), 0) == (0, False)
     store_chunks(store, prompt, 3)
+    # Within the TTL the remembered miss answers, without the store.
+    clock.now += 1.9
+    assert scheduler.get_num_new_matched_tokens(make_request("r2", prompt), 0) == (0, False)
+    assert len(store.calls) == 1
+    # Negative control: once it expired the store is asked and the chunks saved meanwhile are found.
+    clock.now += 0.1
+    assert scheduler.get_num_new_matched_tokens(make_request("r3", prompt), 0) == (3 * CHUNK, True)
+    assert len(store.calls) == 2
+
+
+def test_a_save_planned_here_forgets_the_remembered_miss(tmp_path):
+    """The chunks this engine saves are looked up afresh at once: the next turn finds them when they landed."""
+    scheduler, store = make_scheduler(tmp_path)
+    prompt = prompt_of(3 * CHUNK + 5)
+    request = make_request("r1", prompt)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    scheduler.update_state_after_alloc(request, Blocks(range(10, 17)), 0)
+    meta = scheduler.build_connector_meta(step(new=[new_req("r1", range(10, 17))], scheduled={"r1": len(prompt)}))
+    assert [len(save.chunk_hashes) for save in meta.saves] == [3]
+    store_chunks(store, prompt, 3)  # the save landed
     assert scheduler.get_num_new_matched_tokens(make_request("r2", prompt), 0) == (3 * CHUNK, True)
 
 
@@ -848,7 +906,8 @@ def test_chunks_failed_mid_forward_are_saved_again_as_recomputed(tmp_path):
     # Chunk 1's second block failed: vLLM recomputes from token 32 (chunked: 32..95 first).
     scheduler.update_connector_output({13})
     meta = scheduler.build_connector_meta(step(cached_reqs=[cached("r1", CHUNK)], scheduled={"r1": 2 * CHUNK}))
-    assert meta.saves == [SaveSpec("r1", hashes[1:3], [[12, 13], [14, 15]])]
+    # Written only where the store lacks them: the rest keep the bytes every earlier hit read.
+    assert meta.saves == [SaveSpec("r1", hashes[1:3], [[12, 13], [14, 15]], only_missing=True)]
     # The lookup cache forgot chunks 1..: another request's lookup asks the store again.
     store.present.discard(keys[1])
     assert scheduler.get_num_new_matched_tokens(make_request("r2", prompt), 0) == (CHUNK, True)
