@@ -113,7 +113,7 @@ class Router:
             config.scheduling.read_tokens_per_s,
             config.scheduling.rate_ewma_weight,
         )
-        lookup = HitLookup(config.store, config.lookup_cache_chunks)
+        lookup = HitLookup(config.store, config.lookup_cache_chunks, config.lookup_cache_ttl_s)
         if config.namespace != "auto":
             lookup.namespace = config.namespace
         self.dispatcher = Dispatcher(config, accounting, make_policy(config.policy, config.scheduling), lookup)

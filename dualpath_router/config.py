@@ -134,6 +134,9 @@ class RouterConfig:
     namespace: StoreKeySpace | Literal["auto"] = "auto"
     # Chunks remembered as present (immutable, so a positive answer stays true).
     lookup_cache_chunks: int = 100_000
+    # ... until this long after the store said so: nothing loads through the router's cache, so only this
+    # stops it from calling a chunk present that gc or a lifecycle rule deleted.
+    lookup_cache_ttl_s: float = 600.0
 
     def validate(self) -> None:
         if not self.prefill_engines or not self.decode_engines:
@@ -148,7 +151,7 @@ class RouterConfig:
                 raise ConfigError(f"missing required key decode_engines[{i}].'side_channel'")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
-        _require_positive(self, "metrics_refresh_interval_s", "lookup_cache_chunks")
+        _require_positive(self, "metrics_refresh_interval_s", "lookup_cache_chunks", "lookup_cache_ttl_s")
         if self.tokenizer is None and self.model_config is None and self.vocab_size is None:
             raise ConfigError(NO_VOCABULARY)
         for name in ("vocab_size", "max_prompt_tokens"):

@@ -29,9 +29,9 @@ _OUTAGE_BACKOFF_S = 5.0
 
 
 class HitLookup:
-    def __init__(self, store_config: object | None, cache_chunks: int) -> None:
+    def __init__(self, store_config: object | None, cache_chunks: int, cache_ttl_s: float | None = None) -> None:
         self._store_config = store_config
-        self._present = PresentChunks(cache_chunks)
+        self._present = PresentChunks(cache_chunks, ttl_s=cache_ttl_s)
         self._store_lock = threading.Lock()  # opening the store (may block on the network)
         self._store: KVStore | None = None
         self._last_outage_log = float("-inf")
