@@ -26,14 +26,17 @@ import os
 import random
 import secrets
 import signal
+import sys
 import threading
 import time
 import urllib.request
+from pathlib import Path
 
 import pytest
 
 from dualpath_connector.protocol import PrefillRequest, counter_total_name
 from dualpath_dev.engines import ClusterKeys, RouterProcess
+from dualpath_dev.processes import ServiceProcess, free_port
 from tests.conftest import PLAIN_ENGINE_BATCH_TOKENS, pd_pair, poll, post, router_model, same, through_router
 
 pytestmark = pytest.mark.engine
@@ -239,6 +242,65 @@ def test_bad_token_id_through_router_is_refused_and_the_pe_stays_healthy(cluster
         router.stop()
     logs = "".join(path.read_text(errors="replace") for path in (pe.log_path, de.log_path, router.log_path))
     assert pe.keys.api_key not in logs and pe.keys.cluster_key not in logs
+
+
+class NixlStyleProxy(ServiceProcess):
+    """tests/nixl_style_proxy.py (vLLM's P/D proxy example's flow, nothing of ours imported); stopped by its PID."""
+
+    stop_grace_s = 5.0
+
+    def __init__(self, pe, de, log_path, *extra: str) -> None:
+        self.port = free_port()
+        self.args = [sys.executable, str(Path(__file__).parents[1] / "nixl_style_proxy.py"), "--port", str(self.port),
+                     "--prefill", pe.base_url, "--decode", de.base_url, *extra]  # fmt: skip
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.health_url = f"{self.url}/health"
+
+
+# Two turns a session: the second finds the first's chunks stored (a hit) and must still match.
+PROXY_SESSIONS = {"nixl convention": session_prompts(201)[:2], "naming the DE, read side de": session_prompts(202)[:2]}
+
+
+@pytest.mark.parametrize("session", PROXY_SESSIONS)
+def test_a_proxy_in_nixl_connector_convention_drives_the_handoff(session, cluster, plain_engine, tmp_path):
+    """Behind a proxy that knows only NixlConnector's convention (``do_remote_decode``, then the prefill
+    answer's params to the decode engine), the PE hands off and the DE pulls; with the one optional field
+    naming the DE, the DE reads the hit for the PE. Outputs equal an engine's without the connector."""
+    pe, de = cluster
+    extra = ["--de-side-channel", de.side_channel, "--read-side", "de"] if "naming" in session else []
+    proxy = NixlStyleProxy(pe, de, tmp_path / "proxy.log", *extra).start(timeout_s=120)
+    before = {("de", "pulled_tokens"): de.metric_total(counter_total_name("pulled_tokens")),
+              ("pe", "bytes_read"): pe.metric_total(counter_total_name("bytes_read")),
+              ("de", "bytes_read_for_peer"): de.metric_total(counter_total_name("bytes_read_for_peer"))}  # fmt: skip
+    try:
+        history: list[int] = []
+        for turn, append in enumerate(PROXY_SESSIONS[session]):
+            prompt = history + append
+            # The engine without the connector serves the turn as the PE and the DE do (see the module's doc).
+            plain_engine.generate([prompt], 1, reset_prefix_cache=turn == 0)
+            expected = plain_engine.generate([prompt], OUTPUT_TOKENS, reset_prefix_cache=False)[0]
+            body = {"model": str(pe.model), "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
+                    "ignore_eos": True, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}
+            status, answer, _ = post(f"{proxy.url}/v1/completions", body, pe.keys.auth_headers())
+            assert status == 200, answer
+            choice = answer["choices"][0]
+            out = {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
+            assert same(out, expected), f"turn {turn} through the proxy differs from the engine without the connector"
+            de.wait_stored(prompt + out["tokens"][:-1])
+            history = prompt + out["tokens"]
+    finally:
+        proxy.stop()
+    engines = {"pe": pe, "de": de}
+    # The hand-off happened: the DE pulled the prompts' KV from the PE (a DE that recomputed pulls nothing);
+    # the second turn's hit was read by the side asked for: the PE without a DE named, else the DE.
+    reader = ("de", "bytes_read_for_peer") if "naming" in session else ("pe", "bytes_read")
+    for side, name in (("de", "pulled_tokens"), reader):
+        def grew(side=side, name=name) -> bool:
+            _flush_stats(engines[side])  # vLLM exports connector stats with engine steps
+            return engines[side].metric_total(counter_total_name(name)) > before[(side, name)]
+
+        poll(grew, bool, 60, f"{side}'s {name} after the session")
 
 
 def test_de_killed_during_de_side_read_falls_back(cluster, baseline):
