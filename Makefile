@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
-.PHONY: setup test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak gpu-connector-check
+.PHONY: setup test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak gpu-connector-check
 
 setup: $(STAMP) mma
 
@@ -83,6 +83,11 @@ bench-compute-quota: setup
 # TTFT of a 90%-hit prompt at 8k/16k/32k tokens: bulk vs layerwise store loads vs all-local (vLLM's prefix cache), plus layerwise's per-layer stall.
 bench-injection: setup
 	$(PY) benchmarks/bench_injection.py
+
+# A decode's TPOT while store hits arrive, lookup_in_background true vs false, at 0/10/50 ms per S3 request (a delaying
+# proxy in front of SeaweedFS); BENCH_ARGS adds options (e.g. BENCH_ARGS=--quick). Results: benchmarks/results/lookup-latency.*
+bench-lookup-latency: setup
+	$(PY) benchmarks/bench_lookup_latency.py $(BENCH_ARGS)
 
 # Basic vs DualPath vs Oracle, 1P1D, on an emulated cluster (root: network namespaces, tc storage NICs);
 # BENCH_ARGS adds options, e.g. BENCH_ARGS="--topologies 1P1D,1P2D,2P1D". Results: benchmarks/results/dualpath-bench.*

@@ -126,6 +126,20 @@ def add_server_args(parser) -> None:
 
 
 @contextlib.contextmanager
+
+def start_side_by_side(servers: list, timeout_s: float) -> None:
+    """Start servers at once (an engine's start-up is mostly single-threaded imports) and wait until all are
+    healthy; the first failure raises at once (the caller's stopping of the others ends their waits)."""
+    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
+
+    clock = time.monotonic()
+    pool = ThreadPoolExecutor(len(servers))
+    futures = [pool.submit(server.start, timeout_s) for server in servers]
+    pool.shutdown(wait=False)
+    for future in wait(futures, return_when=FIRST_EXCEPTION).done:
+        future.result()
+    print(f"vLLM healthy after {time.monotonic() - clock:.0f}s", file=sys.stderr)
+
 def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None = None):
     """SeaweedFS and vLLM servers with the connector on it, all healthy; stopped on exit.
 
@@ -137,8 +151,6 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
     A server whose kwargs hold ``"s3agg": True`` reads through an ``s3agg-gateway`` (started here
     in front of the same bucket, stopped on exit): its store section becomes ``s3agg`` around it.
     """
-    from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
-
     from dualpath_dev.engines import CONFIGS, VLLMServer
     from dualpath_dev.seaweedfs import SeaweedFS
     from dualpath_dev.tiny_model import make_tiny_llama
@@ -163,14 +175,7 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
             log_path = (args.workdir / "-".join(filter(None, (log_stem, label, "vllm.log")))).resolve()
             server = started[label] = VLLMServer(model, s3, log_path, max_model_len=args.max_model_len, **kwargs)
             print(f"vLLM{' ' + label if label else ''} starting on {server.base_url}; log: {log_path}", file=sys.stderr)
-        clock = time.monotonic()
-        pool = ThreadPoolExecutor(len(started))
-        futures = [pool.submit(server.start, args.start_timeout) for server in started.values()]
-        pool.shutdown(wait=False)
-        # The first failure raises at once; stopping the others below ends their start-up waits.
-        for future in wait(futures, return_when=FIRST_EXCEPTION).done:
-            future.result()
-        print(f"vLLM healthy after {time.monotonic() - clock:.0f}s", file=sys.stderr)
+        start_side_by_side(list(started.values()), args.start_timeout)
         yield started
     finally:
         for server in started.values():
