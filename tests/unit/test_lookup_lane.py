@@ -22,32 +22,27 @@ from vllm.v1.structured_output import StructuredOutputManager
 
 from dualpath_connector.lookup_lane import InlineExecutor, LookupLane
 from nixl_backends.lookup import PresentChunks
+from tests.unit.test_scheduler import FakeStore
 
 WAIT_S = 30.0  # a bound on waits for the lane's thread, never a synchronization by time
 BLOCK = 32
 
 
-class GatedStore:
-    """``lookup`` answers the leading run of ``present`` once ``gate`` is open; records the asking thread."""
+class GatedStore(FakeStore):
+    """test_scheduler's FakeStore (``down`` raises) whose ``lookup`` answers once ``gate`` is open; records the
+    asking thread."""
 
     def __init__(self, present: set[str] = frozenset(), fail: bool = False) -> None:
+        super().__init__()
         self.present = set(present)
-        self.fail = fail
+        self.down = fail
         self.gate = threading.Event()
         self.threads: list[int] = []
 
     def lookup(self, keys):
         self.threads.append(threading.get_ident())
         assert self.gate.wait(WAIT_S), "the test never opened the gate"
-        if self.fail:
-            raise ConnectionError("store unreachable")
-        found = 0
-        while found < len(keys) and keys[found] in self.present:
-            found += 1
-        return found
-
-    def close(self) -> None:
-        pass
+        return super().lookup(keys)
 
 
 KEYS = [f"k{i}" for i in range(4)]
@@ -92,7 +87,7 @@ def test_a_store_error_is_raised_once_and_not_remembered():
         _collect(lane, "r1")
         with pytest.raises(ConnectionError):
             lane.answer("r1", KEYS)
-        store.fail = False
+        store.down = False
         assert lane.answer("r1", KEYS) is None  # asked again, not answered from a remembered failure
         _collect(lane, "r1")
         assert lane.answer("r1", KEYS) == 0
