@@ -49,15 +49,17 @@ class LookupLane:
         # request id -> (the keys asked about, the lookup's future)
         self._pending: dict[str, tuple[list[str], Future]] = {}
 
-    def answer(self, request_id: str, keys: Sequence[str]) -> int | None:
+    def answer(self, request_id: str, keys: Sequence[str], background: bool = True) -> int | None:
         """The leading run of ``keys`` present, or None while the store is being asked (ask again).
 
+        ``background`` false: wait for the answer here (an idle engine: vLLM would only spin through empty
+        steps, each a round trip to its workers, and on a small machine slow the lookup it waits for).
         A store error is raised once, from the call that collects it: the caller decides what an outage means.
         """
         keys = list(keys)
         pending = self._pending.get(request_id)
         if pending is not None and pending[0] == keys:
-            if not pending[1].done():
+            if background and not pending[1].done():
                 return None
             del self._pending[request_id]
             return pending[1].result()
@@ -65,6 +67,8 @@ class LookupLane:
         settled = self._present.settled_run(keys)
         if settled is not None:
             return settled
+        if not background:
+            return self._present.leading_present(self._store(), keys)
         future = self._executor.submit(self._present.leading_present, self._store(), keys)
         if future.done():
             return future.result()

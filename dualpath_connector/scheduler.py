@@ -97,6 +97,8 @@ class DualPathScheduler:
         if lookup_executor is None and not config.lookup_in_background:
             lookup_executor = InlineExecutor()
         self._lookups = LookupLane(self._present, lambda: self.store, lookup_executor)
+        # Whether the last step computed anything: an idle engine's lookups wait on the scheduler thread.
+        self._engine_busy = False
         self._states: dict[str, _RequestState] = {}
         # Hit found by get_num_new_matched_tokens, consumed by update_state_after_alloc.
         self._pending_hit_chunks: dict[str, int] = {}
@@ -223,7 +225,7 @@ class DualPathScheduler:
             # present may be what failed, so ask the store itself.
             self._present.forget(keys)
         try:
-            present = self._lookups.answer(request.request_id, keys)
+            present = self._lookups.answer(request.request_id, keys, background=self._engine_busy)
         except Exception as exc:  # a store outage is a miss, never a dead scheduler
             self._log_lookup_error(exc)
             present = 0
@@ -351,6 +353,7 @@ class DualPathScheduler:
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DualPathMetadata:
         meta = DualPathMetadata(loads=self._loads, pulls=self._pulls, sends=self._sends, dropped_req_ids=self._dropped)
         self._loads, self._pulls, self._sends, self._dropped = [], [], [], []
+        self._engine_busy = bool(scheduler_output.num_scheduled_tokens)
         for new in scheduler_output.scheduled_new_reqs:
             state = self._states.get(new.req_id)
             if state is None or not self._cacheable(state.request):

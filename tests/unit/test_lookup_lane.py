@@ -104,6 +104,18 @@ def test_other_keys_for_a_request_start_a_new_lookup_and_drop_forgets_it(lane):
     assert lane.in_flight("r1") is None
 
 
+def test_not_in_background_the_caller_waits_for_the_answer(lane):
+    """An idle engine: the lookup runs in the calling thread, and one already running is waited for."""
+    lane.store.gate.set()
+    assert lane.answer("r1", KEYS, background=False) == 2
+    assert lane.store.threads == [threading.get_ident()]
+    lane.store.gate.clear()
+    assert lane.answer("r2", ["k9"]) is None  # started in the background while the engine was busy
+    lane.store.gate.set()
+    assert lane.answer("r2", ["k9"], background=False) == 0  # now idle: waited for, not asked again
+    assert len(lane.store.threads) == 2
+
+
 def test_an_inline_executor_answers_in_the_same_call():
     store = GatedStore({"k0"})
     store.gate.set()
@@ -182,15 +194,30 @@ def test_vllm_keeps_scheduling_a_decode_while_a_lookup_waits_on_the_store(tiny_m
         scheduler.shutdown()
 
 
-def test_a_lookup_not_in_background_runs_on_the_scheduler_thread(tiny_model, tmp_path):
-    """Negative control (``lookup_in_background: false``, what the connector did before): the store is asked
-    on vLLM's scheduling thread, so every decode waits for it."""
-    scheduler = _scheduler(tiny_model, tmp_path, lookup_in_background=False)
+def test_an_idle_engine_looks_up_on_the_scheduler_thread(tiny_model, tmp_path):
+    """Nothing else to schedule: the lookup is waited for in the scheduler (vLLM would spin through empty steps)."""
+    scheduler = _scheduler(tiny_model, tmp_path)
     store = _gate_the_store(scheduler)
     store.gate.set()
     try:
         scheduler.add_request(_request("long", 40 * BLOCK))
         assert _step(scheduler) == {"long": 40 * BLOCK}
+        assert store.threads == [threading.get_ident()]
+    finally:
+        scheduler.shutdown()
+
+
+def test_a_lookup_not_in_background_runs_on_the_scheduler_thread(tiny_model, tmp_path):
+    """Negative control (``lookup_in_background: false``, what the connector did before): with a decode running,
+    the store is asked on vLLM's scheduling thread, so the decode waits for it."""
+    scheduler = _scheduler(tiny_model, tmp_path, lookup_in_background=False)
+    store = _gate_the_store(scheduler)
+    store.gate.set()
+    try:
+        scheduler.add_request(_request("decoding", BLOCK - 8))
+        assert _step(scheduler) == {"decoding": BLOCK - 8}
+        scheduler.add_request(_request("long", 40 * BLOCK))
+        assert _step(scheduler) == {"decoding": 1, "long": 40 * BLOCK}
         assert store.threads == [threading.get_ident()]
     finally:
         scheduler.shutdown()
