@@ -10,28 +10,11 @@ store lookup on its own thread and answers ``None`` until it is in.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor, Future, ThreadPoolExecutor
 
 from nixl_backends.lookup import PresentChunks
 from nixl_backends.store import KVStore
-
-logger = logging.getLogger(__name__)
-
-
-class InlineExecutor(Executor):
-    """Runs each call in the caller's thread, so the lane answers in the same call (``lookup_in_background``
-    false; the scheduler tests)."""
-
-    def submit(self, fn, /, *args, **kwargs) -> Future:
-        future: Future = Future()
-        try:
-            future.set_result(fn(*args, **kwargs))
-        except BaseException as exc:
-            future.set_exception(exc)
-        return future
-
 
 class LookupLane:
     """One store lookup in flight per request, answered on a later call.

@@ -18,7 +18,7 @@ from nixl_backends.store import KVStore
 
 from dualpath_connector.config import ChunkGeometry, DualPathConfig, kv_events_enabled, namespace_for
 from dualpath_connector.kv_events import RemovalWatcher, StorageEvents
-from dualpath_connector.lookup_lane import InlineExecutor, LookupLane
+from dualpath_connector.lookup_lane import LookupLane
 from dualpath_connector.metadata import (
     ChunkLoad,
     DualPathMetadata,
@@ -94,8 +94,6 @@ class DualPathScheduler:
             clock=clock,
         )
         # Store lookups off the scheduler thread (get_num_new_matched_tokens answers None meanwhile).
-        if lookup_executor is None and not config.lookup_in_background:
-            lookup_executor = InlineExecutor()
         self._lookups = LookupLane(self._present, lambda: self.store, lookup_executor)
         # Whether the last step computed anything: an idle engine's lookups wait on the scheduler thread.
         self._engine_busy = False
@@ -225,7 +223,9 @@ class DualPathScheduler:
             # present may be what failed, so ask the store itself.
             self._present.forget(keys)
         try:
-            present = self._lookups.answer(request.request_id, keys, background=self._engine_busy)
+            present = self._lookups.answer(
+                request.request_id, keys, background=self._engine_busy and self.config.lookup_in_background
+            )
         except Exception as exc:  # a store outage is a miss, never a dead scheduler
             self._log_lookup_error(exc)
             present = 0

@@ -100,10 +100,9 @@ class PresentChunks:
 
         Store errors propagate: the caller decides what an outage means.
         """
-        settled = self.settled_run(keys)
-        if settled is not None:
-            return settled
         known = self.known_run(keys)
+        if known == len(keys) or self._known_absent(keys[known]):
+            return known
         found = store.lookup(keys[known:])
         self.remember(keys[known : known + found])
         if known + found < len(keys) and self.absent_ttl_s is not None:

@@ -22,14 +22,13 @@ from vllm.v1.request import Request
 
 from dualpath_connector.config import ChunkGeometry, kv_events_enabled, parse_config
 from dualpath_connector.kv_events import RemovalWatcher
-from dualpath_connector.lookup_lane import InlineExecutor
 from dualpath_connector.metadata import SavedChunks
 from dualpath_connector.scheduler import DualPathScheduler
 from nixl_backends.configuration import ConfigError
 from nixl_backends.gc import KeyPattern, PosixChunks
 from nixl_backends.removals import MAX_RECORD_BYTES, RECORDS_DIR, RecordError, RemovalLog, RemovalRecord, records_prefix
 from tests.unit.test_scheduler import (
-    BLOCK, CHUNK, KEY_PREFIX, NAMESPACE, FakeStore, hashes_of, keys_of, new_req, step,
+    BLOCK, CHUNK, KEY_PREFIX, NAMESPACE, FakeStore, InlineExecutor, hashes_of, keys_of, new_req, step,
 )  # fmt: skip
 
 NS = NAMESPACE.digest()

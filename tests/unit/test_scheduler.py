@@ -9,13 +9,13 @@ records every lookup. Geometry: 16-token blocks, 32-token chunks (2 blocks a chu
 from __future__ import annotations
 
 import time
+from concurrent.futures import Executor, Future
 from types import SimpleNamespace
 
 import pytest
 from vllm.v1.request import RequestStatus
 
 from dualpath_connector.config import ChunkGeometry, parse_config
-from dualpath_connector.lookup_lane import InlineExecutor
 from dualpath_connector.metadata import ChunkLoad, PullSpec, SaveSpec
 from dualpath_connector.protocol import VERSION_KEY, PrefillHandoff, PrefillRequest
 from dualpath_connector.scheduler import MAX_LOAD_ATTEMPTS, DualPathScheduler
@@ -62,6 +62,19 @@ class FakeStore:
 
     def close(self) -> None:
         self.closed = True
+
+
+class InlineExecutor(Executor):
+    """Runs each call in the caller's thread, so the lane answers in the same call (these tests: an answer in the
+    call that asks, whatever the engine did last step)."""
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except BaseException as exc:
+            future.set_exception(exc)
+        return future
 
 
 def make_scheduler(tmp_path, kv_role="kv_both", clock=time.monotonic, **extra) -> tuple[DualPathScheduler, FakeStore]:
