@@ -296,7 +296,8 @@ def namespace_for(
         kv_layout=f"{expected_kv_cache_layout(config)}/{'mla' if model.use_mla else 'kv'}",
         layer_block_bytes=kv_vectors * num_kv_heads * head_size * chunk_tokens * element_bytes,
         tp_size=parallel.tensor_parallel_size,
-        tp_rank=tp_rank,
+        # An MLA latent is replicated, not sharded: every TP rank holds the same one, stored once.
+        tp_rank=0 if model.use_mla else tp_rank,
         pp_size=parallel.pipeline_parallel_size,
         pp_rank=pp_rank,
         platform=f"{current_platform.device_type}/{vllm_config.attention_config.backend or 'auto'}",

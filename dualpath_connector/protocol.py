@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
 
-from nixl_backends.layout import BlockLayout, KVNamespace, chunk_hashes, chunk_key
+from nixl_backends.layout import BlockLayout, KVNamespace, chunk_hashes, chunk_key, shard_chunk_hash
 
 # Bumped on any incompatible change of a message, a key or a label below.
 # 2: side-channel messages are signed (cluster_auth); stored chunks carry integrity trailers.
@@ -401,12 +401,21 @@ class StoreKeySpace:
         # Once: the read and save paths ask per chunk (the key space is frozen).
         return BlockLayout(self.num_layers, self.layer_block_bytes)
 
+    @property
+    def chain_digest(self) -> str:
+        """The namespace digest chunk hashes chain from (:func:`~nixl_backends.layout.chunk_hashes`)."""
+        return self.digest
+
+    def object_hash(self, chunk_hash: str) -> str:
+        """The hash a stored object of chunk ``chunk_hash`` is keyed and sealed under (here: the same)."""
+        return chunk_hash
+
     def key(self, chunk_hash: str) -> str:
-        return chunk_key(self.key_prefix, self.digest, chunk_hash)
+        return chunk_key(self.key_prefix, self.digest, self.object_hash(chunk_hash))
 
     def chunk_keys(self, token_ids: Sequence[int]) -> list[str]:
         """Keys of every full chunk of ``token_ids``."""
-        return [self.key(h) for h in chunk_hashes(self.digest, token_ids, self.chunk_tokens)]
+        return [self.key(h) for h in chunk_hashes(self.chain_digest, token_ids, self.chunk_tokens)]
 
     def claimable_keys(self, token_ids: Sequence[int]) -> list[str]:
         """Keys of the chunks an engine can load for this prompt: never the last token's
@@ -445,3 +454,34 @@ class StoreKeySpace:
             if name == NAMESPACE_INFO_METRIC:
                 return cls.from_labels(labels)
         raise ProtocolError(f"no {NAMESPACE_INFO_METRIC} in the metrics (is DualPathConnector loaded?)")
+
+
+@dataclass(frozen=True)
+class RankKeySpace(StoreKeySpace):
+    """One tensor-parallel rank's shard of an engine's chunks.
+
+    Chunk hashes chain from the engine's namespace (``engine_digest``, rank
+    0's: what the scheduler, the router and KV events name chunks by); each
+    rank stores its shard under its own namespace (``digest``). Every rank but
+    0 keys and seals its objects under the chunk hash chained once more with
+    its namespace (:func:`~nixl_backends.layout.shard_chunk_hash`), so one
+    rank's object copied to another rank's key fails its integrity check. Rank
+    0 keeps the engine's hashes: its objects are those of a one-rank engine's
+    namespace layout.
+    """
+
+    engine_digest: str = ""
+
+    @property
+    def chain_digest(self) -> str:
+        return self.engine_digest
+
+    def object_hash(self, chunk_hash: str) -> str:
+        if self.digest == self.engine_digest:
+            return chunk_hash
+        return shard_chunk_hash(self.digest, chunk_hash)
+
+    @classmethod
+    def of_rank(cls, namespace: KVNamespace, engine: KVNamespace, key_prefix: str) -> RankKeySpace:
+        return cls(namespace.digest(), key_prefix, namespace.chunk_tokens, namespace.num_layers,
+                   namespace.layer_block_bytes, engine_digest=engine.digest())  # fmt: skip

@@ -351,6 +351,7 @@ class HitReader:
     def _check(self, chunk_hash: str, obj: np.ndarray, layer: int | None = None) -> str | None:
         """Why this object (or its layer ``layer`` alone) must not reach a KV cache, or None."""
         layout = self.key_space.layout
+        chunk_hash = self.key_space.object_hash(chunk_hash)
         if layer is None:
             intact = self.integrity.verify(chunk_hash, obj)
             data = obj[: layout.full_block_bytes]

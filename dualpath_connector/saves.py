@@ -87,7 +87,7 @@ class ChunkSaver:
             copied.wait()  # the device's copies into these slots (on this lane, never the forward)
         keys = [self.key_space.key(h) for h in spec.chunk_hashes]
         for chunk_hash, slot in zip(spec.chunk_hashes, slots):
-            self.integrity.seal(chunk_hash, self.pool.slot_view(slot))
+            self.integrity.seal(self.key_space.object_hash(chunk_hash), self.pool.slot_view(slot))
         present = 0
         try:
             ok, present = self._write_keys(spec, keys, slots)

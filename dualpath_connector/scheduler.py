@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -28,7 +28,14 @@ from dualpath_connector.metadata import (
     SaveSpec,
     SendSpec,
 )
-from dualpath_connector.protocol import PrefillHandoff, PrefillRequest, ProtocolError, StoreKeySpace, new_keep_token
+from dualpath_connector.protocol import (
+    PrefillHandoff,
+    PrefillRequest,
+    ProtocolError,
+    RankKeySpace,
+    StoreKeySpace,
+    new_keep_token,
+)
 from dualpath_connector.stats import DualPathStats, StatsRecorder
 
 if TYPE_CHECKING:
@@ -79,7 +86,7 @@ class DualPathScheduler:
         namespace: KVNamespace,
         store: KVStore,
         *,
-        world_size: int = 1,
+        shards: Sequence[KVNamespace] = (),
         kv_events: bool = False,
         lookup_executor: Executor | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -88,6 +95,8 @@ class DualPathScheduler:
         self.kv_role = kv_role
         self.geometry = geometry
         self.key_space = StoreKeySpace.of(namespace, config.key_prefix)
+        # Every rank's shard of a chunk must be stored for the chunk to be a hit (none: rank 0's is the chunk).
+        self._shards = [RankKeySpace.of_rank(shard, namespace, config.key_prefix) for shard in shards] or [self.key_space]
         self.store = store
         self._present = PresentChunks(
             config.lookup_cache_chunks, ttl_s=config.lookup_cache_ttl_s, absent_ttl_s=config.lookup_absent_ttl_s,
@@ -112,7 +121,7 @@ class DualPathScheduler:
             self.events = StorageEvents(
                 block_size=geometry.block_size,
                 blocks_per_chunk=geometry.blocks_per_chunk,
-                world_size=world_size,
+                world_size=len(self._shards),
                 max_queued=config.kv_events_max_queued,
                 tracked_chunks=config.lookup_cache_chunks,
                 stats=self.stats,
@@ -128,14 +137,19 @@ class DualPathScheduler:
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, config: DualPathConfig, kv_role: str) -> DualPathScheduler:
         geometry = ChunkGeometry.of(config, vllm_config)
-        # The scheduler looks up rank 0's keys: every rank stores its own shard
-        # of the same chunks at the same time.
+        # Chunk hashes chain from rank 0's namespace; each rank stores its own
+        # shard (MLA: one for all ranks), and a hit needs every shard.
+        parallel = vllm_config.parallel_config
         namespace = namespace_for(vllm_config, config, geometry.chunk_tokens, tp_rank=0, pp_rank=0)
+        shards = {
+            n.digest(): n
+            for n in (namespace_for(vllm_config, config, geometry.chunk_tokens, tp_rank=t, pp_rank=p)
+                      for p in range(parallel.pipeline_parallel_size) for t in range(parallel.tensor_parallel_size))
+        }  # fmt: skip
         # Lookup only: no NIXL agent here.
         store = make_store(for_rank(config.store_config, 0, 0), StoreKeySpace.of(namespace, config.key_prefix).layout)
         kv_events = kv_events_enabled(vllm_config, config)
-        world_size = vllm_config.parallel_config.world_size
-        scheduler = cls(config, kv_role, geometry, namespace, store, world_size=world_size, kv_events=kv_events)
+        scheduler = cls(config, kv_role, geometry, namespace, store, shards=list(shards.values()), kv_events=kv_events)
         if kv_events and config.kv_events_gc_poll_s > 0:
             scheduler.watch_removals(config.kv_events_gc_poll_s)
         return scheduler
@@ -183,6 +197,11 @@ class DualPathScheduler:
             )
         return state.hashes[:wanted]
 
+    def _shard_keys(self, hashes: Sequence[str]) -> list[str]:
+        """Every shard's key of each chunk, chunk by chunk: a leading run of ``n`` keys present is ``n // shards``
+        chunks stored whole."""
+        return [shard.key(h) for h in hashes for shard in self._shards]
+
     # -- vLLM scheduler hooks -------------------------------------------------
 
     @staticmethod
@@ -217,7 +236,7 @@ class DualPathScheduler:
         # Never claim the last token: vLLM must compute it to sample the next one.
         claimable = (request.num_tokens - 1) // self.geometry.chunk_tokens
         hashes = self._hashes(state, claimable * self.geometry.chunk_tokens)
-        keys = [self.key_space.key(h) for h in hashes]
+        keys = self._shard_keys(hashes)
         if state.loads_issued:
             # vLLM asks again after a load failed: what the cache remembers as
             # present may be what failed, so ask the store itself.
@@ -226,6 +245,8 @@ class DualPathScheduler:
             present = self._lookups.answer(
                 request.request_id, keys, background=self._engine_busy and self.config.lookup_in_background
             )
+            if present is not None:
+                present //= len(self._shards)
         except Exception as exc:  # a store outage is a miss, never a dead scheduler
             self._log_lookup_error(exc)
             present = 0
@@ -394,7 +415,7 @@ class DualPathScheduler:
             state.resave_until = max(state.resave_until, state.saved_chunks)
             state.saved_chunks = min(state.saved_chunks, first)
             state.stored_chunks = min(state.stored_chunks, first)
-            self._present.forget([self.key_space.key(h) for h in state.hashes[first:]])
+            self._present.forget(self._shard_keys(state.hashes[first:]))
 
     def saves_finished(self, saved: SavedChunks | None) -> None:
         """The workers' finished writes this step (vLLM's worker metadata): durable chunks are announced."""
@@ -408,7 +429,7 @@ class DualPathScheduler:
         if self.removal_watcher is not None:
             removed = self.removal_watcher.take_removed()
             # Gone from the store: the lookup cache must not call them present either.
-            self._present.forget([self.key_space.key(h) for h in removed])
+            self._present.forget(self._shard_keys(removed))
             self.events.removed(removed)
         return self.events.take()
 
@@ -430,7 +451,7 @@ class DualPathScheduler:
         hashes = self._hashes(state, complete * self.geometry.chunk_tokens)
         first = state.saved_chunks
         # Soon stored: a lookup must not be answered "absent" from memory for them.
-        self._present.forget([self.key_space.key(h) for h in hashes[first:complete]])
+        self._present.forget(self._shard_keys(hashes[first:complete]))
         meta.saves.append(
             SaveSpec(
                 req_id=state.request.request_id,

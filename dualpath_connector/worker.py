@@ -56,7 +56,7 @@ from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import DualPathMetadata, LoadSpec, PullSpec, SavedChunks
 from dualpath_connector.peer import PeerLink
-from dualpath_connector.protocol import COUNTERS, GAUGES, StoreKeySpace
+from dualpath_connector.protocol import COUNTERS, GAUGES, RankKeySpace
 from dualpath_connector.pulls import PromptPuller
 from dualpath_connector.read_path import HitReader, LoadedHit
 from dualpath_connector.read_timeline import ReadTimeline
@@ -79,7 +79,10 @@ class DualPathWorker:
         self.geometry = ChunkGeometry.of(config, vllm_config)
         tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
         namespace = namespace_for(vllm_config, config, self.geometry.chunk_tokens, tp_rank, pp_rank)
-        self.key_space = StoreKeySpace.of(namespace, config.key_prefix)
+        engine = namespace_for(vllm_config, config, self.geometry.chunk_tokens, tp_rank=0, pp_rank=0)
+        self.key_space = RankKeySpace.of_rank(namespace, engine, config.key_prefix)
+        # An MLA latent is the same on every TP rank: one namespace for all, written by rank 0 alone.
+        self.saves_chunks = namespace.tp_rank == tp_rank
         self.layout = self.key_space.layout
         # The I/O lanes, the side channel and (layerwise) the forward all use
         # the agent. No progress thread: NIXL's spins on a core for good, and
@@ -395,7 +398,8 @@ class DualPathWorker:
     # -- saves ------------------------------------------------------------------------
 
     def wait_for_save(self, meta: DualPathMetadata) -> None:
-        self.saver.save(meta.saves)
+        if self.saves_chunks:
+            self.saver.save(meta.saves)
 
     def _note_written(self, chunk_hashes: list[str], ok: list[bool]) -> None:
         # On the save lane.

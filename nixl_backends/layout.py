@@ -135,6 +135,11 @@ def chunk_hashes(
     return out
 
 
+def shard_chunk_hash(shard_digest: str, chunk_hash: str) -> str:
+    """The hash one rank's shard of chunk ``chunk_hash`` is stored under, in namespace ``shard_digest``."""
+    return hashlib.sha256(bytes.fromhex(chunk_hash) + shard_digest.encode()).hexdigest()
+
+
 def chunk_key(prefix: str, namespace_digest: str, chunk_hash: str) -> str:
     """``<prefix>/<namespace>/<hh>/<hash>``: a file under a POSIX root, an object in a bucket.
 

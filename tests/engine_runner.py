@@ -1,7 +1,8 @@
 """A vLLM engine (CPU, tiny Llama) in its own process, driven by a test over stdin/stdout.
 
 Protocol, one JSON object per line:
-  runner -> test: {"ready": true, "namespace": DIGEST|null, "key_prefix": STR|null}
+  runner -> test: {"ready": true, "namespace": DIGEST|null, "namespaces": [DIGEST per TP rank]|null,
+                   "key_prefix": STR|null}
   test -> runner: {"prompts": [[token ids]...], "max_tokens": N, "reset_prefix_cache": bool}
   runner -> test: {"outputs": [{"tokens": [...], "logprobs": [...], "num_cached_tokens": N}...]}
 Closing stdin ends the engine. The runner's own log goes to stderr.
@@ -23,7 +24,15 @@ def main() -> None:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--kv-events-config", default=None, help="JSON, as for vllm serve")
     parser.add_argument("--attention-backend", default=None, help="vLLM's attention backend, e.g. CPU_MLA")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
+    if args.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        # vLLM's CPU workers each bind to a NUMA node unless told which cores: on a one-node machine the second
+        # refuses to start ("Not enough allowed NUMA nodes"). Split the allowed cores between the ranks.
+        cores = sorted(os.sched_getaffinity(0))
+        per_rank = max(1, len(cores) // args.tensor_parallel_size)
+        groups = [cores[i * per_rank : (i + 1) * per_rank] or cores[-1:] for i in range(args.tensor_parallel_size)]
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
 
     # vLLM logs to stdout: keep the real stdout for the protocol and send
     # everything else written to fd 1 to stderr.
@@ -45,11 +54,13 @@ def main() -> None:
         max_model_len=args.max_model_len,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_cache_memory_bytes=512 << 20,
+        tensor_parallel_size=args.tensor_parallel_size,
         kv_transfer_config=KVTransferConfig(**kv_config) if kv_config else None,
         kv_events_config=KVEventsConfig(**json.loads(args.kv_events_config)) if args.kv_events_config else None,
         attention_config={"backend": args.attention_backend} if args.attention_backend else None,
     )
     namespace = None
+    namespaces = None
     key_prefix = None
     # Another connector (vLLM's ExampleConnector as a baseline) has no DualPath namespace.
     if kv_config and kv_config["kv_connector"] == "DualPathConnector":
@@ -58,9 +69,13 @@ def main() -> None:
         vllm_config = llm.llm_engine.vllm_config
         config = parse_config(kv_config.get("kv_connector_extra_config"))
         chunk_tokens = ChunkGeometry.of(config, vllm_config).chunk_tokens
-        namespace = namespace_for(vllm_config, config, chunk_tokens, tp_rank=0, pp_rank=0).digest()
+        # Each TP rank stores its own shard under its own namespace; the scheduler looks up rank 0's.
+        namespaces = [namespace_for(vllm_config, config, chunk_tokens, tp_rank=rank, pp_rank=0).digest()
+                      for rank in range(args.tensor_parallel_size)]  # fmt: skip
+        namespace = namespaces[0]
         key_prefix = config.key_prefix
-    print(json.dumps({"ready": True, "namespace": namespace, "key_prefix": key_prefix}), file=protocol)
+    ready = {"ready": True, "namespace": namespace, "namespaces": namespaces, "key_prefix": key_prefix}
+    print(json.dumps(ready), file=protocol)
 
     for line in sys.stdin:
         command = json.loads(line)

@@ -10,6 +10,7 @@ the real watcher (polled directly here, not on its timer).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from types import SimpleNamespace
 
@@ -48,9 +49,11 @@ def prompt_of(num_tokens: int, seed: int = 1) -> list[int]:
 def events_scheduler(tmp_path, world_size: int = 1, **extra) -> tuple[DualPathScheduler, FakeStore]:
     raw = {"store": {"backend": "posix", "root": str(tmp_path)}, "key_prefix": KEY_PREFIX, **extra}
     store = FakeStore()
+    # One shard per rank, as a TP engine's scheduler is given them; rank 0's namespace is the engine's.
+    shards = [dataclasses.replace(NAMESPACE, tp_rank=rank) for rank in range(world_size)]
     scheduler = DualPathScheduler(
-        parse_config(raw), "kv_both", ChunkGeometry(block_size=BLOCK, chunk_tokens=CHUNK), NAMESPACE, store,
-        world_size=world_size, kv_events=True, lookup_executor=InlineExecutor(),
+        parse_config(raw), "kv_both", ChunkGeometry(block_size=BLOCK, chunk_tokens=CHUNK), shards[0], store,
+        shards=shards, kv_events=True, lookup_executor=InlineExecutor(),
     )  # fmt: skip
     return scheduler, store
 
