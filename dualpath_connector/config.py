@@ -219,6 +219,28 @@ class ChunkGeometry:
         return self.chunk_tokens // self.block_size
 
 
+def check_parallel(parallel: Any, config: DualPathConfig, kv_role: str) -> None:
+    """Refuse, at start-up, the parallel shapes this connector cannot serve; ``parallel`` is vLLM's ParallelConfig.
+
+    Tensor parallel works in every role: each rank stores and loads its own
+    shard, and in PD rank ``r`` serves its side channel at
+    ``side_channel_port + r`` and talks to rank ``r`` of its peers.
+    """
+    if parallel.pipeline_parallel_size > 1:
+        # vLLM 0.32's CPU build, the only one tests run, crashes on the first request at PP=2 (an
+        # AssertionError in the second stage's worker), so per-stage saves and loads were never run end to end.
+        raise ConfigError(
+            f"DualPathConnector does not support pipeline parallel size {parallel.pipeline_parallel_size} "
+            "(per-stage saves and loads are untested); run it with pipeline_parallel_size 1"
+        )
+    last_port = (config.side_channel_port or 0) + parallel.tensor_parallel_size - 1
+    if kv_role != "kv_both" and last_port >= 65536:
+        raise ConfigError(
+            f"{_WHERE}side_channel_port {config.side_channel_port}: TP rank {parallel.tensor_parallel_size - 1} "
+            f"would serve at port {last_port} (side_channel_port + rank), past 65535"
+        )
+
+
 def kv_events_enabled(vllm_config: Any, config: DualPathConfig) -> bool:
     """Whether this engine announces the store's blocks as vLLM KV events: ``kv_events``, by default vLLM's setting."""
     events_config = vllm_config.kv_events_config

@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 
-from dualpath_connector.config import expected_kv_cache_layout, parse_config, waits_per_layer
+from dualpath_connector.config import check_parallel, expected_kv_cache_layout, parse_config, waits_per_layer
 from dualpath_connector.metadata import DualPathMetadata, SavedChunks
 from dualpath_connector.stats import DualPathPromMetrics, DualPathStats
 
@@ -46,9 +46,7 @@ class DualPathConnector(KVConnectorBase_V1):
             # Sliding-window groups pad skipped blocks with vLLM's shared null block.
             raise ValueError("DualPathConnector supports models with one full-attention KV cache group")
         self.config = parse_config(self._kv_transfer_config.kv_connector_extra_config, kv_role)
-        if kv_role != "kv_both" and vllm_config.parallel_config.world_size > 1:
-            # One side channel per engine: PD hand-off between sharded engines is not built yet.
-            raise ValueError(f"kv_role {kv_role!r} needs tensor/pipeline parallel size 1 for now")
+        check_parallel(vllm_config.parallel_config, self.config, kv_role)
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:

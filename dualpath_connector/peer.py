@@ -45,11 +45,12 @@ from dualpath_connector.protocol import (
     PULLED,
     RELEASE,
     VERSION_KEY,
+    ProtocolError,
     ReadRequest,
     check_version,
     hello_message,
 )
-from dualpath_connector.side_channel import SideChannelServer, decode_bytes, encode_bytes
+from dualpath_connector.side_channel import SideChannelServer, decode_bytes, encode_bytes, rank_address
 from dualpath_connector.side_channel import request as side_channel_request
 
 logger = logging.getLogger(__name__)
@@ -67,6 +68,8 @@ class PeerLink:
         lease_s: float,
         cpu_affinity: set[int] | None = None,
         key: ClusterKey | None = None,
+        tp_rank: int = 0,
+        tp_size: int = 1,
     ) -> None:
         # First: a PD engine without the cluster key must not start (ConfigError naming the variable).
         self._key = ClusterKey.from_env() if key is None else key
@@ -75,6 +78,8 @@ class PeerLink:
         self._local_kv = local_kv
         self._serve_read = serve_read
         self._lease_s = lease_s
+        # This rank serves at port + tp_rank and talks to the same rank of every peer (side_channel.rank_address).
+        self.tp_rank, self.tp_size = tp_rank, tp_size
         self._lock = threading.Lock()
         self._handshake_lock = threading.Lock()
         self._peers: dict[str, KVRegions] = {}
@@ -89,7 +94,7 @@ class PeerLink:
         self._notifications.register(PULLED, self._on_pulled)
         self._notifications.register(RELEASE, lambda message: self._released(message[len(RELEASE):].decode()))
         self._server = SideChannelServer(
-            host, port, self._key, {OP_HELLO: self._hello, OP_READ: self._read}, self._tick, cpu_affinity=cpu_affinity
+            host, port + tp_rank, self._key, {OP_HELLO: self._hello, OP_READ: self._read}, self._tick, cpu_affinity=cpu_affinity
         )
 
     @property
@@ -108,6 +113,8 @@ class PeerLink:
                 "metadata": encode_bytes(self.agent.get_agent_metadata()),
                 "namespace": self.namespace_digest,
                 "kv": self._local_kv.to_wire(),
+                "tp_rank": self.tp_rank,
+                "tp_size": self.tp_size,
             }
         )
 
@@ -223,6 +230,13 @@ class PeerLink:
     def _handshake(self, address: str, timeout_s: float) -> KVRegions:
         answer = self.request(address, hello_message(), timeout_s)
         check_version(answer, f"the engine at {address}")
+        # An engine that predates tensor-parallel PD is one rank.
+        ranks = (answer.get("tp_rank", 0), answer.get("tp_size", 1))
+        if ranks != (self.tp_rank, self.tp_size):
+            raise ProtocolError(
+                f"the engine at {address} answered as TP rank {ranks[0]} of tensor parallel size {ranks[1]}, "
+                f"this is rank {self.tp_rank} of {self.tp_size}: PD hand-offs need the same size on both sides"
+            )
         # Validated before NIXL sees the peer: a bad answer adds no remote agent.
         regions = KVRegions.from_wire(answer.get("kv"), "")
         name = self.agent.add_remote_agent(decode_bytes(answer["metadata"]))
@@ -232,8 +246,8 @@ class PeerLink:
         return peer
 
     def request(self, address: str, message: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        """One side-channel request to the peer at ``address``, signed with this engine's cluster key."""
-        return side_channel_request(address, message, timeout_s, self._key)
+        """One side-channel request to this rank of the engine at ``address``, signed with this engine's cluster key."""
+        return side_channel_request(rank_address(address, self.tp_rank), message, timeout_s, self._key)
 
     def forget(self, address: str) -> None:
         """Drop a peer after a failure; the next use handshakes again (it may have restarted)."""

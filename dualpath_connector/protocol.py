@@ -61,6 +61,12 @@ def _count(value: Any, name: str) -> int:
     return value
 
 
+def _positive(value: Any, name: str) -> int:
+    if _count(value, name) == 0:
+        raise ProtocolError(f"{name} must be positive, got 0")
+    return value
+
+
 # A keep token is a uuid4 hex: short, and safe to log.
 _KEEP_TOKEN_CHARS = frozenset("0123456789abcdef")
 
@@ -145,6 +151,10 @@ class PrefillHandoff:
     under ``kept_token``; it takes them from there and pulls only the other
     blocks. The token is a hint, never trusted: the DE uses a kept chunk only
     if its hash equals the one the DE computes from the prompt itself.
+
+    ``tp_size``: the PE's tensor parallel size. DE rank ``r`` pulls from PE
+    rank ``r`` (at the side channel's port + ``r``), so a DE of another size
+    refuses the hand-off and recomputes the prompt.
     """
 
     remote_side_channel: str
@@ -154,10 +164,12 @@ class PrefillHandoff:
     kept_token: str | None = None
     kept_first_chunk: int = 0
     kept_chunks: int = 0
+    tp_size: int = 1
 
     def to_dict(self) -> dict[str, Any]:
         params = {
             "do_remote_prefill": True,
+            "tp_size": self.tp_size,
             "remote_side_channel": self.remote_side_channel,
             "remote_request_id": self.remote_request_id,
             "remote_block_ids": list(self.remote_block_ids),
@@ -185,6 +197,8 @@ class PrefillHandoff:
             kept_token=token,
             kept_first_chunk=_count(params.get("kept_first_chunk", 0), "kept_first_chunk") if token else 0,
             kept_chunks=_count(params.get("kept_chunks", 0), "kept_chunks") if token else 0,
+            # A PE that predates tensor-parallel PD sends none: it was one rank.
+            tp_size=_positive(params.get("tp_size", 1), "tp_size"),
         )
 
 

@@ -87,6 +87,7 @@ class DualPathScheduler:
         store: KVStore,
         *,
         shards: Sequence[KVNamespace] = (),
+        tp_size: int = 1,
         kv_events: bool = False,
         lookup_executor: Executor | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -98,6 +99,8 @@ class DualPathScheduler:
         # Every rank's shard of a chunk must be stored for the chunk to be a hit (none: rank 0's is the chunk).
         self._shards = [RankKeySpace.of_rank(shard, namespace, config.key_prefix) for shard in shards] or [self.key_space]
         self.store = store
+        # PD: the hand-off names the PE's size; rank r pulls from rank r, so a DE takes only its own size's.
+        self.tp_size = tp_size
         self._present = PresentChunks(
             config.lookup_cache_chunks, ttl_s=config.lookup_cache_ttl_s, absent_ttl_s=config.lookup_absent_ttl_s,
             clock=clock,
@@ -149,7 +152,10 @@ class DualPathScheduler:
         # Lookup only: no NIXL agent here.
         store = make_store(for_rank(config.store_config, 0, 0), StoreKeySpace.of(namespace, config.key_prefix).layout)
         kv_events = kv_events_enabled(vllm_config, config)
-        scheduler = cls(config, kv_role, geometry, namespace, store, shards=list(shards.values()), kv_events=kv_events)
+        scheduler = cls(
+            config, kv_role, geometry, namespace, store,
+            shards=list(shards.values()), tp_size=parallel.tensor_parallel_size, kv_events=kv_events,
+        )  # fmt: skip
         if kv_events and config.kv_events_gc_poll_s > 0:
             scheduler.watch_removals(config.kv_events_gc_poll_s)
         return scheduler
@@ -218,6 +224,13 @@ class DualPathScheduler:
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.kv_role == "kv_consumer":
             handoff = self._parsed(request, PrefillHandoff)
+            if handoff is not None and handoff.tp_size != self.tp_size:
+                logger.warning(
+                    "request %s: ignoring the hand-off of a PE with tensor parallel size %d (this DE: %d); "
+                    "recomputing the prompt, the PE's blocks are freed when its hold expires",
+                    request.request_id, handoff.tp_size, self.tp_size,
+                )  # fmt: skip
+                handoff = None
             if handoff is not None:
                 # The whole prompt was prefilled by a PE; vLLM itself recomputes
                 # the last token to sample the next one.
@@ -496,6 +509,7 @@ class DualPathScheduler:
             remote_side_channel=f"{self.config.side_channel_host}:{self.config.side_channel_port}",
             remote_request_id=request.request_id,
             remote_block_ids=list(block_ids),
+            tp_size=self.tp_size,
             # Stored, or being saved by this engine.
             stored_chunks=state.saved_chunks,
             kept_token=kept_token,

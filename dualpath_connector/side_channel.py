@@ -215,6 +215,18 @@ def _context() -> zmq.Context:
     return _client_context[1]
 
 
+def rank_address(address: str, tp_rank: int) -> str:
+    """The side channel of TP rank ``tp_rank`` of the engine at ``host:port``: ``host:(port + tp_rank)``.
+
+    Every rank serves its own (its agent, its KV regions, its buffers); an
+    engine is named by rank 0's, and rank ``r`` talks to rank ``r`` only.
+    """
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) + tp_rank < 65536:
+        raise SideChannelError(f"not a side channel address for rank {tp_rank}: {address!r}")
+    return f"{host}:{int(port) + tp_rank}"
+
+
 def request(address: str, message: dict[str, Any], timeout_s: float, key: ClusterKey | None = None) -> dict[str, Any]:
     """Send one request to the side channel at ``host:port``; its answer, or :class:`SideChannelError`.
 

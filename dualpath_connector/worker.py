@@ -78,6 +78,7 @@ class DualPathWorker:
         self.kv_role = kv_role
         self.geometry = ChunkGeometry.of(config, vllm_config)
         tp_rank, pp_rank = get_tensor_model_parallel_rank(), get_pp_group().rank_in_group
+        self.tp_rank, self.tp_size = tp_rank, vllm_config.parallel_config.tensor_parallel_size
         namespace = namespace_for(vllm_config, config, self.geometry.chunk_tokens, tp_rank, pp_rank)
         engine = namespace_for(vllm_config, config, self.geometry.chunk_tokens, tp_rank=0, pp_rank=0)
         self.key_space = RankKeySpace.of_rank(namespace, engine, config.key_prefix)
@@ -170,6 +171,8 @@ class DualPathWorker:
                 lambda request, reply: self.reader.serve_peer(request, reply),
                 self.config.pd_lease_s,
                 self._transfer_cores,
+                tp_rank=self.tp_rank,
+                tp_size=self.tp_size,
             )
         self.reader = HitReader(
             store=self.store, pool=self.load_pool, block_size=self.geometry.block_size, key_space=self.key_space,

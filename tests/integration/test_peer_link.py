@@ -30,7 +30,15 @@ from dualpath_connector.cluster_auth import (
 )
 from dualpath_connector.kv_regions import KVRegions
 from dualpath_connector.peer import PeerLink
-from dualpath_connector.protocol import PROTOCOL_VERSION, PULLED, RELEASE, VERSION_KEY, ReadRequest, hello_message
+from dualpath_connector.protocol import (
+    PROTOCOL_VERSION,
+    PULLED,
+    RELEASE,
+    VERSION_KEY,
+    ProtocolError,
+    ReadRequest,
+    hello_message,
+)
 from dualpath_connector.side_channel import PeerBusy, SideChannelError, request
 from nixl_backends.configuration import ConfigError
 from dualpath_dev.processes import free_port
@@ -54,7 +62,7 @@ def cluster_key(monkeypatch):
 class Side:
     """An agent with a registered two-layer "KV cache" and a PeerLink."""
 
-    def __init__(self, lease_s: float = 30.0) -> None:
+    def __init__(self, lease_s: float = 30.0, port: int | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.agent = nixl_agent(
@@ -72,8 +80,10 @@ class Side:
         self.reads: list[list[str]] = []
         self.deadlines: list[float] = []
         self.busy = False
-        self.port = free_port()
-        self.link = PeerLink(self.agent, "127.0.0.1", self.port, "ns-1", self.kv(), self.serve_read, lease_s)
+        self.port = free_port() if port is None else port  # the engine's: rank r serves at port + r
+        self.link = PeerLink(
+            self.agent, "127.0.0.1", self.port, "ns-1", self.kv(), self.serve_read, lease_s, tp_rank=tp_rank, tp_size=tp_size
+        )
 
     @property
     def address(self) -> str:
@@ -452,3 +462,18 @@ def test_a_forged_answer_is_refused_by_the_client(pair, fake_server):
     # Negative control: the same answer, signed with the key and naming its request, is taken.
     fake = fake_server(lambda nonce: seal_answer(KEY, forged, nonce))
     assert request(fake.address, hello_message(), 5)["agent"] == "evil"
+
+
+def test_each_tp_rank_serves_at_port_plus_rank_and_handshakes_only_with_the_same_rank_of_the_same_size():
+    port = free_port(2)
+    pe = [Side(port=port, tp_rank=r, tp_size=2) for r in range(2)]
+    de = [Side(tp_rank=r, tp_size=2) for r in range(2)] + [Side(tp_rank=1, tp_size=4)]
+    try:
+        # Each DE rank names the PE by rank 0's address and reaches its own rank's agent and KV cache.
+        for rank in range(2):
+            assert de[rank].link.peer(pe[0].address, 5.0).layer_addrs == pe[rank].kv().layer_addrs
+        with pytest.raises(ProtocolError, match="rank 1 of tensor parallel size 2, this is rank 1 of 4"):
+            de[2].link.peer(pe[0].address, 5.0)
+    finally:
+        for side in pe + de:
+            side.close()

@@ -13,6 +13,7 @@ import torch
 
 from dualpath_connector.config import (
     DualPathConfig,
+    check_parallel,
     check_resolved_layout,
     expected_kv_cache_layout,
     namespace_for,
@@ -195,3 +196,33 @@ def test_namespace_sizes_mla_as_one_latent_vector_and_records_the_layout(monkeyp
     resolved.cache_config.kv_cache_layout = "LBHNC"
     with pytest.raises(ConfigError, match="resolved KV cache layout LBHNC, DualPathConnector expects LBNHC"):
         namespace_for(resolved, config, 32, 0, 0)
+
+
+def test_tp_ranks_get_their_own_namespace_except_for_an_mla_latent_which_every_rank_shares(monkeypatch):
+    monkeypatch.delenv("VLLM_KV_CACHE_LAYOUT", raising=False)
+    config = parse_config({"store": POSIX})
+
+    def at_tp2(use_mla: bool):
+        vllm = _vllm_config(use_mla=use_mla, heads=1 if use_mla else 2, head_size=576 if use_mla else 64)
+        vllm.parallel_config.tensor_parallel_size = 2
+        return vllm
+
+    mha = [namespace_for(at_tp2(False), config, 32, rank, 0) for rank in range(2)]
+    assert mha[0].digest() != mha[1].digest() and mha[1].tp_rank == 1
+    mla = [namespace_for(at_tp2(True), config, 32, rank, 0) for rank in range(2)]
+    assert mla[0].digest() == mla[1].digest() and mla[1].tp_rank == 0
+    assert mla[0].tp_size == 2  # a latent written at TP=2 is still not served to a TP=1 engine
+
+
+def test_pipeline_parallel_and_a_side_channel_port_range_past_65535_are_refused_at_start_up():
+    def parallel(tp: int, pp: int = 1):
+        return SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+
+    pd = parse_config({"store": POSIX, "side_channel_port": 65534}, "kv_producer")
+    check_parallel(parallel(2), pd, "kv_producer")  # ranks at 65534 and 65535
+    with pytest.raises(ConfigError, match="side_channel_port 65534: TP rank 2 would serve at port 65536"):
+        check_parallel(parallel(3), pd, "kv_producer")
+    for role, config in (("kv_both", parse_config({"store": POSIX})), ("kv_producer", pd)):
+        with pytest.raises(ConfigError, match="does not support pipeline parallel size 2"):
+            check_parallel(parallel(1, pp=2), config, role)
+    check_parallel(parallel(8), parse_config({"store": POSIX}), "kv_both")

@@ -56,6 +56,16 @@ def test_prefill_handoff_round_trips():
     assert PrefillHandoff.from_dict({**params, "stored_chunks": 0}).stored_chunks == 0
 
 
+def test_a_handoff_names_the_pe_tensor_parallel_size_one_when_absent():
+    sharded = PrefillHandoff("10.0.0.1:5600", "cmpl-1", [3, 1, 2], tp_size=4)
+    assert PrefillHandoff.from_dict(sharded.to_dict()) == sharded
+    older = {k: v for k, v in HANDOFF.to_dict().items() if k != "tp_size"}
+    assert PrefillHandoff.from_dict(older).tp_size == 1
+    for bad in (0, -2, "2", True, None):
+        with pytest.raises(ProtocolError, match="tp_size"):
+            PrefillHandoff.from_dict({**HANDOFF.to_dict(), "tp_size": bad})
+
+
 def test_a_handoff_naming_a_kept_hit_round_trips():
     assert PrefillHandoff.from_dict(KEPT.to_dict()) == KEPT
     # Without a token the range means nothing and is dropped.

@@ -667,8 +667,10 @@ def test_pe_ignores_unusable_prefill_requests(tmp_path, params):
         {**handoff().to_dict(), "remote_block_ids": "1,2,3"},
         {**handoff().to_dict(), "stored_chunks": -1},
         {**handoff().to_dict(), "remote_side_channel": None},
+        {**handoff().to_dict(), "tp_size": 0},
+        {**handoff().to_dict(), "tp_size": 2},
     ],
-    ids=["other-version", "bad-blocks", "bad-stored-chunks", "no-side-channel"],
+    ids=["other-version", "bad-blocks", "bad-stored-chunks", "no-side-channel", "bad-tp-size", "pe-of-another-tp-size"],
 )
 def test_de_ignores_unusable_handoffs_and_looks_up_the_store(tmp_path, params):
     scheduler, store = make_scheduler(tmp_path, "kv_consumer")
