@@ -325,3 +325,15 @@ def namespace_for(
         platform=f"{current_platform.device_type}/{vllm_config.attention_config.backend or 'auto'}",
         integrity=integrity_tag(config.integrity_key),
     )
+
+
+def shard_namespaces(vllm_config: Any, config: DualPathConfig, chunk_tokens: int) -> list[KVNamespace]:
+    """The namespaces a chunk's shards are stored under, rank 0's (the engine's) first: one per TP rank, or
+    one for all ranks of an MLA model (its latent is replicated)."""
+    parallel = vllm_config.parallel_config
+    shards = {}
+    for pp_rank in range(parallel.pipeline_parallel_size):
+        for tp_rank in range(parallel.tensor_parallel_size):
+            namespace = namespace_for(vllm_config, config, chunk_tokens, tp_rank, pp_rank)
+            shards.setdefault(namespace.digest(), namespace)
+    return list(shards.values())

@@ -281,6 +281,8 @@ class ReadAnswer:
 
 METRIC_PREFIX = "dualpath_kv:"
 NAMESPACE_INFO_METRIC = f"{METRIC_PREFIX}store_namespace_info"
+# Its label naming every shard's namespace, rank 0's first, comma-separated (one for a one-rank or MLA engine).
+SHARD_NAMESPACES_LABEL = "shard_namespaces"
 
 COUNTERS = {
     "loaded_tokens": "Tokens whose KV was loaded from the store (hit tokens)",
@@ -499,3 +501,15 @@ class RankKeySpace(StoreKeySpace):
     def of_rank(cls, namespace: KVNamespace, engine: KVNamespace, key_prefix: str) -> RankKeySpace:
         return cls(namespace.digest(), key_prefix, namespace.chunk_tokens, namespace.num_layers,
                    namespace.layer_block_bytes, engine_digest=engine.digest())  # fmt: skip
+
+    @classmethod
+    def shards_from_metrics(cls, text: str) -> list[RankKeySpace]:
+        """Every shard's key space of the engine whose /metrics is ``text``, rank 0's first."""
+        engine = StoreKeySpace.from_metrics(text)
+        labels = next(labels for name, labels, _ in metric_samples(text) if name == NAMESPACE_INFO_METRIC)
+        digests = labels.get(SHARD_NAMESPACES_LABEL, engine.digest).split(",")
+        spaces = [cls(digest, engine.key_prefix, engine.chunk_tokens, engine.num_layers, engine.layer_block_bytes,
+                      engine_digest=engine.digest) for digest in digests]  # fmt: skip
+        for space in spaces:
+            space.validate()
+        return spaces

@@ -16,7 +16,7 @@ from nixl_backends.registry import for_rank, make_store
 from nixl_backends.removals import RemovalLog
 from nixl_backends.store import KVStore
 
-from dualpath_connector.config import ChunkGeometry, DualPathConfig, kv_events_enabled, namespace_for
+from dualpath_connector.config import ChunkGeometry, DualPathConfig, kv_events_enabled, shard_namespaces
 from dualpath_connector.kv_events import RemovalWatcher, StorageEvents
 from dualpath_connector.lookup_lane import LookupLane
 from dualpath_connector.metadata import (
@@ -142,19 +142,14 @@ class DualPathScheduler:
         geometry = ChunkGeometry.of(config, vllm_config)
         # Chunk hashes chain from rank 0's namespace; each rank stores its own
         # shard (MLA: one for all ranks), and a hit needs every shard.
-        parallel = vllm_config.parallel_config
-        namespace = namespace_for(vllm_config, config, geometry.chunk_tokens, tp_rank=0, pp_rank=0)
-        shards = {
-            n.digest(): n
-            for n in (namespace_for(vllm_config, config, geometry.chunk_tokens, tp_rank=t, pp_rank=p)
-                      for p in range(parallel.pipeline_parallel_size) for t in range(parallel.tensor_parallel_size))
-        }  # fmt: skip
+        shards = shard_namespaces(vllm_config, config, geometry.chunk_tokens)
+        namespace = shards[0]
         # Lookup only: no NIXL agent here.
         store = make_store(for_rank(config.store_config, 0, 0), StoreKeySpace.of(namespace, config.key_prefix).layout)
         kv_events = kv_events_enabled(vllm_config, config)
         scheduler = cls(
             config, kv_role, geometry, namespace, store,
-            shards=list(shards.values()), tp_size=parallel.tensor_parallel_size, kv_events=kv_events,
+            shards=shards, tp_size=vllm_config.parallel_config.tensor_parallel_size, kv_events=kv_events,
         )  # fmt: skip
         if kv_events and config.kv_events_gc_poll_s > 0:
             scheduler.watch_removals(config.kv_events_gc_poll_s)

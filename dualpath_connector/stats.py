@@ -18,6 +18,7 @@ from dualpath_connector.protocol import (
     GAUGES,
     METRIC_PREFIX,
     NAMESPACE_INFO_METRIC,
+    SHARD_NAMESPACES_LABEL,
     SIZES,
     TIMINGS,
     StoreKeySpace,
@@ -132,13 +133,18 @@ class DualPathPromMetrics(KVConnectorPromMetrics):
 
     def _export_namespace(self, vllm_config, labelnames, per_engine_labelvalues) -> None:
         """What a router needs to compute this engine's keys: one info series per engine."""
-        from dualpath_connector.config import ChunkGeometry, namespace_for, parse_config
+        from dualpath_connector.config import ChunkGeometry, parse_config, shard_namespaces
 
         kv_transfer = vllm_config.kv_transfer_config
         config = parse_config(kv_transfer.kv_connector_extra_config, kv_transfer.kv_role)
         chunk_tokens = ChunkGeometry.of(config, vllm_config).chunk_tokens
-        namespace = namespace_for(vllm_config, config, chunk_tokens, tp_rank=0, pp_rank=0)
-        info = {**StoreKeySpace.of(namespace, config.key_prefix).to_labels(), "kv_role": kv_transfer.kv_role}
+        shards = shard_namespaces(vllm_config, config, chunk_tokens)
+        info = {
+            **StoreKeySpace.of(shards[0], config.key_prefix).to_labels(),
+            # A TP engine's other ranks' shards (RankKeySpace), for tools that check a chunk whole.
+            SHARD_NAMESPACES_LABEL: ",".join(shard.digest() for shard in shards),
+            "kv_role": kv_transfer.kv_role,
+        }
         gauge = self._gauge_cls(
             name=NAMESPACE_INFO_METRIC,
             documentation="The store namespace and chunk geometry of this engine's keys (value 1)",

@@ -15,9 +15,9 @@ from pathlib import Path
 from nixl_backends.lookup import wait_stored
 
 from dualpath_connector.cluster_auth import CLUSTER_KEY_ENV
-from dualpath_connector.protocol import StoreKeySpace, metric_total
+from dualpath_connector.protocol import RankKeySpace, StoreKeySpace, metric_total
 
-from dualpath_dev.processes import ServiceProcess, free_port
+from dualpath_dev.processes import ServiceProcess, free_port, omp_threads_bind
 from dualpath_dev.seaweedfs import SeaweedFS
 
 # The ready-made configs of the checkout (this package exists only in a checkout).
@@ -66,7 +66,9 @@ class VLLMServer(ServiceProcess):
     command prefix (``ip netns exec <ns>`` for a network namespace).
     ``keys``: the cluster's secrets (:class:`ClusterKeys`), in the environment
     too; the PE and DE of one cluster need the same, a single-instance engine
-    (``kv_both``) makes its own when none is given.
+    (``kv_both``) makes its own when none is given. ``tensor_parallel_size``:
+    its TP workers get this machine's cores split among them, and a PD engine
+    free side-channel ports for every rank (``side_channel_port`` + rank).
     """
 
     def __init__(
@@ -84,6 +86,7 @@ class VLLMServer(ServiceProcess):
         launcher: Sequence[str] = (),
         keys: ClusterKeys | None = None,
         vllm_args: Sequence[str] = (),
+        tensor_parallel_size: int = 1,
     ) -> None:
         self.kv_config = json.loads((CONFIGS / config).read_text())
         extra_config = self.kv_config["kv_connector_extra_config"]
@@ -95,7 +98,8 @@ class VLLMServer(ServiceProcess):
         if self.kv_config["kv_role"] != "kv_both":
             if keys is None:
                 raise ValueError(f"{config}: the engines of a PD cluster share one ClusterKeys; pass keys=")
-            extra_config["side_channel_port"] = free_port()
+            # Rank r serves at side_channel_port + r.
+            extra_config["side_channel_port"] = free_port(tensor_parallel_size)
             self.side_channel = f"{extra_config['side_channel_host']}:{extra_config['side_channel_port']}"
         self.keys = keys if keys is not None else ClusterKeys.generate()
         self.model = model
@@ -112,6 +116,8 @@ class VLLMServer(ServiceProcess):
             PYTHONUNBUFFERED="1",
             **self.keys.engine_env(),
         )
+        if tensor_parallel_size > 1:
+            self.env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(tensor_parallel_size)
         # The engine loads the model directory's tokenizer, as `vllm serve MODEL` does in production:
         # token-id prompts and `return_token_ids` answer as without one (the router asks for token ids
         # and writes the client's text itself), and vLLM checks prompt ids against it too.
@@ -128,6 +134,8 @@ class VLLMServer(ServiceProcess):
         ]  # fmt: skip
         if max_num_batched_tokens is not None:
             self.args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]
+        if tensor_parallel_size > 1:
+            self.args += ["--tensor-parallel-size", str(tensor_parallel_size)]
         # Last: vLLM takes the last of a repeated flag (--enable-prefix-caching overrides the default above).
         self.args += vllm_args
         self.health_url = f"{self.base_url}/health"
@@ -175,11 +183,11 @@ class VLLMServer(ServiceProcess):
         return first_token_s, tokens, usage
 
     def wait_stored(self, tokens: list[int], timeout_s: float = 120.0) -> None:
-        """Wait until every full chunk of ``tokens`` is in the store (saves are asynchronous)."""
-        key_space = self.key_space()
-        store = self._s3.lookup_store(self.kv_config["kv_connector_extra_config"]["store"], key_space.layout)
+        """Wait until every shard of every full chunk of ``tokens`` is in the store (saves are asynchronous)."""
+        shards = RankKeySpace.shards_from_metrics(self.metrics_text())
+        store = self._s3.lookup_store(self.kv_config["kv_connector_extra_config"]["store"], shards[0].layout)
         try:
-            wait_stored(store, key_space.chunk_keys(tokens), timeout_s)
+            wait_stored(store, [key for shard in shards for key in shard.chunk_keys(tokens)], timeout_s)
         finally:
             store.close()
 

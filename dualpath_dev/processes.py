@@ -47,6 +47,24 @@ def _bindable(port: int) -> bool:
 
 
 
+def omp_threads_bind(ranks: int) -> str:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a CPU engine of ``ranks`` TP workers: this process's cores but the last
+    split among them (ranks share cores when there are fewer than ranks).
+
+    Unless told which cores, vLLM's CPU workers each bind to a NUMA node: on a
+    one-node machine the second refuses to start ("Not enough allowed NUMA
+    nodes to bind threads of 2 local CPUWorkers"). The last core stays free,
+    as ``VLLM_CPU_NUM_OF_RESERVED_CPU`` keeps it for one-rank engines: the
+    connector's transfer threads, its side channel and the store run there,
+    not behind a forward (:func:`dualpath_connector.affinity.kv_transfer_cores`).
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    compute = cores[:-1] or cores
+    per_rank = len(compute) // ranks
+    groups = [compute[i * per_rank : (i + 1) * per_rank] if per_rank else [compute[i % len(compute)]] for i in range(ranks)]
+    return "|".join(",".join(map(str, sorted(group))) for group in groups)
+
+
 def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:
     """SIGTERM the process group ``proc`` leads, SIGKILL it after ``grace_s``."""
     try:

@@ -12,6 +12,7 @@ import importlib.util
 import itertools
 import json
 import os
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -25,7 +26,7 @@ import pytest
 
 from dualpath_dev.cluster import netns_supported, remove
 from dualpath_dev.engines import VLLMServer
-from dualpath_dev.processes import start_all
+from dualpath_dev.processes import ServiceProcess, free_port, start_all
 from dualpath_dev.seaweedfs import SeaweedFS
 from dualpath_dev.tiny_model import make_tiny_deepseek_v2, make_tiny_llama
 from nixl_backends.integrity import ChunkIntegrity
@@ -195,3 +196,27 @@ def pd_pair(model: Path, seaweedfs: SeaweedFS, logs: Path, **options) -> Iterato
     finally:
         pe.stop()
         de.stop()
+
+
+class NixlStyleProxy(ServiceProcess):
+    """tests/nixl_style_proxy.py (vLLM's P/D proxy example's flow, nothing of ours imported); stopped by its PID."""
+
+    stop_grace_s = 5.0
+
+    def __init__(self, pe, de, log_path, *extra: str) -> None:
+        self.port = free_port()
+        self.args = [sys.executable, str(Path(__file__).with_name("nixl_style_proxy.py")), "--port", str(self.port),
+                     "--prefill", pe.base_url, "--decode", de.base_url, *extra]  # fmt: skip
+        self.log_path = log_path
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.health_url = f"{self.url}/health"
+        self._model, self._headers = str(pe.model), pe.keys.auth_headers()
+
+    def complete(self, prompt: list[int], max_tokens: int) -> dict:
+        """A greedy completion through the proxy, as a baseline has it (tokens and logprobs)."""
+        body = {"model": self._model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": True, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}  # fmt: skip
+        status, answer, _ = post(f"{self.url}/v1/completions", body, self._headers)
+        assert status == 200, answer
+        choice = answer["choices"][0]
+        return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}

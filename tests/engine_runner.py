@@ -26,13 +26,6 @@ def main() -> None:
     parser.add_argument("--attention-backend", default=None, help="vLLM's attention backend, e.g. CPU_MLA")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
     args = parser.parse_args()
-    if args.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
-        # vLLM's CPU workers each bind to a NUMA node unless told which cores: on a one-node machine the second
-        # refuses to start ("Not enough allowed NUMA nodes"). Split the allowed cores between the ranks.
-        cores = sorted(os.sched_getaffinity(0))
-        per_rank = max(1, len(cores) // args.tensor_parallel_size)
-        groups = [cores[i * per_rank : (i + 1) * per_rank] or cores[-1:] for i in range(args.tensor_parallel_size)]
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(",".join(map(str, g)) for g in groups)
 
     # vLLM logs to stdout: keep the real stdout for the protocol and send
     # everything else written to fd 1 to stderr.
@@ -69,7 +62,7 @@ def main() -> None:
         vllm_config = llm.llm_engine.vllm_config
         config = parse_config(kv_config.get("kv_connector_extra_config"))
         chunk_tokens = ChunkGeometry.of(config, vllm_config).chunk_tokens
-        # Each TP rank stores its own shard under its own namespace; the scheduler looks up rank 0's.
+        # Each TP rank stores its shard under its own namespace; chunk hashes chain from rank 0's (the engine's).
         namespaces = [namespace_for(vllm_config, config, chunk_tokens, tp_rank=rank, pp_rank=0).digest()
                       for rank in range(args.tensor_parallel_size)]  # fmt: skip
         namespace = namespaces[0]

@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dualpath_dev.processes import stop_process_group
+from dualpath_dev.processes import omp_threads_bind, stop_process_group
 from dualpath_dev.seaweedfs import SeaweedFS
 
 RUNNER = Path(__file__).with_name("engine_runner.py")
@@ -42,6 +42,8 @@ class Engine:
         env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="1", PYTHONUNBUFFERED="1")
         if s3 is not None:
             env.update(AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key)
+        if options.get("tensor_parallel_size", 1) > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(options["tensor_parallel_size"])
         self.proc = subprocess.Popen(
             args,
             stdin=subprocess.PIPE,

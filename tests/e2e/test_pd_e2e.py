@@ -26,18 +26,24 @@ import os
 import random
 import secrets
 import signal
-import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
 import pytest
 
 from dualpath_connector.protocol import PrefillRequest, counter_total_name
 from dualpath_dev.engines import ClusterKeys, RouterProcess
-from dualpath_dev.processes import ServiceProcess, free_port
-from tests.conftest import PLAIN_ENGINE_BATCH_TOKENS, pd_pair, poll, post, router_model, same, through_router
+from tests.conftest import (
+    PLAIN_ENGINE_BATCH_TOKENS,
+    NixlStyleProxy,
+    pd_pair,
+    poll,
+    post,
+    router_model,
+    same,
+    through_router,
+)
 
 pytestmark = pytest.mark.engine
 
@@ -244,20 +250,6 @@ def test_bad_token_id_through_router_is_refused_and_the_pe_stays_healthy(cluster
     assert pe.keys.api_key not in logs and pe.keys.cluster_key not in logs
 
 
-class NixlStyleProxy(ServiceProcess):
-    """tests/nixl_style_proxy.py (vLLM's P/D proxy example's flow, nothing of ours imported); stopped by its PID."""
-
-    stop_grace_s = 5.0
-
-    def __init__(self, pe, de, log_path, *extra: str) -> None:
-        self.port = free_port()
-        self.args = [sys.executable, str(Path(__file__).parents[1] / "nixl_style_proxy.py"), "--port", str(self.port),
-                     "--prefill", pe.base_url, "--decode", de.base_url, *extra]  # fmt: skip
-        self.log_path = log_path
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.health_url = f"{self.url}/health"
-
-
 # Two turns a session: the second finds the first's chunks stored (a hit) and must still match.
 PROXY_SESSIONS = {"nixl convention": session_prompts(201)[:2], "naming the DE, read side de": session_prompts(202)[:2]}
 
@@ -280,12 +272,7 @@ def test_a_proxy_in_nixl_connector_convention_drives_the_handoff(session, cluste
             # The engine without the connector serves the turn as the PE and the DE do (see the module's doc).
             plain_engine.generate([prompt], 1, reset_prefix_cache=turn == 0)
             expected = plain_engine.generate([prompt], OUTPUT_TOKENS, reset_prefix_cache=False)[0]
-            body = {"model": str(pe.model), "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
-                    "ignore_eos": True, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}
-            status, answer, _ = post(f"{proxy.url}/v1/completions", body, pe.keys.auth_headers())
-            assert status == 200, answer
-            choice = answer["choices"][0]
-            out = {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
+            out = proxy.complete(prompt, OUTPUT_TOKENS)
             assert same(out, expected), f"turn {turn} through the proxy differs from the engine without the connector"
             de.wait_stored(prompt + out["tokens"][:-1])
             history = prompt + out["tokens"]

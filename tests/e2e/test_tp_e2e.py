@@ -1,11 +1,13 @@
-"""Tensor parallelism (TP = 2) on vLLM's CPU build (gloo, the mp executor), one engine (``kv_both``).
+"""Tensor parallelism (TP = 2) on vLLM's CPU build (gloo, the mp executor): one engine, and a PE/DE pair.
 
 Each rank saves and loads its own shard of every chunk (its KV heads) under its own namespace; chunk hashes
 chain from rank 0's namespace (the engine's), and rank 1 keys its shard under the hash chained once more with
-its own namespace; a chunk is a hit when both shards are stored. A fresh engine with the connector and an empty prefix cache must answer A (P and a
-suffix) exactly as an engine without the connector at the same TP answers it after P (its own prefix-cache
-hit). Negative control: rank 1's shard of one chunk replaced by its shard of another chunk, resealed with a
-valid checksum trailer: the loaded set of keys and values changes on one rank only, and the answer must
+its own namespace; a chunk is a hit when both shards are stored. In PD, rank r serves its side channel at
+``side_channel_port + r`` and pulls from, reads for and hands hits to rank r of the other engine.
+
+Every output must equal, token for token and logprob for logprob, an engine's without the connector at the
+same TP. Negative controls: rank 1's shard of one chunk replaced by its shard of another chunk, resealed with
+a valid checksum trailer: the loaded set of keys and values changes on one rank only, and the answer must
 change (so rank 1's shard is really loaded, and the comparison can fail).
 """
 
@@ -15,20 +17,36 @@ import random
 
 import pytest
 
+from dualpath_connector.protocol import RankKeySpace, counter_total_name
+from dualpath_dev.engines import ClusterKeys
 from dualpath_dev.tiny_model import TINY_LLAMA
 from nixl_backends.layout import chunk_hashes, chunk_key, shard_chunk_hash
-from tests.conftest import PLAIN_ENGINE_BATCH_TOKENS, poll, resealed, same
+from tests.conftest import PLAIN_ENGINE_BATCH_TOKENS, NixlStyleProxy, pd_pair, poll, resealed, same
 from tests.vllm_engine import Engine
 
 pytestmark = pytest.mark.engine
 
 TP = 2
 CHUNK = 32
+LAYERS = TINY_LLAMA["num_hidden_layers"]
 MAX_TOKENS = 24
 _rng = random.Random(2024)
 P = [_rng.randrange(1024) for _ in range(1500)]
 A = P + [_rng.randrange(1024) for _ in range(40)]
 HIT = len(P) // CHUNK * CHUNK
+
+# PD: one session of five turns through a P/D proxy in NixlConnector's convention; each turn after the
+# first hits the chunks of the turns before it. Per turn, the proxy's flags and who reads the hit: the first
+# turn misses; "pe": the proxy names no DE (the PE reads); "de": it names the DE with read side "de";
+# "split": it names the DE with read side "pe", and the PE, its read rate measured by then, reads the hit's
+# head and the DE its tail; "forged": a PE read with rank 1's shard of one chunk forged (the control).
+OUTPUT_TOKENS = 2 * CHUNK
+SPLIT_READ_MIN_TOKENS = 8 * CHUNK
+BUCKET = "dualpath-tp"
+TURNS = ("miss", "pe", "de", "split", "forged")
+_session = random.Random(404)
+APPENDS = [[_session.randrange(1024) for _ in range(24 * CHUNK + 1)]]
+APPENDS += [[_session.randrange(1024) for _ in range(8 * CHUNK)] for _ in TURNS[1:]]
 
 
 def dualpath(root) -> dict:
@@ -42,15 +60,30 @@ def dualpath(root) -> dict:
 
 @pytest.fixture(scope="module")
 def baseline(tiny_model) -> dict:
-    """An engine without the connector at the same TP: A after P (its own prefix-cache hit of P's chunks)."""
+    """An engine without the connector at the same TP, stopped before the engines under test start.
+
+    ``"A"``: A after P (its own prefix-cache hit of P's chunks). ``"session"``, per turn: the prompt and the
+    output, served as the PE and the DE serve it: a DE gets every prompt block from its PE and recomputes
+    only the last prompt token, so the turn is replayed with ``max_tokens=1`` first and then served with a
+    prefix-cache hit of all but its last token.
+    """
     with Engine(tiny_model, tensor_parallel_size=TP, max_num_batched_tokens=PLAIN_ENGINE_BATCH_TOKENS) as plain:
         plain.generate([P], MAX_TOKENS)
-        out = plain.generate([A], MAX_TOKENS, reset_prefix_cache=False)[0]
-    assert out["num_cached_tokens"] == HIT
+        out = {"A": plain.generate([A], MAX_TOKENS, reset_prefix_cache=False)[0]}
+        assert out["A"]["num_cached_tokens"] == HIT
+        history: list[int] = []
+        out["session"] = []
+        for turn, append in enumerate(APPENDS):
+            prompt = history + append
+            plain.generate([prompt], 1, reset_prefix_cache=turn == 0)
+            result = plain.generate([prompt], OUTPUT_TOKENS, reset_prefix_cache=False)[0]
+            assert result["num_cached_tokens"] == len(prompt) - 1
+            out["session"].append({"prompt": prompt, **result})
+            history = prompt + result["tokens"]
     return out
 
 
-def test_each_rank_stores_and_loads_its_shard_and_the_answer_matches(tiny_model, tmp_path, baseline):
+def test_kv_both_each_rank_stores_and_loads_its_shard_and_the_answer_matches(tiny_model, tmp_path, baseline):
     config = dualpath(tmp_path)
     with Engine(tiny_model, config, tensor_parallel_size=TP, max_num_batched_tokens=PLAIN_ENGINE_BATCH_TOKENS) as engine:
         namespaces, prefix = engine.ready["namespaces"], engine.ready["key_prefix"]
@@ -70,13 +103,78 @@ def test_each_rank_stores_and_loads_its_shard_and_the_answer_matches(tiny_model,
 
         out = engine.generate([A], MAX_TOKENS)[0]  # the prefix cache is reset: the hit comes from the store
         assert out["num_cached_tokens"] == HIT
-        assert same(out, baseline), "KV loaded shard by shard changed the output"
+        assert same(out, baseline["A"]), "KV loaded shard by shard changed the output"
 
         original = path(1, 5).read_bytes()
-        path(1, 5).write_bytes(resealed(path(1, 4).read_bytes(), object_hash(1, 5), TINY_LLAMA["num_hidden_layers"]))
+        path(1, 5).write_bytes(resealed(path(1, 4).read_bytes(), object_hash(1, 5), LAYERS))
         try:
             wrong = engine.generate([A], MAX_TOKENS)[0]
         finally:
             path(1, 5).write_bytes(original)
         assert wrong["num_cached_tokens"] > 6 * CHUNK  # the forged shard (chunk 5) was served
-        assert not same(wrong, baseline), "rank 1's forged shard went unnoticed: the comparison cannot fail"
+        assert not same(wrong, baseline["A"]), "rank 1's forged shard went unnoticed: the comparison cannot fail"
+
+
+@pytest.fixture(scope="module")
+def cluster(baseline, tiny_model, seaweedfs, tmp_path_factory):
+    """A PE and a DE, each at TP = 2 (after the baseline engine stopped: four workers on this machine's cores)."""
+    logs = tmp_path_factory.mktemp("tp-pd-logs")
+    options = {"bucket": BUCKET, "max_num_batched_tokens": PLAIN_ENGINE_BATCH_TOKENS, "keys": ClusterKeys.generate(),
+               "extra": {"split_read_min_tokens": SPLIT_READ_MIN_TOKENS}, "tensor_parallel_size": TP}  # fmt: skip
+    with pd_pair(tiny_model, seaweedfs, logs, **options) as pair:
+        yield pair
+
+
+def _grown(engine, name: str, before: float) -> float:
+    """How much a counter grew, after one more engine step (vLLM exports connector stats with steps)."""
+    engine.post("/v1/completions", {"model": str(engine.model), "prompt": [1, 2, 3], "max_tokens": 1})
+    return engine.metric_total(counter_total_name(name)) - before
+
+
+def _forge_rank_1_shard(de, seaweedfs, prompt: list[int]) -> None:
+    """Rank 1's shard of chunk 5 of ``prompt`` becomes its shard of chunk 4, under a valid checksum trailer."""
+    shards = RankKeySpace.shards_from_metrics(de.metrics_text())
+    assert len(shards) == TP
+    hashes = chunk_hashes(shards[1].chain_digest, prompt, CHUNK)
+    s3 = seaweedfs.client()
+    body = s3.get_object(Bucket=BUCKET, Key=shards[1].key(hashes[4]))["Body"].read()
+    s3.put_object(Bucket=BUCKET, Key=shards[1].key(hashes[5]), Body=resealed(body, shards[1].object_hash(hashes[5]), LAYERS))
+
+
+# Per turn: the counters that must grow (the reading side's, and the DE's pull of what it did not read).
+READERS = {"pe": {"bytes_read", "pulled_tokens"}, "de": {"bytes_read_for_peer", "pulled_tokens"},
+           "split": {"bytes_read", "pulled_tokens"}}  # fmt: skip
+# A split turn offers the tail to each DE rank: it is read there, or declined or late (on 2 cores a DE rank
+# often misses the sub-second deadline) and read by the PE too; the output is the same either way.
+TAIL_OFFERED = {"split_read_tail_tokens", "de_read_fallbacks", "de_reads_declined"}
+
+
+def test_pd_pair_at_tp2_hands_off_reads_on_either_side_and_splits(cluster, baseline, seaweedfs, tmp_path):
+    pe, de = cluster
+    named = ["--de-side-channel", de.side_channel]
+    flags = {"miss": [], "pe": [], "forged": [], "de": [*named, "--read-side", "de"], "split": [*named, "--read-side", "pe"]}
+    counters = [(pe, "bytes_read"), (de, "bytes_read_for_peer"), (de, "pulled_tokens"), (pe, "split_read_tail_tokens"),
+                (pe, "de_read_fallbacks"), (de, "de_reads_declined")]  # fmt: skip
+    for turn, expected in zip(TURNS, baseline["session"]):
+        before = {name: e.metric_total(counter_total_name(name)) for e, name in counters}
+        if turn == "forged":
+            _forge_rank_1_shard(de, seaweedfs, expected["prompt"])
+        proxy = NixlStyleProxy(pe, de, tmp_path / f"proxy-{turn}.log", *flags[turn]).start(timeout_s=120)
+        try:
+            out = proxy.complete(expected["prompt"], OUTPUT_TOKENS)
+        finally:
+            proxy.stop()
+        if turn == "forged":
+            assert not same(out, expected), "rank 1's forged shard went unnoticed: the comparison cannot fail"
+            break
+        assert same(out, expected), f"turn {turn!r} differs from the engine without the connector"
+        de.wait_stored(expected["prompt"] + out["tokens"][:-1])  # every rank's shard, for the next turn's hit
+        if turn in READERS:
+            wanted = READERS[turn]
+            grown = poll(lambda: {name for e, name in counters if _grown(e, name, before[name]) > 0},
+                         lambda names: names >= wanted and (turn != "split" or names & TAIL_OFFERED),
+                         60, f"the counters of the {turn!r} turn")  # fmt: skip
+            if turn == "pe":
+                assert grown == wanted  # the DE was not named: nothing read there
+            if turn == "de":
+                assert "bytes_read" not in grown  # the PE read nothing itself
