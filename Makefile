@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml setup.py overrides.txt nixl_backends/csrc/cuobj_compat.
 # Tiers: unit (no server, no engine: seconds), integration (NIXL, SeaweedFS, router/gateway
 # processes), e2e (vLLM engines). `make test` runs all three.
 test: setup
-	$(PY) -m pytest tests -v --durations=25
+	$(PY) -m pytest tests -v -n 2 --dist loadfile --durations=25
 
 # Two workers, whole files each: the tier is CPU-bound (vLLM's import alone is ~13 s of it) and has no servers.
 test-unit: setup
