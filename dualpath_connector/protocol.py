@@ -22,6 +22,7 @@ from __future__ import annotations
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
@@ -422,6 +423,11 @@ class StoreKeySpace:
         """The namespace digest chunk hashes chain from (:func:`~nixl_backends.layout.chunk_hashes`)."""
         return self.digest
 
+    @property
+    def keys_per_chunk(self) -> int:
+        """Objects that make one chunk whole (:meth:`chunk_keys` lists them chunk by chunk)."""
+        return 1
+
     def object_hash(self, chunk_hash: str) -> str:
         """The hash a stored object of chunk ``chunk_hash`` is keyed and sealed under (here: the same)."""
         return chunk_hash
@@ -461,6 +467,12 @@ class StoreKeySpace:
         except (KeyError, ValueError) as exc:
             raise ProtocolError(f"malformed {NAMESPACE_INFO_METRIC} labels {labels}: {exc!r}") from None
         space.validate()
+        shards = labels.get(SHARD_NAMESPACES_LABEL, space.digest).split(",")
+        if len(shards) > 1:
+            if shards[0] != space.digest:
+                raise ProtocolError(f"{SHARD_NAMESPACES_LABEL} must name {space.digest} first, got {shards}")
+            space = ShardedKeySpace(**dataclasses.asdict(space), shard_digests=tuple(shards))
+            space.validate()
         return space
 
     @classmethod
@@ -502,14 +514,28 @@ class RankKeySpace(StoreKeySpace):
         return cls(namespace.digest(), key_prefix, namespace.chunk_tokens, namespace.num_layers,
                    namespace.layer_block_bytes, engine_digest=engine.digest())  # fmt: skip
 
-    @classmethod
-    def shards_from_metrics(cls, text: str) -> list[RankKeySpace]:
-        """Every shard's key space of the engine whose /metrics is ``text``, rank 0's first."""
-        engine = StoreKeySpace.from_metrics(text)
-        labels = next(labels for name, labels, _ in metric_samples(text) if name == NAMESPACE_INFO_METRIC)
-        digests = labels.get(SHARD_NAMESPACES_LABEL, engine.digest).split(",")
-        spaces = [cls(digest, engine.key_prefix, engine.chunk_tokens, engine.num_layers, engine.layer_block_bytes,
-                      engine_digest=engine.digest) for digest in digests]  # fmt: skip
-        for space in spaces:
-            space.validate()
-        return spaces
+
+@dataclass(frozen=True)
+class ShardedKeySpace(StoreKeySpace):
+    """A tensor-parallel engine's chunks as a whole: a chunk is stored when every rank's shard is
+    (:class:`RankKeySpace`); ``shard_digests`` are the ranks' namespaces, rank 0's (``digest``) first."""
+
+    shard_digests: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        super().validate()
+        for digest in self.shard_digests:
+            dataclasses.replace(self, digest=digest, shard_digests=()).validate()
+
+    @cached_property
+    def shards(self) -> list[RankKeySpace]:
+        return [RankKeySpace(digest, self.key_prefix, self.chunk_tokens, self.num_layers, self.layer_block_bytes,
+                             engine_digest=self.digest) for digest in self.shard_digests]  # fmt: skip
+
+    @property
+    def keys_per_chunk(self) -> int:
+        return len(self.shard_digests)
+
+    def chunk_keys(self, token_ids: Sequence[int]) -> list[str]:
+        """Every shard's key of each full chunk of ``token_ids``, chunk by chunk."""
+        return [shard.key(h) for h in chunk_hashes(self.digest, token_ids, self.chunk_tokens) for shard in self.shards]

@@ -15,7 +15,7 @@ from pathlib import Path
 from nixl_backends.lookup import wait_stored
 
 from dualpath_connector.cluster_auth import CLUSTER_KEY_ENV
-from dualpath_connector.protocol import RankKeySpace, StoreKeySpace, metric_total
+from dualpath_connector.protocol import StoreKeySpace, metric_total
 
 from dualpath_dev.processes import ServiceProcess, free_port, omp_threads_bind
 from dualpath_dev.seaweedfs import SeaweedFS
@@ -184,10 +184,10 @@ class VLLMServer(ServiceProcess):
 
     def wait_stored(self, tokens: list[int], timeout_s: float = 120.0) -> None:
         """Wait until every shard of every full chunk of ``tokens`` is in the store (saves are asynchronous)."""
-        shards = RankKeySpace.shards_from_metrics(self.metrics_text())
-        store = self._s3.lookup_store(self.kv_config["kv_connector_extra_config"]["store"], shards[0].layout)
+        key_space = self.key_space()  # a TP engine's: every rank's shard of each chunk
+        store = self._s3.lookup_store(self.kv_config["kv_connector_extra_config"]["store"], key_space.layout)
         try:
-            wait_stored(store, [key for shard in shards for key in shard.chunk_keys(tokens)], timeout_s)
+            wait_stored(store, key_space.chunk_keys(tokens), timeout_s)
         finally:
             store.close()
 

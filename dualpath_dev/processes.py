@@ -7,6 +7,7 @@ PID held here (SIGTERM, then SIGKILL after a grace period).
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -27,14 +28,32 @@ def _port_is_free(port: int) -> bool:
 
 def free_port(count: int = 1) -> int:
     """A TCP port on 127.0.0.1 nobody listens on right now, the first of ``count`` in a row (a TP engine's side
-    channels: one per rank at port + rank)."""
-    for _ in range(100):
+    channels: one per rank at port + rank).
+
+    One port comes from the kernel (bind to port 0). A run of ports is drawn below the kernel's ephemeral
+    range instead: the kernel hands out ports from that range to every process that binds or connects
+    (vLLM's own sockets, UCX's listeners), so a port next to a free one could be taken before the engine
+    binds it; below the range only another explicit choice can take it.
+    """
+    if count == 1:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))
-            first = sock.getsockname()[1]
-        if first + count <= 65536 and all(_bindable(first + i) for i in range(1, count)):
+            return sock.getsockname()[1]
+    low = _ephemeral_range_start()
+    rng = random.SystemRandom()
+    for _ in range(200):
+        first = rng.randrange(10_000, low - count)
+        if all(_bindable(first + i) for i in range(count)):
             return first
-    raise RuntimeError(f"no {count} free TCP ports in a row on 127.0.0.1")
+    raise RuntimeError(f"no {count} free TCP ports in a row below {low} on 127.0.0.1")
+
+
+def _ephemeral_range_start() -> int:
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    return max(low, 20_000)
 
 
 def _bindable(port: int) -> bool:

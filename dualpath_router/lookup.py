@@ -50,17 +50,18 @@ class HitLookup:
         return await asyncio.to_thread(self._hit_tokens_blocking, token_ids, namespace)
 
     def _hit_tokens_blocking(self, token_ids: Sequence[int], namespace: StoreKeySpace) -> int:
+        # A TP engine's namespace lists every rank's shard of each chunk: a chunk counts when all are stored.
         keys = namespace.claimable_keys(token_ids)
         known = self._present.known_run(keys)
         if known == len(keys) or time.monotonic() < self._skip_store_until:
-            return known * namespace.chunk_tokens
+            return known // namespace.keys_per_chunk * namespace.chunk_tokens
         try:
             found = self._present.leading_present(self._open_store(namespace), keys)
         except Exception as exc:  # any store failure: a miss past the remembered run, never a failed request
             self._skip_store_until = time.monotonic() + _OUTAGE_BACKOFF_S
             self._log_outage(exc)
             found = known
-        return found * namespace.chunk_tokens
+        return found // namespace.keys_per_chunk * namespace.chunk_tokens
 
     def _open_store(self, namespace: StoreKeySpace) -> KVStore:
         layout = namespace.layout

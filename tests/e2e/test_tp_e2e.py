@@ -17,7 +17,7 @@ import random
 
 import pytest
 
-from dualpath_connector.protocol import RankKeySpace, counter_total_name
+from dualpath_connector.protocol import StoreKeySpace, counter_total_name
 from dualpath_dev.engines import ClusterKeys
 from dualpath_dev.tiny_model import TINY_LLAMA
 from nixl_backends.layout import chunk_hashes, chunk_key, shard_chunk_hash
@@ -133,7 +133,7 @@ def _grown(engine, name: str, before: float) -> float:
 
 def _forge_rank_1_shard(de, seaweedfs, prompt: list[int]) -> None:
     """Rank 1's shard of chunk 5 of ``prompt`` becomes its shard of chunk 4, under a valid checksum trailer."""
-    shards = RankKeySpace.shards_from_metrics(de.metrics_text())
+    shards = StoreKeySpace.from_metrics(de.metrics_text()).shards
     assert len(shards) == TP
     hashes = chunk_hashes(shards[1].chain_digest, prompt, CHUNK)
     s3 = seaweedfs.client()

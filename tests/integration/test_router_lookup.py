@@ -72,6 +72,19 @@ def test_leading_run_and_never_the_last_token(s3_env, s3_bucket):
     assert hit([7] + TOKENS[1:129]) == 0
 
 
+def test_a_tp_engines_chunk_counts_only_once_every_ranks_shard_is_stored(s3_env, s3_bucket):
+    labels = {**NAMESPACE.to_labels(), "shard_namespaces": f"{NAMESPACE.digest},{'4567cdef' * 4}"}
+    sharded = StoreKeySpace.from_labels(labels)  # as the router reads it from a TP=2 engine's metrics
+    rank0, rank1 = sharded.shards
+    hashes = chunk_hashes(NAMESPACE.digest, TOKENS, NAMESPACE.chunk_tokens)
+    put_chunks(s3_env, s3_bucket, [rank0.key(h) for h in hashes[:4]] + [rank1.key(h) for h in hashes[:2]])
+    lookup = lookup_for(s3_env, s3_bucket)
+    lookup.namespace = sharded
+    assert asyncio.run(lookup.hit_tokens(TOKENS)) == 64  # rank 1 stored two chunks of four
+    lookup.namespace = NAMESPACE  # rank 0's keys alone (a configured namespace): all four
+    assert asyncio.run(lookup.hit_tokens(TOKENS)) == 128
+
+
 def test_gap_and_short_objects_end_the_run(s3_env, s3_bucket):
     keys = keys_of(TOKENS)
     put_chunks(s3_env, s3_bucket, [keys[0], keys[2], keys[3]])

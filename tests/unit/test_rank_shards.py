@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from dualpath_connector.config import ChunkGeometry, parse_config
-from dualpath_connector.protocol import RankKeySpace, StoreKeySpace
+from dualpath_connector.protocol import ProtocolError, RankKeySpace, StoreKeySpace
 from dualpath_connector.scheduler import DualPathScheduler
 from nixl_backends.integrity import ChunkIntegrity, chunk_hash_of
 from nixl_backends.layout import chunk_hashes
@@ -85,3 +85,18 @@ def test_a_chunk_is_a_hit_only_when_every_rank_stored_its_shard(two_rank_schedul
     store.present.update(rank_space(1).key(h) for h in chunks[2:])
     now[0] += scheduler.config.lookup_absent_ttl_s + 1
     assert scheduler.get_num_new_matched_tokens(make_request("r2", prompt), 0) == (4 * CHUNK, True)
+
+
+def test_an_engine_exports_every_shard_and_a_reader_gets_them_rank_0_first():
+    engine = StoreKeySpace.of(SHARDS[0], KEY_PREFIX)
+    labels = {**engine.to_labels(), "shard_namespaces": ",".join(n.digest() for n in SHARDS)}
+    sharded = StoreKeySpace.from_labels(labels)
+    assert sharded.keys_per_chunk == 2 and [s.digest for s in sharded.shards] == [n.digest() for n in SHARDS]
+    chunk = hashes_of(prompt_of(CHUNK))[0]
+    assert sharded.chunk_keys(prompt_of(CHUNK)) == [rank_space(0).key(chunk), rank_space(1).key(chunk)]
+    # One shard (a one-rank or MLA engine, or an engine that predates the label): the plain key space.
+    assert StoreKeySpace.from_labels({**engine.to_labels(), "shard_namespaces": engine.digest}) == engine
+    assert StoreKeySpace.from_labels(engine.to_labels()) == engine
+    for bad in (f"{SHARDS[1].digest()},{engine.digest}", f"{engine.digest},NOT-HEX"):
+        with pytest.raises(ProtocolError):
+            StoreKeySpace.from_labels({**engine.to_labels(), "shard_namespaces": bad})
