@@ -19,10 +19,10 @@ anything reaches an engine: hostile input raises :class:`ProtocolError`.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
-import dataclasses
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
@@ -435,9 +435,13 @@ class StoreKeySpace:
     def key(self, chunk_hash: str) -> str:
         return chunk_key(self.key_prefix, self.digest, self.object_hash(chunk_hash))
 
+    def object_keys(self, hashes: Sequence[str]) -> list[str]:
+        """The keys of every object of each chunk, chunk by chunk (``keys_per_chunk`` a chunk)."""
+        return [self.key(h) for h in hashes]
+
     def chunk_keys(self, token_ids: Sequence[int]) -> list[str]:
         """Keys of every full chunk of ``token_ids``."""
-        return [self.key(h) for h in chunk_hashes(self.chain_digest, token_ids, self.chunk_tokens)]
+        return self.object_keys(chunk_hashes(self.chain_digest, token_ids, self.chunk_tokens))
 
     def claimable_keys(self, token_ids: Sequence[int]) -> list[str]:
         """Keys of the chunks an engine can load for this prompt: never the last token's
@@ -467,13 +471,7 @@ class StoreKeySpace:
         except (KeyError, ValueError) as exc:
             raise ProtocolError(f"malformed {NAMESPACE_INFO_METRIC} labels {labels}: {exc!r}") from None
         space.validate()
-        shards = labels.get(SHARD_NAMESPACES_LABEL, space.digest).split(",")
-        if len(shards) > 1:
-            if shards[0] != space.digest:
-                raise ProtocolError(f"{SHARD_NAMESPACES_LABEL} must name {space.digest} first, got {shards}")
-            space = ShardedKeySpace(**dataclasses.asdict(space), shard_digests=tuple(shards))
-            space.validate()
-        return space
+        return ShardedKeySpace.with_shards(space, labels.get(SHARD_NAMESPACES_LABEL, space.digest).split(","))
 
     @classmethod
     def from_metrics(cls, text: str) -> StoreKeySpace:
@@ -527,6 +525,18 @@ class ShardedKeySpace(StoreKeySpace):
         for digest in self.shard_digests:
             dataclasses.replace(self, digest=digest, shard_digests=()).validate()
 
+    @classmethod
+    def with_shards(cls, engine: StoreKeySpace, digests: Sequence[str]) -> StoreKeySpace:
+        """``engine``'s key space over its shards' namespaces (rank 0's, ``engine.digest``, first); ``engine``
+        itself when there is one."""
+        if list(digests[:1]) != [engine.digest]:
+            raise ProtocolError(f"{SHARD_NAMESPACES_LABEL} must name {engine.digest} first, got {list(digests)}")
+        if len(digests) == 1:
+            return engine
+        space = cls(**dataclasses.asdict(engine), shard_digests=tuple(digests))
+        space.validate()
+        return space
+
     @cached_property
     def shards(self) -> list[RankKeySpace]:
         return [RankKeySpace(digest, self.key_prefix, self.chunk_tokens, self.num_layers, self.layer_block_bytes,
@@ -536,6 +546,5 @@ class ShardedKeySpace(StoreKeySpace):
     def keys_per_chunk(self) -> int:
         return len(self.shard_digests)
 
-    def chunk_keys(self, token_ids: Sequence[int]) -> list[str]:
-        """Every shard's key of each full chunk of ``token_ids``, chunk by chunk."""
-        return [shard.key(h) for h in chunk_hashes(self.digest, token_ids, self.chunk_tokens) for shard in self.shards]
+    def object_keys(self, hashes: Sequence[str]) -> list[str]:
+        return [shard.key(h) for h in hashes for shard in self.shards]

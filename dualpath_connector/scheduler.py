@@ -32,7 +32,7 @@ from dualpath_connector.protocol import (
     PrefillHandoff,
     PrefillRequest,
     ProtocolError,
-    RankKeySpace,
+    ShardedKeySpace,
     StoreKeySpace,
     new_keep_token,
 )
@@ -96,8 +96,9 @@ class DualPathScheduler:
         self.kv_role = kv_role
         self.geometry = geometry
         self.key_space = StoreKeySpace.of(namespace, config.key_prefix)
-        # Every rank's shard of a chunk must be stored for the chunk to be a hit (none: rank 0's is the chunk).
-        self._shards = [RankKeySpace.of_rank(shard, namespace, config.key_prefix) for shard in shards] or [self.key_space]
+        # Lookups ask for every rank's shard of a chunk: a chunk is a hit only when all are stored.
+        digests = [shard.digest() for shard in shards] or [self.key_space.digest]
+        self._lookup_keys = ShardedKeySpace.with_shards(self.key_space, digests)
         self.store = store
         # PD: the hand-off names the PE's size; rank r pulls from rank r, so a DE takes only its own size's.
         self.tp_size = tp_size
@@ -124,7 +125,7 @@ class DualPathScheduler:
             self.events = StorageEvents(
                 block_size=geometry.block_size,
                 blocks_per_chunk=geometry.blocks_per_chunk,
-                world_size=len(self._shards),
+                world_size=self._lookup_keys.keys_per_chunk,
                 max_queued=config.kv_events_max_queued,
                 tracked_chunks=config.lookup_cache_chunks,
                 stats=self.stats,
@@ -198,11 +199,6 @@ class DualPathScheduler:
             )
         return state.hashes[:wanted]
 
-    def _shard_keys(self, hashes: Sequence[str]) -> list[str]:
-        """Every shard's key of each chunk, chunk by chunk: a leading run of ``n`` keys present is ``n // shards``
-        chunks stored whole."""
-        return [shard.key(h) for h in hashes for shard in self._shards]
-
     # -- vLLM scheduler hooks -------------------------------------------------
 
     @staticmethod
@@ -244,7 +240,7 @@ class DualPathScheduler:
         # Never claim the last token: vLLM must compute it to sample the next one.
         claimable = (request.num_tokens - 1) // self.geometry.chunk_tokens
         hashes = self._hashes(state, claimable * self.geometry.chunk_tokens)
-        keys = self._shard_keys(hashes)
+        keys = self._lookup_keys.object_keys(hashes)
         if state.loads_issued:
             # vLLM asks again after a load failed: what the cache remembers as
             # present may be what failed, so ask the store itself.
@@ -254,7 +250,7 @@ class DualPathScheduler:
                 request.request_id, keys, background=self._engine_busy and self.config.lookup_in_background
             )
             if present is not None:
-                present //= len(self._shards)
+                present //= self._lookup_keys.keys_per_chunk  # whole chunks
         except Exception as exc:  # a store outage is a miss, never a dead scheduler
             self._log_lookup_error(exc)
             present = 0
@@ -423,7 +419,7 @@ class DualPathScheduler:
             state.resave_until = max(state.resave_until, state.saved_chunks)
             state.saved_chunks = min(state.saved_chunks, first)
             state.stored_chunks = min(state.stored_chunks, first)
-            self._present.forget(self._shard_keys(state.hashes[first:]))
+            self._present.forget(self._lookup_keys.object_keys(state.hashes[first:]))
 
     def saves_finished(self, saved: SavedChunks | None) -> None:
         """The workers' finished writes this step (vLLM's worker metadata): durable chunks are announced."""
@@ -437,7 +433,7 @@ class DualPathScheduler:
         if self.removal_watcher is not None:
             removed = self.removal_watcher.take_removed()
             # Gone from the store: the lookup cache must not call them present either.
-            self._present.forget(self._shard_keys(removed))
+            self._present.forget(self._lookup_keys.object_keys(removed))
             self.events.removed(removed)
         return self.events.take()
 
@@ -459,7 +455,7 @@ class DualPathScheduler:
         hashes = self._hashes(state, complete * self.geometry.chunk_tokens)
         first = state.saved_chunks
         # Soon stored: a lookup must not be answered "absent" from memory for them.
-        self._present.forget(self._shard_keys(hashes[first:complete]))
+        self._present.forget(self._lookup_keys.object_keys(hashes[first:complete]))
         meta.saves.append(
             SaveSpec(
                 req_id=state.request.request_id,

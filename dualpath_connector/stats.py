@@ -141,7 +141,7 @@ class DualPathPromMetrics(KVConnectorPromMetrics):
         shards = shard_namespaces(vllm_config, config, chunk_tokens)
         info = {
             **StoreKeySpace.of(shards[0], config.key_prefix).to_labels(),
-            # A TP engine's other ranks' shards (RankKeySpace), for tools that check a chunk whole.
+            # Every rank's shard namespace, rank 0's first: readers (ShardedKeySpace) check a chunk whole.
             SHARD_NAMESPACES_LABEL: ",".join(shard.digest() for shard in shards),
             "kv_role": kv_transfer.kv_role,
         }

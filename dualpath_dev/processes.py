@@ -43,7 +43,7 @@ def free_port(count: int = 1) -> int:
     rng = random.SystemRandom()
     for _ in range(200):
         first = rng.randrange(10_000, low - count)
-        if all(_bindable(first + i) for i in range(count)):
+        if all(_port_is_free(first + i) for i in range(count)):
             return first
     raise RuntimeError(f"no {count} free TCP ports in a row below {low} on 127.0.0.1")
 
@@ -54,16 +54,6 @@ def _ephemeral_range_start() -> int:
     except (OSError, ValueError, IndexError):
         low = 32768  # Linux's default
     return max(low, 20_000)
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
 
 
 def omp_threads_bind(ranks: int) -> str:
