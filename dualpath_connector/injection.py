@@ -43,7 +43,7 @@ from dualpath_connector.kv_cache_view import CopyPlan, KVCacheView
 from dualpath_connector.kv_regions import full_block_rows
 from dualpath_connector.load_timing import StepLoadTiming
 from dualpath_connector.read_path import LoadedHit
-from dualpath_connector.stats import StatsRecorder
+from dualpath_connector.stats_recorder import StatsRecorder
 
 logger = logging.getLogger(__name__)
 

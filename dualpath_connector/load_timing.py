@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dualpath_connector.copy_stream import Mark
-from dualpath_connector.stats import StatsRecorder
+from dualpath_connector.stats_recorder import StatsRecorder
 
 
 @dataclass

@@ -18,7 +18,7 @@ from dualpath_connector.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import PullSpec
 from dualpath_connector.peer import PeerLink
 from dualpath_connector.protocol import PULLED
-from dualpath_connector.stats import StatsRecorder
+from dualpath_connector.stats_recorder import StatsRecorder
 
 logger = logging.getLogger(__name__)
 

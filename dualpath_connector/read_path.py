@@ -47,7 +47,7 @@ from dualpath_connector.read_queue import StoreReadQueue
 from dualpath_connector.read_split import PartsJoin, ReadPlan, plan_read, split_spec
 from dualpath_connector.read_timeline import ReadSpan, ReadTimeline
 from dualpath_connector.side_channel import PeerBusy, PeerTimeout
-from dualpath_connector.stats import StatsRecorder
+from dualpath_connector.stats_recorder import StatsRecorder
 
 logger = logging.getLogger(__name__)
 

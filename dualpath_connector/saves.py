@@ -26,7 +26,7 @@ from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import SaveSpec
 from dualpath_connector.protocol import StoreKeySpace
-from dualpath_connector.stats import StatsRecorder
+from dualpath_connector.stats_recorder import StatsRecorder
 
 logger = logging.getLogger(__name__)
 

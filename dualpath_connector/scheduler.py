@@ -36,7 +36,8 @@ from dualpath_connector.protocol import (
     StoreKeySpace,
     new_keep_token,
 )
-from dualpath_connector.stats import DualPathStats, StatsRecorder
+from dualpath_connector.stats import DualPathStats
+from dualpath_connector.stats_recorder import StatsRecorder
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -438,7 +439,8 @@ class DualPathScheduler:
         return self.events.take()
 
     def get_stats(self) -> DualPathStats | None:
-        return self.stats.take()
+        data = self.stats.take()
+        return DualPathStats(data=data) if data is not None else None
 
     def _plan_save(self, state: _RequestState, computed_after_step: int, meta: DualPathMetadata) -> None:
         # A PE saves the prompt chunks it computes through its own storage

@@ -1,13 +1,14 @@
 """Connector stats: collected by the worker half, aggregated and exported by vLLM.
 
 They reach vLLM's periodic log line through ``KVConnectorStats`` and its
-Prometheus endpoint (``/metrics``) through ``DualPathPromMetrics``.
+Prometheus endpoint (``/metrics``) through ``DualPathPromMetrics``. The worker's
+data path records into ``stats_recorder.StatsRecorder``, which imports nothing of
+vLLM (the GPU scripts run it where vLLM is not installed).
 """
 
 from __future__ import annotations
 
 import statistics
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,29 +24,19 @@ from dualpath_connector.protocol import (
     TIMINGS,
     StoreKeySpace,
 )
-
-# Distributions: per-event samples, exported as histograms.
-_SAMPLED = (*TIMINGS, *SIZES)
-
-def _empty() -> dict[str, Any]:
-    data: dict[str, Any] = dict.fromkeys(COUNTERS, 0)
-    data.update({name: [] for name in _SAMPLED})
-    # Latest values only; absent until set.
-    data["gauges"] = {}
-    return data
-
+from dualpath_connector.stats_recorder import SAMPLED, empty_stats, stats_empty
 
 @dataclass
 class DualPathStats(KVConnectorStats):
-    data: dict[str, Any] = field(default_factory=_empty)
+    data: dict[str, Any] = field(default_factory=empty_stats)
 
     def reset(self) -> None:
-        self.data = _empty()
+        self.data = empty_stats()
 
     def aggregate(self, other: KVConnectorStats) -> DualPathStats:
         for name in COUNTERS:
             self.data[name] += other.data.get(name, 0)
-        for name in _SAMPLED:
+        for name in SAMPLED:
             self.data[name].extend(other.data.get(name, []))
         self.data["gauges"].update(other.data.get("gauges", {}))
         return self
@@ -55,47 +46,14 @@ class DualPathStats(KVConnectorStats):
         out: dict[str, int | float] = {
             name: self.data[name] for name in COUNTERS if self.data[name] or not name.startswith("local_tier_")
         }
-        for name in _SAMPLED:
+        for name in SAMPLED:
             values = self.data[name]
             out[f"{name}_median"] = round(statistics.median(values), 4) if values else 0.0
         out.update(self.data["gauges"])
         return out
 
     def is_empty(self) -> bool:
-        return (
-            not any(self.data[name] for name in COUNTERS)
-            and not any(self.data[n] for n in _SAMPLED)
-            and not self.data["gauges"]
-        )
-
-
-class StatsRecorder:
-    """Thread-safe accumulation on the worker; ``take`` hands over and resets."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._stats = DualPathStats()
-
-    def add(self, **counters: int) -> None:
-        with self._lock:
-            for name, value in counters.items():
-                self._stats.data[name] += value
-
-    def gauge(self, **values: float) -> None:
-        with self._lock:
-            self._stats.data["gauges"].update(values)
-
-    def sample(self, name: str, value: float) -> None:
-        """One observation of a distribution (TIMINGS: seconds, SIZES: bytes)."""
-        with self._lock:
-            self._stats.data[name].append(value)
-
-    def take(self) -> DualPathStats | None:
-        with self._lock:
-            if self._stats.is_empty():
-                return None
-            taken, self._stats = self._stats, DualPathStats()
-        return taken
+        return stats_empty(self.data)
 
 
 class DualPathPromMetrics(KVConnectorPromMetrics):

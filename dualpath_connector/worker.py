@@ -61,7 +61,8 @@ from dualpath_connector.pulls import PromptPuller
 from dualpath_connector.read_path import HitReader, LoadedHit
 from dualpath_connector.read_timeline import ReadTimeline
 from dualpath_connector.saves import ChunkSaver
-from dualpath_connector.stats import DualPathStats, StatsRecorder
+from dualpath_connector.stats import DualPathStats
+from dualpath_connector.stats_recorder import StatsRecorder
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -430,7 +431,8 @@ class DualPathWorker:
             self.stats.add(side_channel_rejected_messages=rejected - self._rejected_reported)
             self._rejected_reported = rejected
         self._add_store_metrics()
-        return self.stats.take()
+        data = self.stats.take()
+        return DualPathStats(data=data) if data is not None else None
 
     def _add_store_metrics(self) -> None:
         # The store keeps totals; hand on what grew since the last call, and its latest gauges.

@@ -77,8 +77,10 @@ def make_caches(layout: str, shape: CacheShape, seed: int) -> list[torch.Tensor]
 
     build, _ = LAYOUTS[layout]
     layers = build(shape)
-    generator = torch.Generator().manual_seed(seed)
+    device = layers[0].device
+    # Drawn where the cache lives: a 32k-token cache on a GPU is 16 GiB, slow to draw on the host.
+    generator = torch.Generator(device=device).manual_seed(seed)
     for kv in layers:
         view = physical_block_view(kv, shape.num_blocks)
-        view.copy_(torch.randint(0, 256, view.shape, generator=generator, dtype=torch.uint8))
+        view.copy_(torch.randint(0, 256, view.shape, generator=generator, dtype=torch.uint8, device=device))
     return layers

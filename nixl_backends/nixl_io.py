@@ -103,11 +103,12 @@ def run_nixl_transfers(
     remote_mem_type: str,
     timeout_s: float,
     window: int | None = None,
+    local_mem_type: str = "DRAM",
 ) -> list[bool]:
     """Post the transfers (at most ``window`` in flight; all at once without one), wait for all; one flag each.
 
-    Each transfer is a pair of Nx3 descriptor arrays: local DRAM descriptors
-    and the backend-side descriptors. One NIXL request per chunk lets a single
+    Each transfer is a pair of Nx3 descriptor arrays: local descriptors (DRAM,
+    or VRAM for a GDS read) and the backend-side descriptors. One NIXL request per chunk lets a single
     bad chunk fail alone. A window keeps a backend's own queue short: NIXL's
     OBJ plugin runs every request of an agent on one thread pool, first come
     first served, so a write posted behind a whole hit's reads would wait for
@@ -123,7 +124,7 @@ def run_nixl_transfers(
         nonlocal posted
         while posted < len(transfers) and (window is None or len(pending) < window):
             index, posted = posted, posted + 1
-            handle = _post(agent, op, *transfers[index], remote_mem_type)
+            handle = _post(agent, op, *transfers[index], local_mem_type, remote_mem_type)
             if handle is not None:
                 handles[index] = handle
                 pending.add(index)
@@ -152,10 +153,10 @@ def run_nixl_transfers(
     return ok
 
 
-def _post(agent, op: str, local: np.ndarray, remote: np.ndarray, remote_mem_type: str) -> Any:
+def _post(agent, op: str, local: np.ndarray, remote: np.ndarray, local_mem_type: str, remote_mem_type: str) -> Any:
     """One posted NIXL request, or None if it could not start (counted as failed)."""
     try:
-        handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, "DRAM"),
+        handle = agent.initialize_xfer(op, agent.get_xfer_descs(local, local_mem_type),
                                        agent.get_xfer_descs(remote, remote_mem_type), agent.name)  # fmt: skip
         if agent.transfer(handle) == "ERR":
             agent.release_xfer_handle(handle)

@@ -49,7 +49,7 @@ from dualpath_connector.copy_stream import CopyStream, copy_stream_for, pinned  
 from dualpath_connector.device_copies import DeviceCopier  # noqa: E402
 from dualpath_connector.kv_cache_view import KVCacheView  # noqa: E402
 from dualpath_connector.load_timing import StepLoadTiming  # noqa: E402
-from dualpath_connector.stats import StatsRecorder  # noqa: E402
+from dualpath_connector.stats_recorder import StatsRecorder  # noqa: E402
 from dualpath_dev import kv_layouts  # noqa: E402
 from dualpath_dev.kv_layouts import CacheShape  # noqa: E402
 from nixl_backends.layout import BlockLayout  # noqa: E402
@@ -119,6 +119,14 @@ def check_layout(layout: str, device: torch.device) -> dict:
 # -- 2. overlap -------------------------------------------------------------------------
 
 
+def fill_random(array: np.ndarray, tile_bytes: int = 64 << 20) -> None:
+    """Random bytes, one random tile repeated: a 32k-token hit is 14 GiB, too much to draw byte by byte."""
+    tile = np.random.default_rng(4).integers(0, 256, min(tile_bytes, array.size), dtype=np.uint8)
+    whole = array.size // tile.size * tile.size
+    array[:whole].reshape(-1, tile.size)[:] = tile
+    array[whole:] = tile[: array.size - whole]
+
+
 class Model:
     """A 7B-like KV cache with the hit in a pinned pool, and a per-layer compute stand-in."""
 
@@ -130,7 +138,7 @@ class Model:
         self.view = KVCacheView(kv_layouts.make_caches("LBHNC", shape, 3), num_blocks)
         hit_chunks = int(args.tokens * args.hit) // args.chunk
         self.pool = PinnedPool(self.view, hit_chunks, self.chunk_blocks, device)
-        self.pool.array[:] = np.random.default_rng(4).integers(0, 256, self.pool.array.size, dtype=np.uint8)
+        fill_random(self.pool.array)
         n = hit_chunks * self.chunk_blocks
         # The hit's blocks in a scattered order, as vLLM hands blocks out.
         blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(5))[:n].tolist()
@@ -184,7 +192,7 @@ def forward(model: Model, mode: str, stream: CopyStream, copier: DeviceCopier) -
         mark.wait()
     stats = StatsRecorder()
     timing.report(stats)
-    data = stats.take().data
+    data = stats.take()
     return {"step_s": begin.seconds_until(end), "wait_s": data["layer_wait_seconds"][0],
             "load_s": data["layer_load_seconds"][0]}  # fmt: skip
 
@@ -207,9 +215,26 @@ def measure(args: argparse.Namespace, device: torch.device) -> dict:
         base = rows["no-load"]["step_ms"]
         for row in rows.values():
             row["vs_no_load"] = round(row["step_ms"] / base, 3) if base > 0 else None
-        return {"hit_mib": round(model.hit_bytes / 2**20, 1), "modes": rows}
+        # DeviceCopier.post_loads: one host->device copy per slot and layer, of one Layer Block.
+        copies = {"per_layer": len(model.pool.host), "bytes_each": model.pool.layout.layer_block_bytes}
+        return {"hit_mib": round(model.hit_bytes / 2**20, 1), "h2d_copies": copies, "modes": rows}
     finally:
         model.pool.close()
+
+
+def measure_under_mma(argv: list[str], out_dir: Path) -> dict:
+    """Part 2 again in a child with ``mma_preload`` preloaded, and what the library says it intercepted."""
+    if not MMA_LIBRARY.exists():
+        raise SystemExit(f"--mma: {MMA_LIBRARY} is missing; build it first (make -C mma_preload)")
+    stats = out_dir / f"mma-stats-{os.getpid()}.json"
+    env = {**os.environ, "LD_PRELOAD": str(MMA_LIBRARY), "MMA_SINGLE_PATH": "1", "MMA_STATS_FILE": str(stats)}
+    child = subprocess.run([sys.executable, __file__, *argv, "--overlap-only"], env=env,
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    part = json.loads(child.stdout.strip().splitlines()[-1])
+    # The library writes its counts at exit; none where nothing reached cudaMemcpy(Async) (a CPU run).
+    part["mma_stats"] = json.loads(stats.read_text()) if stats.exists() else None
+    stats.unlink(missing_ok=True)
+    return part
 
 
 def table(result: dict) -> str:
@@ -217,7 +242,10 @@ def table(result: dict) -> str:
     for title, part in (("", result["overlap"]), (" with mma_preload", result.get("overlap_mma"))):
         if not part:
             continue
-        lines += [f"\n{result['tokens']} tokens, {part['hit_mib']} MiB hit{title}\n",
+        copies = part["h2d_copies"]
+        intercepted = f", mma intercepted {part['mma_stats']['intercepted']} copies" if part.get("mma_stats") else ""
+        lines += [f"\n{result['tokens']} tokens, {part['hit_mib']} MiB hit{title}: {copies['per_layer']} host->device "
+                  f"copies per layer of {copies['bytes_each'] / 2**20:.2f} MiB{intercepted}\n",
                   "| mode | forward ms | x no-load | load ms | stall ms | hidden |", "|---|---|---|---|---|---|"]  # fmt: skip
         for mode, row in part["modes"].items():
             lines.append(f"| {mode} | {row['step_ms']} | {row['vs_no_load']} | {row['load_ms']} | {row['wait_ms']} | "
@@ -264,10 +292,7 @@ def main(argv: list[str] | None = None) -> int:
               "layouts": [check_layout(layout, device) for layout in sorted(kv_layouts.LAYOUTS)],
               "overlap": measure(args, device)}  # fmt: skip
     if args.mma:
-        env = {**os.environ, "LD_PRELOAD": str(MMA_LIBRARY), "MMA_SINGLE_PATH": "1"}
-        child = subprocess.run([sys.executable, __file__, *(argv or sys.argv[1:]), "--overlap-only"], env=env,
-                               capture_output=True, text=True, check=True)  # fmt: skip
-        result["overlap_mma"] = json.loads(child.stdout.strip().splitlines()[-1])
+        result["overlap_mma"] = measure_under_mma(argv or sys.argv[1:], args.out_dir)
     args.out_dir.mkdir(parents=True, exist_ok=True)
     (args.out_dir / "gpu_connector.json").write_text(json.dumps(result, indent=1))
     text = table(result)

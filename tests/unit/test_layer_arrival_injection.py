@@ -31,7 +31,7 @@ from dualpath_connector.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import ChunkLoad, LoadSpec
 from dualpath_connector.protocol import StoreKeySpace
 from dualpath_connector.read_path import HitReader, LoadedHit
-from dualpath_connector.stats import StatsRecorder
+from dualpath_connector.stats_recorder import StatsRecorder
 from dualpath_dev import kv_layouts
 from dualpath_dev.kv_layouts import CacheShape
 from nixl_backends.buffers import HostBufferPool
@@ -241,7 +241,7 @@ def test_a_bad_layer_0_digest_shortens_the_hit_and_deletes_the_chunk(reader, sto
     assert store.deleted == [KEY_SPACE.key(HASHES[1])]
     # Later layers are checked only for the chunks still in the hit.
     assert [hit.arrivals.wait(layer, 0.0) for layer in range(LAYERS)] == [1, 1, 1, 1]
-    assert hit.arrivals.complete(1) and reader.stats.take().data["corrupt_chunks"] == 1
+    assert hit.arrivals.complete(1) and reader.stats.take()["corrupt_chunks"] == 1
     reader.release([hit])
     assert pool.free_slots == POOL_SLOTS
 

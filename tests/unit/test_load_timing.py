@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dualpath_connector.copy_stream import Mark
 from dualpath_connector.load_timing import StepLoadTiming
-from dualpath_connector.stats import StatsRecorder
+from dualpath_connector.stats_recorder import StatsRecorder
 
 
 class At(Mark):
@@ -26,7 +26,7 @@ class At(Mark):
 def _report(timing: StepLoadTiming) -> dict:
     stats = StatsRecorder()
     timing.report(stats)
-    data = stats.take().data
+    data = stats.take()
     return {"wait": data["layer_wait_seconds"], "load": data["layer_load_seconds"], **data["gauges"]}
 
 

@@ -24,7 +24,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiCo
 from dualpath_connector import plugin
 from dualpath_connector.config import parse_config
 from dualpath_connector.connector import DualPathConnector
-from dualpath_connector.stats import DualPathStats, StatsRecorder
+from dualpath_connector.stats import DualPathStats
+from dualpath_connector.stats_recorder import StatsRecorder
 
 NAME = "DualPathConnector"
 ENTRY_POINT = "dualpath_connector.plugin:register"
@@ -71,8 +72,9 @@ def stats_payload() -> tuple[DualPathStats, dict]:
     recorder.add(loaded_tokens=64, bytes_read=4096, saved_chunks=2)
     recorder.sample("load_seconds", 0.25)
     recorder.gauge(read_queue_tokens=3)
-    stats = recorder.take()
-    assert stats is not None
+    data = recorder.take()
+    assert data is not None
+    stats = DualPathStats(data=data)
     payload = MultiKVConnectorStats(data={DualPathConnector.__name__: stats}).to_dict()
     return stats, msgspec.msgpack.decode(msgspec.msgpack.encode(payload))
 

@@ -14,7 +14,7 @@ import torch
 from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.protocol import StoreKeySpace
 from dualpath_connector.read_path import HitReader
-from dualpath_connector.stats import StatsRecorder
+from dualpath_connector.stats_recorder import StatsRecorder
 from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.layout import KVNamespace, chunk_hashes
 
@@ -87,7 +87,7 @@ def _forge(store: FakeStore, integrity: ChunkIntegrity, index: int, values: torc
 def test_sound_chunks_are_all_readable(reader):
     hit_reader, store, _ = reader
     assert hit_reader._store_read(HASHES, list(range(len(HASHES)))) == [True] * len(HASHES)
-    assert store.deleted == [] and hit_reader.stats.take().data["corrupt_chunks"] == 0
+    assert store.deleted == [] and hit_reader.stats.take()["corrupt_chunks"] == 0
 
 
 def test_a_flipped_byte_ends_the_hit_counts_and_deletes_the_chunk(reader):
@@ -96,7 +96,7 @@ def test_a_flipped_byte_ends_the_hit_counts_and_deletes_the_chunk(reader):
     ok = hit_reader._store_read(HASHES, list(range(len(HASHES))))
     assert HitReader._leading_ok(ok) == 2
     assert store.deleted == [KEY_SPACE.key(HASHES[2])]
-    assert hit_reader.stats.take().data["corrupt_chunks"] == 1
+    assert hit_reader.stats.take()["corrupt_chunks"] == 1
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])

@@ -25,7 +25,7 @@ from dualpath_connector.read_path import HitReader, LoadedHit
 from dualpath_connector.read_split import ReadPlan, plan_read
 from dualpath_connector.read_timeline import ReadTimeline, load
 from dualpath_connector.side_channel import PeerBusy, PeerTimeout, SideChannelError
-from dualpath_connector.stats import StatsRecorder
+from dualpath_connector.stats_recorder import StatsRecorder
 from nixl_backends.buffers import HostBufferPool
 from nixl_backends.integrity import ChunkIntegrity
 from tests.unit.test_layer_arrival_injection import BLOCK, CHUNKS, HASHES, KEY_SPACE, LAYOUT, FakeAgent, LayerwiseStore
@@ -125,7 +125,7 @@ def test_a_read_behind_a_busy_link_moves_to_a_de_that_finishes_sooner(made):
     # The deadline is when this engine would have finished it: 2000 tokens ahead + 5 blocks of 4, at 1000 tokens/s.
     assert address == DE and message["deadline_s"] == timeout_s == pytest.approx(2.02)
     assert message["keep_token"] == "ab" * 16  # the DE keeps it for its decode
-    assert reader.stats.take().data["reads_moved_to_de"] == 1
+    assert reader.stats.take()["reads_moved_to_de"] == 1
 
 
 def test_a_declined_move_is_read_here_once(made, tmp_path):
@@ -136,7 +136,7 @@ def test_a_declined_move_is_read_here_once(made, tmp_path):
 
     assert hit.remote is None and hit.chunks == CHUNKS and len(reader.peers.requests) == 1
     assert len(store.whole_reads) == 1
-    assert reader.stats.take().data["reads_moved_to_de"] == 0
+    assert reader.stats.take()["reads_moved_to_de"] == 0
     reader.release([hit])
     # The read here is on this engine's timeline, once: 5 blocks of 4 tokens, 3 chunks read.
     timeline.close()
@@ -153,7 +153,7 @@ def test_a_late_de_stays_known_and_a_broken_one_is_forgotten(made, late):
     hit = _submit(reader, _spec())
     # Read here either way, and counted as a fallback.
     assert hit.remote is None and len(store.whole_reads) == 1
-    assert reader.stats.take().data["de_read_fallbacks"] == 1
+    assert reader.stats.take()["de_read_fallbacks"] == 1
     # Late: other requests may be READing from that DE's buffer right now; only a broken answer drops it.
     assert reader.peers.forgotten == ([] if isinstance(late, PeerTimeout) else [DE])
     reader.release([hit])
@@ -197,7 +197,7 @@ def test_an_idle_link_reads_the_head_while_the_de_reads_the_tail(made):
     assert message["chunk_hashes"] == HASHES[1:]
     # The deadline is the whole read here: 20 tokens at 1000 tokens/s; the DE keeps the tail for its decode.
     assert timeout_s == pytest.approx(0.02) and message["keep_token"] == "ab" * 16
-    counted = reader.stats.take().data
+    counted = reader.stats.take()
     assert counted["split_read_tail_tokens"] == 12 and counted["reads_moved_to_de"] == 0
     reader.release([head, tail])
 
@@ -210,7 +210,7 @@ def test_a_declined_tail_is_read_here_after_the_head(made):
     assert head.chunks + tail.chunks == CHUNKS and head.remote is None and tail.remote is None
     keys = [KEY_SPACE.key(h) for h in HASHES]
     assert store.whole_reads == [keys[:1], keys[1:]]  # no chunk read twice
-    assert reader.stats.take().data["split_read_tail_tokens"] == 0
+    assert reader.stats.take()["split_read_tail_tokens"] == 0
     reader.release([head, tail])
 
 

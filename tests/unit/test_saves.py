@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 from dualpath_connector.metadata import SaveSpec
 from dualpath_connector.saves import ChunkSaver
-from dualpath_connector.stats import StatsRecorder
+from dualpath_connector.stats_recorder import StatsRecorder
 
 
 class FakeStore:
@@ -33,7 +33,7 @@ def test_only_missing_writes_the_chunks_the_store_lacks_and_counts_the_rest():
     ok, present = ChunkSaver._write_keys(saver, SaveSpec("r1", ["h0", "h1", "h2"], [[0], [1], [2]], only_missing=True),
                                          ["k0", "k1", "k2"], [5, 6, 7])  # fmt: skip
     assert (ok, present, store.written) == ([True, True, True], 2, ["k1"])
-    assert saver.stats.take().data["resave_present_chunks"] == 2
+    assert saver.stats.take()["resave_present_chunks"] == 2
 
 
 def test_a_plain_save_writes_every_chunk():
