@@ -3,7 +3,9 @@
 One narrow interface, two implementations:
 
 - :class:`CudaCopyStream`: a CUDA stream beside the forward's (the *compute*
-  stream). The copy stream first waits for what the compute stream has queued
+  stream), and a second one for the device-side work of a load (the scatter
+  from staging into KV blocks), so the DMA engine moves layer ``l+1`` while
+  layer ``l``'s scatter waits for SMs the forward's kernels hold. The copy stream first waits for what the compute stream has queued
   (a block handed to a new request may still be read by the last forward);
   the compute stream waits for a copy's event right before it needs the bytes.
   Neither wait blocks the host. Copies are ``tensor.copy_(non_blocking=True)``
@@ -54,6 +56,26 @@ class CopyStream(ABC):
         """A mark after the work queued on this stream so far."""
 
     @abstractmethod
+    def scatter_active(self) -> contextlib.AbstractContextManager:
+        """Tensor operations issued inside run on the scatter stream (a load's device-side kernels)."""
+
+    @abstractmethod
+    def scatter_mark(self) -> Mark:
+        """A mark after the work queued on the scatter stream so far."""
+
+    @abstractmethod
+    def waits(self, mark: Mark) -> None:
+        """Work queued on this stream from now on runs after ``mark`` (a scatter-stream mark)."""
+
+    @abstractmethod
+    def scatter_waits(self, mark: Mark) -> None:
+        """Work queued on the scatter stream from now on runs after ``mark`` (a copy-stream mark)."""
+
+    @abstractmethod
+    def keep_for_scatter(self, tensor: torch.Tensor) -> None:
+        """``tensor`` (made on this stream) stays allocated until the scatter stream's queued work has run."""
+
+    @abstractmethod
     def compute_mark(self) -> Mark:
         """A mark after the work queued on the compute stream so far."""
 
@@ -87,6 +109,21 @@ class InlineCopyStream(CopyStream):
     def mark(self) -> Mark:
         return _InlineMark()
 
+    def scatter_active(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def scatter_mark(self) -> Mark:
+        return _InlineMark()
+
+    def waits(self, mark: Mark) -> None:
+        return
+
+    def scatter_waits(self, mark: Mark) -> None:
+        return
+
+    def keep_for_scatter(self, tensor: torch.Tensor) -> None:
+        return
+
     def compute_mark(self) -> Mark:
         return _InlineMark()
 
@@ -116,6 +153,7 @@ class CudaCopyStream(CopyStream):
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.stream = torch.cuda.Stream(device=device)
+        self.scatter_stream = torch.cuda.Stream(device=device)
         # Threads other than the forward's (bulk loads run on the read lane)
         # order against the stream the forward ran on when this was built.
         self._default_compute = torch.cuda.current_stream(device)
@@ -133,6 +171,23 @@ class CudaCopyStream(CopyStream):
 
     def mark(self) -> Mark:
         return _CudaMark(self.stream)
+
+    def scatter_active(self) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(self.scatter_stream)
+
+    def scatter_mark(self) -> Mark:
+        return _CudaMark(self.scatter_stream)
+
+    def waits(self, mark: Mark) -> None:
+        assert isinstance(mark, _CudaMark)
+        self.stream.wait_event(mark.event)
+
+    def scatter_waits(self, mark: Mark) -> None:
+        assert isinstance(mark, _CudaMark)
+        self.scatter_stream.wait_event(mark.event)
+
+    def keep_for_scatter(self, tensor: torch.Tensor) -> None:
+        tensor.record_stream(self.scatter_stream)
 
     def compute_mark(self) -> Mark:
         return _CudaMark(self._compute())

@@ -75,7 +75,7 @@ class Injector:
         # An arriving hit's chunks from ``good`` on did not land intact: ``fail(hit, good)``.
         self.fail = fail
         self.arrival_timeout_s = arrival_timeout_s
-        self._host = view.host_blocks(pool.array, pool.num_slots, blocks_per_chunk)
+        self._host = view.host_blocks(pool.array, pool.num_slots, blocks_per_chunk, layer_major=pool.layer_major)
         # On an accelerator (given a stream): pool copies are queued on it.
         self.device = DeviceCopier(view, self._host, load_stream) if load_stream is not None else None
         # Hits whose device copies were queued: released, and their timing read, once the copies ran.
@@ -146,7 +146,7 @@ class Injector:
         local_rows = np.split(local.rows(layers, hit.block_ids()), self.layout.num_layers)
         remote_rows = np.split(
             full_block_rows(remote.chunk_addrs, [c.first_sub_block for c in chunks], [len(c.block_ids) for c in chunks],
-                            layers, self.layout, self.view.outer, self.view.block_bytes),
+                            layers, remote.layer_stride, self.view.outer, self.view.block_bytes),
             self.layout.num_layers,
         )  # fmt: skip
         try:

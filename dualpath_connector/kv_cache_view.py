@@ -114,15 +114,21 @@ class KVCacheView:
             device_id=self.device.index or 0,
         )
 
-    def host_blocks(self, buffer: np.ndarray, num_slots: int, blocks_per_chunk: int) -> torch.Tensor:
+    def host_blocks(self, buffer: np.ndarray, num_slots: int, blocks_per_chunk: int, layer_major: bool = False) -> torch.Tensor:
         """A host buffer of slots as ``[slot, layer, sub_block, outer, block_bytes]`` (a view, no copy).
 
-        Each slot starts with a Full Block; bytes after it (the stored object's
-        integrity trailer) are outside the view.
+        Chunk-major: each slot starts with a Full Block; bytes after it (the
+        stored object's integrity trailer) are outside the view. Layer-major
+        (``HostBufferPool(layer_major=...)``): the buffer starts with one band per
+        layer, ``[layer][slot][Layer Block]``, so ``view[a:b, layer]`` is one run.
         """
-        full_block_bytes = self.num_layers * self.layer_block_bytes(blocks_per_chunk)
+        shape = (self.num_layers, blocks_per_chunk, self.outer, self.block_bytes)
+        full_block_bytes = math.prod(shape)
+        if layer_major:
+            bands = torch.from_numpy(buffer)[: full_block_bytes * num_slots]
+            return bands.view(self.num_layers, num_slots, *shape[1:]).transpose(0, 1)
         slots = torch.from_numpy(buffer).view(num_slots, -1)[:, :full_block_bytes]
-        return slots.unflatten(1, (self.num_layers, blocks_per_chunk, self.outer, self.block_bytes))
+        return slots.unflatten(1, shape)
 
     def plan(
         self, slots: Sequence[int], sub_blocks: Sequence[int], block_ids: Sequence[int], *, on_device: bool = True

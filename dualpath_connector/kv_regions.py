@@ -114,14 +114,15 @@ def full_block_rows(
     first_sub_blocks: Sequence[int],
     block_counts: Sequence[int],
     layers: Sequence[int],
-    layout: BlockLayout,
+    layer_stride: int,
     outer: int,
     block_bytes: int,
 ) -> np.ndarray:
     """NIXL rows of hit blocks inside Full Blocks held in host memory, ordered like :meth:`KVRegions.rows`.
 
-    Chunk ``j``'s Full Block is at ``chunk_addrs[j]``; its blocks
-    ``first_sub_blocks[j] .. + block_counts[j]`` are the ones wanted. Within a
+    Chunk ``j``'s layer 0 is at ``chunk_addrs[j]``, its layer ``l`` ``l * layer_stride``
+    further (one Layer Block in a chunk-major buffer, a band in a layer-major one);
+    its blocks ``first_sub_blocks[j] .. + block_counts[j]`` are the ones wanted. Within a
     Layer Block, sub-block ``i``'s outer slice ``o`` is at ``(i * outer + o) * block_bytes``.
     """
     starts = np.repeat(np.asarray(chunk_addrs, dtype=np.uint64), block_counts)
@@ -129,6 +130,6 @@ def full_block_rows(
         [np.arange(first, first + n, dtype=np.uint64) for first, n in zip(first_sub_blocks, block_counts)]
     ) if len(block_counts) else np.empty(0, dtype=np.uint64)  # fmt: skip
     first = starts + subs * np.uint64(outer * block_bytes)
-    layer_offsets = np.asarray(layers, dtype=np.uint64) * np.uint64(layout.layer_block_bytes)
+    layer_offsets = np.asarray(layers, dtype=np.uint64) * np.uint64(layer_stride)
     outer_offsets = np.arange(outer, dtype=np.uint64) * np.uint64(block_bytes)
     return descriptors(layer_offsets[:, None, None] + first[None, :, None] + outer_offsets, block_bytes)

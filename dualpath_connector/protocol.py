@@ -33,7 +33,7 @@ from nixl_backends.layout import BlockLayout, KVNamespace, chunk_hashes, chunk_k
 # 2: side-channel messages are signed (cluster_auth); stored chunks carry integrity trailers.
 # 3: the hello answer's KV regions carry num_blocks and block_stride (cross-layer layouts).
 # 4: a DE keeps a hit it read for a PE (read ``keep_token``, hand-off ``kept_*``) and pulls only the rest.
-PROTOCOL_VERSION = 4
+PROTOCOL_VERSION = 5
 VERSION_KEY = "dualpath_version"
 
 
@@ -257,14 +257,21 @@ class ReadRequest:
 
 @dataclass(frozen=True)
 class ReadAnswer:
-    """DE -> PE: the leading ``readable`` chunks sit at ``chunk_addrs``, lent under ``lease``."""
+    """DE -> PE: the leading ``readable`` chunks sit at ``chunk_addrs``, lent under ``lease``.
+
+    ``chunk_addrs`` name each chunk's layer 0; layer ``l`` is ``l * layer_stride``
+    further (one Layer Block in a chunk-major buffer, a band in a layer-major
+    one: version 5).
+    """
 
     readable: int
     lease: str | None
     chunk_addrs: list[int]
+    layer_stride: int = 0
 
     def to_message(self) -> dict[str, Any]:
-        return {"readable": self.readable, "lease": self.lease, "chunk_addrs": list(self.chunk_addrs)}
+        return {"readable": self.readable, "lease": self.lease, "chunk_addrs": list(self.chunk_addrs),
+                "layer_stride": self.layer_stride}  # fmt: skip
 
     @classmethod
     def from_message(cls, message: dict[str, Any], asked: int) -> ReadAnswer:
@@ -275,7 +282,10 @@ class ReadAnswer:
         lease = message.get("lease")
         if readable and (len(addrs) != readable or not isinstance(lease, str) or not lease):
             raise ProtocolError("a read answer names one address per readable chunk and a lease")
-        return cls(readable, lease if readable else None, addrs[:readable])
+        stride = message.get("layer_stride", 0)
+        if not isinstance(stride, int) or isinstance(stride, bool) or not (0 < stride < 1 << 48 or not readable):
+            raise ProtocolError(f"layer_stride must be a positive integer, got {stride!r}")
+        return cls(readable, lease if readable else None, addrs[:readable], stride)
 
 
 # -- metrics ---------------------------------------------------------------------

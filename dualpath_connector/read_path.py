@@ -33,6 +33,7 @@ import torch
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.integrity import ChunkIntegrity
+from nixl_backends.layout import DIGEST_BYTES
 from nixl_backends.s3agg_protocol import LAYOUT_CHUNK_MAJOR
 from nixl_backends.store import KVStore, TransferAbandoned
 
@@ -64,7 +65,8 @@ class RemoteBuffer:
     address: str
     peer: KVRegions
     lease: str
-    chunk_addrs: list[int]
+    chunk_addrs: list[int]  # each chunk's layer 0
+    layer_stride: int  # from a chunk's layer l to its layer l + 1
 
 
 @dataclass
@@ -123,6 +125,8 @@ class HitReader:
         # The forward's measured per-layer compute time, declared to the store's bandwidth scheduler.
         self.compute_window_s = compute_window_s
         self.read_queue = StoreReadQueue()
+        # From a slot's layer l to its layer l + 1, as a PE reading this engine's buffer must step.
+        self._layer_stride = pool.layer_stride if pool.layer_major else key_space.layout.layer_block_bytes
         self._de_reads = ThreadPoolExecutor(
             max_workers=_DE_READ_THREADS,
             thread_name_prefix="dualpath-de-read",
@@ -314,7 +318,7 @@ class HitReader:
         started = time.perf_counter()
         good = limit
         for i in range(limit):
-            problem = self._check(chunk_hashes[i], self.pool.slot_view(slots[i]), layer)
+            problem = self._check(chunk_hashes[i], slots[i], layer)
             if problem is not None:
                 self._drop_corrupt(self.key_space.key(chunk_hashes[i]), problem)
                 good = i
@@ -335,12 +339,16 @@ class HitReader:
         one (the hit ends before it), so no byte of it reaches a KV cache.
         """
         started = time.perf_counter()
-        ok = self.store.read([self.key_space.key(h) for h in chunk_hashes], [self.pool.slot_addr(s) for s in slots])
+        keys = [self.key_space.key(h) for h in chunk_hashes]
+        if self.pool.layer_major:  # the worker chose it because the store reads into pieces
+            ok = self.store.read_segments(keys, [self.pool.slot_segments(s) for s in slots])
+        else:
+            ok = self.store.read(keys, [self.pool.slot_addr(s) for s in slots])
         self.read_queue.record_read(sum(ok) * self.key_space.chunk_tokens, time.perf_counter() - started)
         # Only the leading run is used, so verification stops at its end.
         started = time.perf_counter()
         for i in range(self._leading_ok(ok)):
-            problem = self._check(chunk_hashes[i], self.pool.slot_view(slots[i]))
+            problem = self._check(chunk_hashes[i], slots[i])
             if problem is not None:
                 self._drop_corrupt(self.key_space.key(chunk_hashes[i]), problem)
                 ok[i] = False
@@ -348,29 +356,38 @@ class HitReader:
         self.stats.sample("verify_seconds", time.perf_counter() - started)
         return ok
 
-    def _check(self, chunk_hash: str, obj: np.ndarray, layer: int | None = None) -> str | None:
-        """Why this object (or its layer ``layer`` alone) must not reach a KV cache, or None."""
+    def _object_parts(self, slot: int) -> tuple[list[np.ndarray], np.ndarray]:
+        """The Layer Blocks and the trailer of the object in a load-pool slot (in one run, or layer-major)."""
         layout = self.key_space.layout
+        if self.pool.layer_major:
+            return [self.pool.layer_view(slot, layer) for layer in range(layout.num_layers)], self.pool.trailer_view(slot)
+        obj = self.pool.slot_view(slot)
+        return [obj[slice(*layout.layer_range(layer))] for layer in range(layout.num_layers)], obj[layout.full_block_bytes :]
+
+    def _check(self, chunk_hash: str, slot: int, layer: int | None = None) -> str | None:
+        """Why the object in ``slot`` (or its layer ``layer`` alone) must not reach a KV cache, or None."""
         chunk_hash = self.key_space.object_hash(chunk_hash)
+        layers, trailer = self._object_parts(slot)
         if layer is None:
-            intact = self.integrity.verify(chunk_hash, obj)
-            data = obj[: layout.full_block_bytes]
+            intact = self.integrity.verify_parts(chunk_hash, layers, trailer)
         else:
-            data = obj[slice(*layout.layer_range(layer))]
-            intact = self.integrity.verify_layer(chunk_hash, layer, data, obj[slice(*layout.digest_range(layer))])
+            digest = trailer[layer * DIGEST_BYTES : (layer + 1) * DIGEST_BYTES]
+            intact = self.integrity.verify_layer(chunk_hash, layer, layers[layer], digest)
+            layers = [layers[layer]]
         if not intact:
             return f"failed its integrity check ({self.integrity.algorithm})"
         if self.kv_dtype is not None:
             # A writer who can compute the digest (checksum mode) could store
             # NaN/inf; in a KV cache they spread to whichever request reuses
             # the blocks, so they are refused too.
-            values = torch.from_numpy(data).view(self.kv_dtype)
-            # aminmax propagates NaN and returns an inf it meets: one pass, two
-            # scalars. isfinite(...).all() makes several tensors the size of
-            # the chunk (abs, compares, a bool mask) and is ~20x slower.
-            low, high = torch.aminmax(values)
-            if not (math.isfinite(low.item()) and math.isfinite(high.item())):
-                return "holds non-finite values"
+            for data in layers:
+                values = torch.from_numpy(data).view(self.kv_dtype)
+                # aminmax propagates NaN and returns an inf it meets: one pass, two
+                # scalars. isfinite(...).all() makes several tensors the size of
+                # the chunk (abs, compares, a bool mask) and is ~20x slower.
+                low, high = torch.aminmax(values)
+                if not (math.isfinite(low.item()) and math.isfinite(high.item())):
+                    return "holds non-finite values"
         return None
 
     def _drop_corrupt(self, key: str, problem: str) -> None:
@@ -410,7 +427,7 @@ class HitReader:
             return None
         if not answer.readable:
             return LoadedHit(spec.req_id, [])
-        remote = RemoteBuffer(address, peer, answer.lease, answer.chunk_addrs)
+        remote = RemoteBuffer(address, peer, answer.lease, answer.chunk_addrs, answer.layer_stride)
         return LoadedHit(spec.req_id, spec.chunks[: answer.readable], remote=remote)
 
     def repair(self, hit: LoadedHit) -> None:
@@ -508,7 +525,8 @@ class HitReader:
         lease = None
         if readable:
             lease = self.peers.lease(self.pool, slots[:readable], request.keep_token, chunk_hashes[:readable])
-        return ReadAnswer(readable, lease, [self.pool.slot_addr(s) for s in slots[:readable]]).to_message()
+        return ReadAnswer(readable, lease, [self.pool.slot_addr(s) for s in slots[:readable]],
+                          self._layer_stride).to_message()
 
     def shutdown(self) -> None:
         self._de_reads.shutdown(wait=True, cancel_futures=True)

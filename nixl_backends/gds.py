@@ -29,6 +29,8 @@ GDS_PLUGINS = ("GDS", "GDS_MT")
 CUFILE_LIBRARY = "libcufile.so.0"
 # cuFile reads its settings from this file; we write one allowing compatibility mode where none is set.
 CUFILE_CONFIG_ENV = "CUFILE_ENV_PATH_JSON"
+# cuFile logs to ./cufile.log unless told otherwise, also before it has read a config.
+CUFILE_LOG_ENV = "CUFILE_LOGFILE_PATH"
 
 
 class GdsUnavailable(ConfigError):
@@ -71,7 +73,7 @@ def allow_compat_mode() -> str | None:
     """
     if nvidia_fs_loaded() or os.environ.get(CUFILE_CONFIG_ENV):
         return None
-    config = {"properties": {"allow_compat_mode": True}, "logging": {"level": "ERROR"}}
+    config = {"properties": {"allow_compat_mode": True}, "logging": {"dir": tempfile.gettempdir(), "level": "ERROR"}}
     fd, path = tempfile.mkstemp(prefix="dualpath-cufile-", suffix=".json")
     with os.fdopen(fd, "w") as out:
         json.dump(config, out)
@@ -87,6 +89,7 @@ def create_gds_backend(agent: Any, plugin: str, where: str = "store.gds") -> Non
         return
     if plugin not in agent.get_plugin_list():
         raise GdsUnavailable(f"{where}={plugin!r}: this NIXL build has no {plugin} plugin")
+    os.environ.setdefault(CUFILE_LOG_ENV, os.path.join(tempfile.gettempdir(), f"cufile-{os.getpid()}.log"))
     try:
         load_cufile()
     except GdsUnavailable as exc:

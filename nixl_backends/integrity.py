@@ -135,13 +135,19 @@ class ChunkIntegrity:
     def verify(self, chunk_hash: str, obj: np.ndarray) -> bool:
         """Whether every layer of the object in ``obj`` matches its trailer."""
         s, full = self.layout.layer_block_bytes, self.layout.full_block_bytes
-        hash_bytes = bytes.fromhex(chunk_hash)
         view = memoryview(obj)
+        return self.verify_parts(chunk_hash, [view[layer * s : (layer + 1) * s] for layer in range(self.layout.num_layers)],
+                                 view[full:])  # fmt: skip
+
+    def verify_parts(self, chunk_hash: str, layers: Sequence, trailer) -> bool:
+        """Whether every layer matches its digest, the object given in pieces: its Layer Blocks and its trailer
+        (a layer-major pool's slot)."""
+        hash_bytes = bytes.fromhex(chunk_hash)
+        digests = memoryview(trailer).cast("B")
         return all(
-            self._matches(hash_bytes, layer, view[layer * s : (layer + 1) * s],
-                          view[full + layer * DIGEST_BYTES : full + (layer + 1) * DIGEST_BYTES])
-            for layer in range(self.layout.num_layers)
-        )  # fmt: skip
+            self._matches(hash_bytes, layer, data, digests[layer * DIGEST_BYTES : (layer + 1) * DIGEST_BYTES])
+            for layer, data in enumerate(layers)
+        )
 
     def verify_layer_major(self, chunk_hashes: Sequence[str], layer: int, region) -> int:
         """How many leading chunks of a layer-major region of layer ``layer`` verify.

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
 from nixl_backends.configuration import ConfigError
 from nixl_backends.layout import BlockLayout
 from nixl_backends.nixl_io import TransferAbandoned, descriptors, run_nixl_transfers
@@ -55,6 +57,8 @@ class PosixStoreConfig:
 
 
 class PosixStore(KVStore):
+    reads_segments = True  # one descriptor per piece, file offsets in object order
+
     def __init__(self, config: PosixStoreConfig, layout: BlockLayout, agent=None) -> None:
         super().__init__(layout)
         self.config = config
@@ -77,20 +81,20 @@ class PosixStore(KVStore):
                 return count
         return len(keys)
 
-    def _transfer_files(self, op: str, fds: list[int | None], addrs: Sequence[int]) -> list[bool]:
+    def _transfer_files(self, op: str, fds: list[int | None], pieces: Sequence[np.ndarray]) -> list[bool]:
+        """One NIXL request per file: its object to or from ``pieces[i]`` (``k x 2`` rows (addr, length))."""
         size = self.layout.object_bytes
         live = [i for i, fd in enumerate(fds) if fd is not None]
         ok = [False] * len(fds)
         if not live:
             return ok
         registration = self._agent.register_memory([(0, size, fds[i], "") for i in live], "FILE")
-        results = run_nixl_transfers(
-            self._agent,
-            op,
-            [(descriptors(addrs[i], size), descriptors(0, size, fds[i])) for i in live],
-            "FILE",
-            self.config.io_timeout_s,
-        )
+        transfers = []
+        for i in live:
+            addrs, lengths = pieces[i][:, 0], pieces[i][:, 1]
+            offsets = np.cumsum(lengths) - lengths  # each piece's place in the file
+            transfers.append((descriptors(addrs, lengths), descriptors(offsets, lengths, fds[i])))
+        results = run_nixl_transfers(self._agent, op, transfers, "FILE", self.config.io_timeout_s)
         # Deregistered only after every transfer ended (TransferAbandoned skips this).
         self._agent.deregister_memory(registration)
         for i, result in zip(live, results):
@@ -98,6 +102,10 @@ class PosixStore(KVStore):
         return ok
 
     def read(self, keys: Sequence[str], dst_addrs: Sequence[int]) -> list[bool]:
+        size = self.layout.object_bytes
+        return self.read_segments(keys, [np.array([[addr, size]], dtype=np.uint64) for addr in dst_addrs])
+
+    def read_segments(self, keys: Sequence[str], segments: Sequence[np.ndarray]) -> list[bool]:
         if self._agent is None:
             raise RuntimeError("PosixStore was opened without a NIXL agent: lookup only")
         fds: list[int | None] = []
@@ -108,7 +116,7 @@ class PosixStore(KVStore):
                 fds.append(None)
         try:
             # NIXL reports a file shorter than the object as a failed read.
-            ok = self._transfer_files("READ", fds, dst_addrs)
+            ok = self._transfer_files("READ", fds, segments)
             self._mark_used(fds, ok)
         except TransferAbandoned:
             # NIXL may still use these descriptors: they stay open.
@@ -155,7 +163,8 @@ class PosixStore(KVStore):
                 os.makedirs(os.path.dirname(final), exist_ok=True)
                 temps[i] = f"{final}.{uuid.uuid4().hex}.tmp"
                 fds.append(os.open(temps[i], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
-            results = self._transfer_files("WRITE", fds, [src_addrs[i] for i in todo])
+            size = self.layout.object_bytes
+            results = self._transfer_files("WRITE", fds, [np.array([[src_addrs[i], size]], dtype=np.uint64) for i in todo])
         except TransferAbandoned:
             raise  # NIXL may still write through these descriptors
         except BaseException:

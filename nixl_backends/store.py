@@ -15,6 +15,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from nixl_backends.layout import BlockLayout
 # Raised by every read and write; callers import it from here.
 from nixl_backends.nixl_io import TransferAbandoned
@@ -36,6 +38,9 @@ class KVStore(ABC):
     # A store that can hand over a read layer by layer as each lands (``read_layerwise``, e.g. the
     # s3agg gateway's), so a reader can start using layer 0 before the last layer arrives.
     delivers_layers: bool = False
+    # A store that reads an object straight into pieces of host memory (``read_segments``): a
+    # layer-major pool's slot (``HostBufferPool.slot_segments``), with no copy after the read.
+    reads_segments: bool = False
 
     def __init__(self, layout: BlockLayout) -> None:
         self.layout = layout
@@ -55,6 +60,13 @@ class KVStore(ABC):
         ``False`` and its destination bytes must not be trusted. Raises
         :class:`TransferAbandoned` when transfers outlive the store's timeout.
         """
+
+    def read_segments(self, keys: Sequence[str], segments: Sequence[np.ndarray]) -> list[bool]:
+        """Like :meth:`read`, each object into its pieces: ``k x 2`` rows ``(addr, length)`` in object byte order.
+
+        Only where ``reads_segments`` is declared.
+        """
+        raise NotImplementedError(f"{type(self).__name__} reads whole objects into one run only")
 
     @abstractmethod
     def write(self, keys: Sequence[str], src_addrs: Sequence[int]) -> list[bool]:

@@ -23,7 +23,9 @@ PY=${PYTHON:-python3}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+# GDS reads files on the repository's disk (the temp dir may be tmpfs, which has no O_DIRECT).
+gds_dir="$root/.device-check-gds"
+trap 'rm -rf "$work" "$gds_dir"' EXIT
 log="$out/device_check.log"
 : >"$log"
 say() { echo "[$(date +%T)] $*" | tee -a "$log"; }
@@ -62,7 +64,9 @@ fi
 if "$PY" -c 'import nixl._api' >>"$log" 2>&1; then
   step nixl-dram-vram 60 "$PY" "$root/scripts/gpu_nixl_check.py" --mib 256 --json "$work/nixl.json"
   step nixl-dram-vram-1024-descs 60 "$PY" "$root/scripts/gpu_nixl_check.py" --mib 256 --descs 1024 --json "$work/nixl-descs.json"
-  step gds 120 "$PY" "$root/scripts/gpu_gds_check.py" --device cuda --objects 16 --dir "$work" --json "$work/gds.json"
+  mkdir -p "$gds_dir"
+  df -T "$gds_dir" | tee -a "$log"
+  step gds 120 "$PY" "$root/scripts/gpu_gds_check.py" --device cuda --objects 16 --dir "$gds_dir" --json "$work/gds.json"
 else
   say "nixl not importable and no wheels in $wheels: NIXL DRAM<->VRAM and GDS checks skipped"
 fi

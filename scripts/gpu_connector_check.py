@@ -9,16 +9,22 @@
    for byte, and the host slots against the store format (layer ``l`` of
    sub-block ``s`` where ``BlockLayout`` puts it).
 2. **Overlap.** A 7B-like model (``--layers`` 32, ``--heads`` 32, ``--head-dim`` 128,
-   bf16, LBHNC) with a ``--hit`` (0.9) share of a ``--tokens`` prompt in the pinned
-   pool; per layer a compute stand-in (two matmuls with one decoder layer's FLOPs
-   at ``--tokens`` tokens). Per forward, medians of ``--reps``: *no-load*
-   (compute only), *bulk* (every layer copied, then the forward), *layerwise*
-   (every layer queued at once on the copy stream, the forward waits on each
-   layer's event: the connector's path) and *layerwise-per-block* (the same with
-   one copy per block instead of per slot plus a device scatter); the stall and
-   the hidden fraction come from ``StepLoadTiming`` as the connector reports them.
+   bf16, LBHNC) with a ``--hit`` (0.9) share of a ``--tokens`` prompt in pinned
+   pools, one chunk-major and one layer-major (``HostBufferPool(layer_major=...)``);
+   per layer a compute stand-in (two matmuls with one decoder layer's FLOPs at
+   ``--tokens`` tokens). Per forward, medians (and min-max) of ``--reps``, the modes
+   interleaved: *no-load* (compute only), *bulk* (every layer copied, then the
+   forward), *layerwise* (every layer queued at once on the copy stream, the forward
+   waits on each layer's event: the connector's path), *layerwise-per-block* (one
+   copy per block instead of per slot plus a device scatter), and *bulk* /
+   *layerwise* from the layer-major pool (one copy per layer of the hit). Columns:
+   the forward's time, the host time spent queueing the copies (the forward's kernels
+   queue after them), the loads' own time, and the stall and hidden fraction as
+   ``StepLoadTiming`` reports them for the connector; and the host->device copies
+   per layer with their sizes.
    ``--mma`` repeats part 2 with ``mma_preload`` preloaded (``MMA_SINGLE_PATH=1`` on
-   a one-GPU machine, so its chunking runs).
+   a one-GPU machine, so its chunking runs), and reports the copies it intercepted;
+   it refuses to run without the built library.
 
 Writes ``gpu_connector.json`` and ``gpu_connector.md`` to ``--out-dir`` and prints
 the table. Exit status 0 when every byte check passes, 1 otherwise, 77 with
@@ -37,6 +43,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -59,16 +66,20 @@ TRAILER_SENTINEL = 0xA5
 
 
 class PinnedPool:
-    """Slots of stored objects in one page-locked host array (as the connector's pools)."""
+    """Slots of stored objects in one page-locked host array, chunk- or layer-major (as the connector's pools)."""
 
-    def __init__(self, view: KVCacheView, slots: int, blocks_per_chunk: int, device: torch.device) -> None:
+    def __init__(self, view: KVCacheView, slots: int, blocks_per_chunk: int, device: torch.device,
+                 layer_major: bool = False) -> None:  # fmt: skip
         self.layout = BlockLayout(view.num_layers, view.layer_block_bytes(blocks_per_chunk))
+        self.slots, self.layer_major = slots, layer_major
         self.array = np.full(slots * self.layout.object_bytes, TRAILER_SENTINEL, dtype=np.uint8)
         self._pin = pinned(self.array.ctypes.data, self.array.nbytes, device)
         self._pin.__enter__()
-        self.host = view.host_blocks(self.array, slots, blocks_per_chunk)
+        self.host = view.host_blocks(self.array, slots, blocks_per_chunk, layer_major=layer_major)
 
     def trailers_untouched(self) -> bool:
+        if self.layer_major:  # the layer bands, then every slot's trailer
+            return bool((self.array[self.slots * self.layout.full_block_bytes :] == TRAILER_SENTINEL).all())
         objects = self.array.reshape(-1, self.layout.object_bytes)
         return bool((objects[:, self.layout.full_block_bytes :] == TRAILER_SENTINEL).all())
 
@@ -80,12 +91,19 @@ class PinnedPool:
 
 
 def check_layout(layout: str, device: torch.device) -> dict:
+    """Saves then loads through a chunk-major and a layer-major pool; ok when both are byte-exact."""
+    parts = {name: check_pool(layout, device, name == "layer_major") for name in ("chunk_major", "layer_major")}
+    return {"layout": layout, **parts["chunk_major"], "layer_major": parts["layer_major"],
+            "ok": all(part["ok"] for part in parts.values())}  # fmt: skip
+
+
+def check_pool(layout: str, device: torch.device, layer_major: bool) -> dict:
     shape = CacheShape(num_layers=3, num_blocks=16, block=16, heads=4, dim=64, device=str(device))
     source = KVCacheView(kv_layouts.make_caches(layout, shape, 1), shape.num_blocks)
     target = KVCacheView(kv_layouts.make_caches(layout, shape, 2), shape.num_blocks)
     before = [view.clone() for view in target.layers]
     bpc = 2
-    pool = PinnedPool(source, 3, bpc, device)
+    pool = PinnedPool(source, 3, bpc, device, layer_major)
     try:
         slots, subs = [2, 2, 0, 0, 1], [0, 1, 0, 1, 1]
         out_blocks, in_blocks = [5, 2, 11, 0, 3], [1, 14, 3, 4, 0]
@@ -110,7 +128,7 @@ def check_layout(layout: str, device: torch.device) -> dict:
         # Negative control: a block that went elsewhere must compare unequal.
         control = not torch.equal(target.layers[0][:, 14], source.layers[0][:, 5])
         ok = stored and loaded and kept and pool.trailers_untouched() and control
-        return {"layout": layout, "outer": source.outer, "stored": stored, "loaded": loaded, "kept": kept,
+        return {"outer": source.outer, "stored": stored, "loaded": loaded, "kept": kept,
                 "trailers": pool.trailers_untouched(), "negative_control": control, "ok": ok}  # fmt: skip
     finally:
         pool.close()
@@ -137,8 +155,13 @@ class Model:
         shape = CacheShape(args.layers, num_blocks, args.block, args.heads, args.head_dim, device=str(device))
         self.view = KVCacheView(kv_layouts.make_caches("LBHNC", shape, 3), num_blocks)
         hit_chunks = int(args.tokens * args.hit) // args.chunk
-        self.pool = PinnedPool(self.view, hit_chunks, self.chunk_blocks, device)
-        fill_random(self.pool.array)
+        # The hit in consecutive slots of each pool layout: per layer one copy per chunk (chunk-major) or one
+        # copy of the whole layer (layer-major).
+        self.pools = {name: PinnedPool(self.view, hit_chunks, self.chunk_blocks, device, name == "layer-major")
+                      for name in ("chunk-major", "layer-major")}  # fmt: skip
+        self.pool = self.pools["chunk-major"]
+        for pool in self.pools.values():
+            fill_random(pool.array)
         n = hit_chunks * self.chunk_blocks
         # The hit's blocks in a scattered order, as vLLM hands blocks out.
         blocks = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(5))[:n].tolist()
@@ -170,16 +193,20 @@ class Model:
         return start, marks
 
 
-def forward(model: Model, mode: str, stream: CopyStream, copier: DeviceCopier) -> dict:
-    """One forward in ``mode``; its time on the compute stream and the connector's load timing."""
+def forward(model: Model, mode: str, stream: CopyStream, copiers: dict[str, DeviceCopier]) -> dict:
+    """One forward in ``mode``; its time on the compute stream, the host time queueing the loads took, and the
+    connector's load timing."""
     layers = range(model.view.num_layers)
     timing = StepLoadTiming()
     begin = stream.compute_mark()
+    queued = time.perf_counter()
     if mode != "no-load":
+        copier = copiers["layer-major" if mode.endswith("layer-major") else "chunk-major"]
         start, marks = model.per_block_loads(stream) if mode == "layerwise-per-block" else copier.post_loads(model.plan, layers)
         timing.device_loads.append((start, marks[-1]))
+    queued = time.perf_counter() - queued
     for layer in layers:
-        if mode == "bulk" and layer == 0:
+        if mode.startswith("bulk") and layer == 0:
             timing.device_waits.append((stream.compute_mark(), [marks[-1]]))
             stream.compute_waits(marks[-1])
         elif mode.startswith("layerwise"):
@@ -194,32 +221,40 @@ def forward(model: Model, mode: str, stream: CopyStream, copier: DeviceCopier) -
     timing.report(stats)
     data = stats.take()
     return {"step_s": begin.seconds_until(end), "wait_s": data["layer_wait_seconds"][0],
-            "load_s": data["layer_load_seconds"][0]}  # fmt: skip
+            "load_s": data["layer_load_seconds"][0], "queue_s": queued}  # fmt: skip
 
 
-MODES = ("no-load", "bulk", "layerwise", "layerwise-per-block")
+MODES = ("no-load", "bulk", "layerwise", "layerwise-per-block", "bulk-layer-major", "layerwise-layer-major")
 
 
 def measure(args: argparse.Namespace, device: torch.device) -> dict:
     model = Model(args, device)
     try:
         stream = copy_stream_for(device)
-        copier = DeviceCopier(model.view, model.pool.host, stream)
-        rows = {}
+        copiers = {name: DeviceCopier(model.view, pool.host, stream) for name, pool in model.pools.items()}
         for mode in MODES:
-            forward(model, mode, stream, copier)  # warm-up: allocator, kernels
-            runs = [forward(model, mode, stream, copier) for _ in range(args.reps)]
-            step, wait, load = (statistics.median(r[k] for r in runs) for k in ("step_s", "wait_s", "load_s"))
-            rows[mode] = {"step_ms": round(step * 1e3, 3), "wait_ms": round(wait * 1e3, 3), "load_ms": round(load * 1e3, 3),
+            forward(model, mode, stream, copiers)  # warm-up: allocator, kernels
+        runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        for _ in range(args.reps):  # interleaved: A B C ... A B C ...
+            for mode in MODES:
+                runs[mode].append(forward(model, mode, stream, copiers))
+        rows = {}
+        for mode, samples in runs.items():
+            step, wait, load, queue = (statistics.median(r[k] for r in samples) for k in ("step_s", "wait_s", "load_s", "queue_s"))
+            rows[mode] = {"step_ms": round(step * 1e3, 3), "step_ms_min": round(min(r["step_s"] for r in samples) * 1e3, 3),
+                          "step_ms_max": round(max(r["step_s"] for r in samples) * 1e3, 3),
+                          "queue_ms": round(queue * 1e3, 3), "wait_ms": round(wait * 1e3, 3), "load_ms": round(load * 1e3, 3),
                           "hidden_fraction": round(max(0.0, 1 - wait / load), 3) if load > 0 else None}  # fmt: skip
         base = rows["no-load"]["step_ms"]
         for row in rows.values():
             row["vs_no_load"] = round(row["step_ms"] / base, 3) if base > 0 else None
-        # DeviceCopier.post_loads: one host->device copy per slot and layer, of one Layer Block.
-        copies = {"per_layer": len(model.pool.host), "bytes_each": model.pool.layout.layer_block_bytes}
+        # What DeviceCopier.post_loads queued per layer, for each pool layout.
+        copies = {name: {"per_layer": len(c.last_load_copy_bytes), "bytes_each": sorted(set(c.last_load_copy_bytes))}
+                  for name, c in copiers.items()}  # fmt: skip
         return {"hit_mib": round(model.hit_bytes / 2**20, 1), "h2d_copies": copies, "modes": rows}
     finally:
-        model.pool.close()
+        for pool in model.pools.values():
+            pool.close()
 
 
 def measure_under_mma(argv: list[str], out_dir: Path) -> dict:
@@ -242,14 +277,15 @@ def table(result: dict) -> str:
     for title, part in (("", result["overlap"]), (" with mma_preload", result.get("overlap_mma"))):
         if not part:
             continue
-        copies = part["h2d_copies"]
-        intercepted = f", mma intercepted {part['mma_stats']['intercepted']} copies" if part.get("mma_stats") else ""
-        lines += [f"\n{result['tokens']} tokens, {part['hit_mib']} MiB hit{title}: {copies['per_layer']} host->device "
-                  f"copies per layer of {copies['bytes_each'] / 2**20:.2f} MiB{intercepted}\n",
-                  "| mode | forward ms | x no-load | load ms | stall ms | hidden |", "|---|---|---|---|---|---|"]  # fmt: skip
+        copies = "; ".join(f"{name}: {c['per_layer']} copies of {'/'.join(f'{b / 2**20:.2f}' for b in c['bytes_each'])} MiB"
+                           for name, c in part["h2d_copies"].items())  # fmt: skip
+        intercepted = f"; mma intercepted {part['mma_stats']['intercepted']} copies" if part.get("mma_stats") else ""
+        lines += [f"\n{result['tokens']} tokens, {part['hit_mib']} MiB hit{title}; host->device per layer: {copies}{intercepted}\n",
+                  "| mode | forward ms (min-max) | x no-load | queueing ms | load ms | stall ms | hidden |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
         for mode, row in part["modes"].items():
-            lines.append(f"| {mode} | {row['step_ms']} | {row['vs_no_load']} | {row['load_ms']} | {row['wait_ms']} | "
-                         f"{row['hidden_fraction']} |")  # fmt: skip
+            lines.append(f"| {mode} | {row['step_ms']} ({row['step_ms_min']}-{row['step_ms_max']}) | {row['vs_no_load']} | "
+                         f"{row['queue_ms']} | {row['load_ms']} | {row['wait_ms']} | {row['hidden_fraction']} |")  # fmt: skip
     checks = ", ".join(f"{c['layout']}:{'ok' if c['ok'] else 'FAIL'}" for c in result["layouts"])
     if result["device"] == "cpu":
         # InlineCopyStream runs each copy when it is queued: nothing can overlap.

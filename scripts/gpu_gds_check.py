@@ -59,6 +59,21 @@ def write_objects(directory: str, count: int, object_bytes: int, seed: int) -> t
     return paths, data
 
 
+def _open_direct(path: str) -> int | None:
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:  # a file system without O_DIRECT (tmpfs)
+        return None
+
+
+def _cufile_log_tail(lines: int = 20) -> list[str]:
+    path = os.environ.get("CUFILE_LOGFILE_PATH", "")
+    if not os.path.exists(path):
+        return []
+    with open(path, errors="replace") as log:
+        return [line.rstrip() for line in log.readlines()[-lines:] if line.strip()]
+
+
 def layer_major_reads(fds: list[int], base: int, layers: int, layer_bytes: int, dev: int) -> list[tuple]:
     """Per object: one (local, file) descriptor pair per Layer Block, layer ``l`` of object ``j`` at ``(l*n + j)*S``."""
     n = len(fds)
@@ -90,6 +105,7 @@ def run(args: argparse.Namespace) -> dict:
     paths, data = write_objects(directory, args.objects, object_bytes, seed=7)
     expected = torch.from_numpy(np.ascontiguousarray(data.reshape(args.objects, args.layers, layer_bytes).transpose(1, 0, 2)))
     fds = [os.open(p, os.O_RDONLY) for p in paths]
+    gds_fds: list[int] = []
     file_regs = []
     try:
         # The host path: NIXL POSIX into pinned DRAM, then one host->device copy per layer.
@@ -106,13 +122,24 @@ def run(args: argparse.Namespace) -> dict:
             try:
                 create_gds_backend(agent, plugin, where=f"gpu_gds_check {plugin}")
             except GdsUnavailable as exc:
-                out["plugins"][plugin] = {"started": False, "refused": str(exc)}
+                out["plugins"][plugin] = {"started": False, "refused": str(exc), "cufile_log": _cufile_log_tail()}
                 print(f"{plugin}: not started: {exc}", flush=True)
                 continue
-            agent.register_memory([(gpu.data_ptr(), total, gpu.device.index or 0, "")], "VRAM")
-            file_regs.append((agent, agent.register_memory([(0, object_bytes, fd, "") for fd in fds], "FILE")))
-            agents[plugin] = (agent, layer_major_reads(fds, gpu.data_ptr(), args.layers, layer_bytes, gpu.device.index or 0), "VRAM")
-            out["plugins"][plugin] = {"started": True, "compat_mode": not nvidia_fs_loaded()}
+            # cuFile wants O_DIRECT descriptors for DMA; compatibility mode takes either.
+            direct = [_open_direct(path) for path in paths]
+            gds_fds.extend(fd for fd in direct if fd is not None)
+            plugin_fds = [d if d is not None else fd for d, fd in zip(direct, fds)]
+            try:
+                agent.register_memory([(gpu.data_ptr(), total, gpu.device.index or 0, "")], "VRAM")
+                file_regs.append((agent, agent.register_memory([(0, object_bytes, fd, "") for fd in plugin_fds], "FILE")))
+            except Exception as exc:
+                out["plugins"][plugin] = {"started": True, "refused": f"{plugin} registration failed: {exc}",
+                                          "o_direct": None not in direct, "cufile_log": _cufile_log_tail()}  # fmt: skip
+                print(f"{plugin}: registration failed: {exc}", flush=True)
+                continue
+            agents[plugin] = (agent, layer_major_reads(plugin_fds, gpu.data_ptr(), args.layers, layer_bytes,
+                                                       gpu.device.index or 0), "VRAM")  # fmt: skip
+            out["plugins"][plugin] = {"started": True, "compat_mode": not nvidia_fs_loaded(), "o_direct": None not in direct}
         times: dict[str, list[float]] = {name: [] for name in agents}
         exact: dict[str, bool] = dict.fromkeys(agents, True)
         for rep in range(args.reps + 1):  # interleaved; the first round warms up
@@ -146,7 +173,7 @@ def run(args: argparse.Namespace) -> dict:
     finally:
         for agent, reg in file_regs:
             agent.deregister_memory(reg)
-        for fd in fds:
+        for fd in fds + gds_fds:
             os.close(fd)
         for p in paths:
             os.unlink(p)

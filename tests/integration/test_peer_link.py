@@ -110,7 +110,8 @@ class Side:
             return
         slots = self.pool.acquire(len(chunk_hashes))
         lease = self.link.lease(self.pool, slots, read.keep_token, chunk_hashes)
-        reply({"readable": len(slots), "lease": lease, "chunk_addrs": [self.pool.slot_addr(s) for s in slots]})
+        reply({"readable": len(slots), "lease": lease, "chunk_addrs": [self.pool.slot_addr(s) for s in slots],
+               "layer_stride": BLOCK_BYTES})
 
     def close(self) -> None:
         self.link.close()

@@ -493,3 +493,52 @@ def test_pool_acquire_negative_count_is_rejected(posix_pool):
         return
     # Whatever it returned must not be handed out a second time.
     assert set(taken).isdisjoint(posix_pool.acquire(posix_pool.free_slots)), (taken, n)
+
+
+# --- layer-major pools ---------------------------------------------------------------------------
+
+
+def test_layer_major_pool_hands_out_runs_and_pieces(store, nixl_agent):  # the store: a backend to register with
+    pool = HostBufferPool(nixl_agent, FULL, 8, layer_major=(LAYOUT.num_layers, LAYOUT.layer_block_bytes))
+    try:
+        assert pool.acquire(3) == [0, 1, 2] and pool.acquire(2) == [3, 4]
+        pool.release([1, 3])
+        # No two consecutive slots free among 1, 3, 5, 6, 7 below 5: the lowest run is 5-6.
+        assert pool.acquire(2) == [5, 6]
+        taken = pool.acquire(3)  # fragmented: any three
+        assert sorted(taken) == [1, 3, 7]
+        pieces = pool.slot_segments(6)
+        assert pieces[:, 1].sum() == FULL and len(pieces) == LAYOUT.num_layers + 1
+        # Layer l of consecutive slots is one run: slot 6's layer 1 follows slot 5's.
+        assert pool.layer_view(6, 1).ctypes.data == pool.layer_view(5, 1).ctypes.data + LAYOUT.layer_block_bytes
+        assert pieces[1, 0] == pool.layer_view(6, 1).ctypes.data
+        with pytest.raises(ValueError, match="in pieces"):
+            pool.slot_view(6)
+    finally:
+        pool.close()
+
+
+def test_reads_into_a_layer_major_pool(store, pool, nixl_agent, truncate):
+    """A store that declares reads_segments reads each object into its pieces; the others say they cannot."""
+    rng = np.random.default_rng(91)
+    keys = make_keys(rng, 4)
+    fill_random(pool, [0, 1, 2, 3], rng)
+    write_all(store, pool, keys, [0, 1, 2, 3])
+    striped = HostBufferPool(nixl_agent, FULL, 6, layer_major=(LAYOUT.num_layers, LAYOUT.layer_block_bytes))
+    try:
+        if not store.reads_segments:
+            with pytest.raises(NotImplementedError):
+                store.read_segments(keys, [striped.slot_segments(s) for s in range(4)])
+            return
+        truncate(keys[2], FULL - 1)
+        striped.array[:] = 0xA5
+        assert store.read_segments(keys, [striped.slot_segments(s) for s in (1, 2, 3, 4)]) == [True, True, False, True]
+        for i, slot in ((0, 1), (1, 2), (3, 4)):
+            obj = pool.slot_view(i)
+            for layer in range(LAYOUT.num_layers):
+                assert np.array_equal(striped.layer_view(slot, layer), obj[slice(*LAYOUT.layer_range(layer))])
+            assert np.array_equal(striped.trailer_view(slot), obj[LAYOUT.full_block_bytes :])
+        # Negative control: the pieces hold the objects in order, not any copy of the bytes.
+        assert not np.array_equal(striped.layer_view(1, 1), pool.slot_view(0)[slice(*LAYOUT.layer_range(0))])
+    finally:
+        striped.close()

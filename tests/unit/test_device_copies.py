@@ -7,6 +7,7 @@ copies and the device-side scatter and gather, checked byte for byte against the
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -63,3 +64,47 @@ def test_an_empty_plan_queues_nothing_and_still_marks_every_layer():
     _, host = _host(view, 1, BPC)
     _, marks = DeviceCopier(view, host, InlineCopyStream()).post_loads(view.plan([], [], [], on_device=False), range(LAYERS))
     assert len(marks) == LAYERS and all(torch.equal(a, b) for a, b in zip(before, view.layers))
+
+
+def _layer_major_host(view: KVCacheView, slots: int) -> tuple[np.ndarray, torch.Tensor]:
+    buffer = np.zeros(slots * LAYERS * view.layer_block_bytes(BPC), dtype=np.uint8)
+    return buffer, view.host_blocks(buffer, slots, BPC, layer_major=True)
+
+
+@pytest.mark.parametrize("layout", ["flash_attention", "LBHNC", "mla"])
+def test_a_layer_major_hit_is_one_copy_per_layer_and_the_same_bytes(layout):
+    """Chunks in consecutive layer-major slots: each layer is one host->device copy of chunks x Layer Block."""
+    source = KVCacheView(_caches(layout, 15), NUM_BLOCKS)
+    chunk_major, layer_major = KVCacheView(_caches(layout, 16), NUM_BLOCKS), KVCacheView(_caches(layout, 16), NUM_BLOCKS)
+    _, by_chunk = _host(source, 6, BPC)
+    _, by_layer = _layer_major_host(source, 6)
+    # A four-chunk hit in slots 1..4, all blocks of each chunk, scattered over the cache.
+    slots, subs = [s for s in (1, 2, 3, 4) for _ in range(BPC)], [0, 1] * 4
+    blocks = [7, 2, 5, 0, 3, 1, 6, 4]
+    plan = source.plan(slots, subs, [1, 4, 6, 0, 2, 3, 5, 7], on_device=False)
+    for host in (by_chunk, by_layer):
+        DeviceCopier(source, host, InlineCopyStream()).post_saves(plan).wait()
+    layer_block = by_layer[0, 0].numel()
+    loads = []
+    for view, host in ((chunk_major, by_chunk), (layer_major, by_layer)):
+        copier = DeviceCopier(view, host, InlineCopyStream())
+        copier.post_loads(view.plan(slots, subs, blocks, on_device=False), range(LAYERS))
+        loads.append(copier.last_load_copy_bytes)
+    assert loads == [[layer_block] * 4, [4 * layer_block]]
+    assert all(torch.equal(a, b) for a, b in zip(chunk_major.layers, layer_major.layers))
+    # Negative control: the loaded blocks are the source's (the two loads could agree by both doing nothing).
+    assert torch.equal(layer_major.layers[1][:, 7], source.layers[1][:, 1])
+    assert not torch.equal(layer_major.layers[1][:, 7], source.layers[1][:, 4])
+
+
+def test_slots_that_are_not_consecutive_are_one_copy_per_run():
+    view = KVCacheView(_caches("LBHNC", 17), NUM_BLOCKS)
+    _, host = _layer_major_host(view, 8)
+    copier = DeviceCopier(view, host, InlineCopyStream())
+    copier.post_loads(view.plan([6, 1, 2, 5], [0, 0, 0, 0], [3, 4, 5, 6], on_device=False), range(LAYERS))
+    layer_block = host[0, 0].numel()
+    assert copier.last_load_copy_bytes == [2 * layer_block, 2 * layer_block]  # runs 1-2 and 5-6
+    # A staging area of three slots splits the run 5-6 between batches.
+    small = DeviceCopier(view, host, InlineCopyStream(), staging_bytes=3 * layer_block)
+    small.post_loads(view.plan([6, 1, 2, 5], [0, 0, 0, 0], [3, 4, 5, 6], on_device=False), range(LAYERS))
+    assert small.last_load_copy_bytes == [2 * layer_block, layer_block, layer_block]

@@ -24,7 +24,8 @@ def test_cpu_self_test_checks_every_layout_and_times_every_mode(tmp_path):
     result = json.loads((tmp_path / "gpu_connector.json").read_text())
     assert {c["layout"] for c in result["layouts"]} == set(kv_layouts.LAYOUTS)
     assert all(c["ok"] and c["negative_control"] for c in result["layouts"])
-    assert set(result["overlap"]["modes"]) == {"no-load", "bulk", "layerwise", "layerwise-per-block"}
+    assert set(result["overlap"]["modes"]) == {"no-load", "bulk", "layerwise", "layerwise-per-block", "bulk-layer-major",
+                                              "layerwise-layer-major"}
     assert "| layerwise |" in (tmp_path / "gpu_connector.md").read_text()
 
 

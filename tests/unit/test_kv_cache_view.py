@@ -104,9 +104,26 @@ def test_full_block_rows_match_the_host_buffer_layout():
     layout = BlockLayout(LAYERS, view.layer_block_bytes(bpc))
     slot_addrs = [buffer.ctypes.data + s * layout.object_bytes for s in range(3)]
     # Chunk in slot 2 from sub-block 1 (its first block was a local prefix hit), then slot 0 whole.
-    rows = full_block_rows([slot_addrs[2], slot_addrs[0]], [1, 0], [1, 2], [1], layout, view.outer, view.block_bytes)
+    rows = full_block_rows([slot_addrs[2], slot_addrs[0]], [1, 0], [1, 2], [1], layout.layer_block_bytes, view.outer,
+                           view.block_bytes)  # fmt: skip
     expected = [[host[s, 1, sub, o].data_ptr(), view.block_bytes, 0]
                 for s, sub in ((2, 1), (0, 0), (0, 1)) for o in range(view.outer)]  # fmt: skip
+    assert rows.tolist() == expected
+
+
+def test_full_block_rows_step_a_layer_major_buffer_by_its_band():
+    """A DE's layer-major pool: chunk j's layer l is l bands (num_slots Layer Blocks each) past its layer 0."""
+    view = KVCacheView(_caches("flash_attention", 6), NUM_BLOCKS)
+    bpc, slots = 2, 3
+    layer_block = view.layer_block_bytes(bpc)
+    buffer = np.zeros(slots * LAYERS * layer_block, dtype=np.uint8)
+    host = view.host_blocks(buffer, slots, bpc, layer_major=True)
+    assert host[0:3, 1].is_contiguous() and host[1, 0].data_ptr() == buffer.ctypes.data + layer_block
+    layer0 = [buffer.ctypes.data + s * layer_block for s in range(slots)]
+    rows = full_block_rows([layer0[2], layer0[0]], [1, 0], [1, 2], [0, 2], slots * layer_block, view.outer,
+                           view.block_bytes)  # fmt: skip
+    expected = [[host[s, layer, sub, o].data_ptr(), view.block_bytes, 0]
+                for layer in (0, 2) for s, sub in ((2, 1), (0, 0), (0, 1)) for o in range(view.outer)]  # fmt: skip
     assert rows.tolist() == expected
 
 

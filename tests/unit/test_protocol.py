@@ -193,7 +193,7 @@ def test_bad_read_requests_are_refused(change, what):
 
 
 def test_read_answer_round_trips():
-    answer = ReadAnswer(2, "lease-7", [4096, 8192])
+    answer = ReadAnswer(2, "lease-7", [4096, 8192], 1 << 20)
     assert ReadAnswer.from_message(answer.to_message(), asked=3) == answer
     declined = ReadAnswer(0, None, [])
     assert ReadAnswer.from_message(declined.to_message(), asked=3) == declined
@@ -209,6 +209,10 @@ def test_read_answer_round_trips():
         ({"readable": 1, "lease": "l", "chunk_addrs": [1, 2]}, "one address per readable chunk"),
         ({"readable": 1, "lease": None, "chunk_addrs": [1]}, "lease"),
         ({"readable": 1, "lease": "l", "chunk_addrs": [-1]}, "chunk_addrs"),
+        ({"readable": 1, "lease": "l", "chunk_addrs": [1]}, "layer_stride"),  # a read chunk needs its stride
+        ({"readable": 1, "lease": "l", "chunk_addrs": [1], "layer_stride": 0}, "layer_stride"),
+        ({"readable": 1, "lease": "l", "chunk_addrs": [1], "layer_stride": True}, "layer_stride"),
+        ({"readable": 1, "lease": "l", "chunk_addrs": [1], "layer_stride": 1 << 60}, "layer_stride"),
     ],
 )
 def test_bad_read_answers_are_refused(message, what):

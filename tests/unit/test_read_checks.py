@@ -1,11 +1,14 @@
 """The worker's store read path refuses a chunk before it can reach a KV cache: bad digest, NaN/inf values.
 
 A fake store (this tier has no NIXL) hands the read path stored objects, as
-``KVStore.read`` would into the load pool; the checks, the shortened hit, the
-counter and the deletion are the real ``HitReader``'s.
+``KVStore.read`` would into a chunk-major load pool and ``read_segments`` into a
+layer-major one; the checks, the shortened hit, the counter and the deletion are
+the real ``HitReader``'s.
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 import pytest
@@ -15,8 +18,10 @@ from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.protocol import StoreKeySpace
 from dualpath_connector.read_path import HitReader
 from dualpath_connector.stats_recorder import StatsRecorder
+from nixl_backends.buffers import HostBufferPool
 from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.layout import KVNamespace, chunk_hashes
+from tests.unit.test_layer_arrival_injection import FakeAgent
 
 NAMESPACE = KVNamespace(model="m", dtype="bfloat16", block_size=4, chunk_tokens=4, num_layers=2, num_kv_heads=1,
                         head_size=8, kv_layout="NHD", layer_block_bytes=2 * 4 * 8 * 2)  # fmt: skip
@@ -25,29 +30,28 @@ LAYOUT = KEY_SPACE.layout
 HASHES = chunk_hashes(KEY_SPACE.digest, list(range(16)), 4)
 
 
-class FakePool:
-    def __init__(self, slots: int) -> None:
-        self.array = np.zeros((slots, LAYOUT.object_bytes), dtype=np.uint8)
-
-    def slot_addr(self, slot: int) -> int:
-        return slot  # the fake store maps it back
-
-    def slot_view(self, slot: int) -> np.ndarray:
-        return self.array[slot]
+def _memory(addr: int, nbytes: int) -> np.ndarray:
+    return np.ctypeslib.as_array((ctypes.c_uint8 * nbytes).from_address(addr))
 
 
 class FakeStore:
-    """Objects by key; ``read`` copies them into the pool slots named by the addresses."""
+    """Objects by key; ``read`` copies them to the addresses (one run each), ``read_segments`` into the pieces."""
 
-    def __init__(self, pool: FakePool) -> None:
-        self.pool = pool
+    def __init__(self, layer_major: bool) -> None:
+        self.reads_segments = layer_major
         self.objects: dict[str, np.ndarray] = {}
         self.deleted: list[str] = []
 
     def read(self, keys, dst_addrs):
-        for key, slot in zip(keys, dst_addrs):
+        return self.read_segments(keys, [np.array([[addr, LAYOUT.object_bytes]]) for addr in dst_addrs])
+
+    def read_segments(self, keys, segments):
+        for key, pieces in zip(keys, segments):
             if key in self.objects:
-                self.pool.slot_view(slot)[:] = self.objects[key]
+                at = 0
+                for addr, nbytes in pieces.tolist():
+                    _memory(addr, nbytes)[:] = self.objects[key][at : at + nbytes]
+                    at += nbytes
         return [key in self.objects for key in keys]
 
     def delete(self, keys):
@@ -58,10 +62,13 @@ def _kv_values(seed: int) -> torch.Tensor:
     return torch.randn(LAYOUT.full_block_bytes // 2, generator=torch.Generator().manual_seed(seed)).bfloat16()
 
 
-@pytest.fixture
-def reader():
-    pool = FakePool(len(HASHES))
-    store = FakeStore(pool)
+@pytest.fixture(params=["chunk-major", "layer-major"])
+def reader(request):
+    """A real HostBufferPool (registered with a fake agent) in both layouts: the checks read the object in pieces."""
+    layer_major = request.param == "layer-major"
+    pool = HostBufferPool(FakeAgent(), LAYOUT.object_bytes, len(HASHES),
+                          (LAYOUT.num_layers, LAYOUT.layer_block_bytes) if layer_major else None)  # fmt: skip
+    store = FakeStore(layer_major)
     integrity = ChunkIntegrity(LAYOUT)
     for i, chunk_hash in enumerate(HASHES):
         obj = np.zeros(LAYOUT.object_bytes, dtype=np.uint8)
@@ -74,6 +81,7 @@ def reader():
                      cores=None)  # fmt: skip
     yield made, store, integrity
     made.shutdown()
+    pool.close()
 
 
 def _forge(store: FakeStore, integrity: ChunkIntegrity, index: int, values: torch.Tensor) -> None:
