@@ -34,7 +34,7 @@ import torch
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.layout import DIGEST_BYTES
-from nixl_backends.s3agg_protocol import LAYOUT_CHUNK_MAJOR
+from nixl_backends.s3agg_protocol import LAYOUT_CHUNK_MAJOR, LAYOUT_STRIDED
 from nixl_backends.store import KVStore, TransferAbandoned
 
 from dualpath_connector.affinity import pin_current_thread
@@ -288,11 +288,14 @@ class HitReader:
                     self.release([hit])  # reported as a failed load; the slots return once the read ends
                 on_read(hit)
 
+        if self.pool.layer_major:  # each layer of the hit lands as one host run
+            target = {"layout": LAYOUT_STRIDED, "trailer_addrs": [self.pool.trailer_addr(s) for s in slots],
+                      "layer_stride": self.pool.layer_stride}  # fmt: skip
+        else:
+            target = {"layout": LAYOUT_CHUNK_MAJOR}
         try:
-            self.store.read_layerwise(
-                [self.key_space.key(h) for h in chunk_hashes], [self.pool.slot_addr(s) for s in slots], on_layer,
-                layout=LAYOUT_CHUNK_MAJOR, compute_window_s=self.compute_window_s(),
-            )  # fmt: skip
+            self.store.read_layerwise([self.key_space.key(h) for h in chunk_hashes], [self.pool.slot_addr(s) for s in slots],
+                                      on_layer, compute_window_s=self.compute_window_s(), **target)  # fmt: skip
         except TransferAbandoned as exc:
             # NIXL may still write these slots: they never return to the pool.
             logger.error("request %s: store read abandoned; %d load slots retired", spec.req_id, len(slots))

@@ -104,7 +104,8 @@ class DualPathWorker:
             # The backend must exist before the pools register memory with the agent.
             self.store = make_store(for_rank(config.store_config, tp_rank, pp_rank), self.layout, self.agent)
             # A slot holds a whole stored object: the Full Block and its integrity trailer. Where the store
-            # reads into pieces, the load pool is layer-major: a hit's layer is one host run, one H2D copy.
+            # reads into pieces (POSIX, s3agg), the load pool is layer-major: a hit's layer is one host run,
+            # one H2D copy.
             layer_major = (self.layout.num_layers, self.layout.layer_block_bytes) if self.store.reads_segments else None
             self.load_pool = HostBufferPool(self.agent, self.layout.object_bytes, config.load_buffer_chunks, layer_major)
             self.save_pool = HostBufferPool(self.agent, self.layout.object_bytes, config.save_buffer_chunks)

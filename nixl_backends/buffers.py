@@ -129,6 +129,10 @@ class HostBufferPool:
         start = layer * self.layer_stride + slot * self.layer_bytes
         return self.array[start : start + self.layer_bytes]
 
+    def trailer_addr(self, slot: int) -> int:
+        """Where the slot's trailer starts (layer-major pools)."""
+        return self.base_addr + self.trailer_offset + slot * self.trailer_bytes
+
     def trailer_view(self, slot: int) -> np.ndarray:
         """The slot's object bytes after its layers (layer-major pools)."""
         start = self.trailer_offset + slot * self.trailer_bytes
@@ -141,7 +145,7 @@ class HostBufferPool:
         rows = np.empty((self.num_layers + 1, 2), dtype=np.uint64)
         rows[:-1, 0] = self.slot_addr(slot) + np.arange(self.num_layers, dtype=np.uint64) * np.uint64(self.layer_stride)
         rows[:-1, 1] = self.layer_bytes
-        rows[-1] = (self.base_addr + self.trailer_offset + slot * self.trailer_bytes, self.trailer_bytes)
+        rows[-1] = (self.trailer_addr(slot), self.trailer_bytes)
         return rows[rows[:, 1] > 0]
 
     def close(self) -> None:

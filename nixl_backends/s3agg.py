@@ -57,6 +57,7 @@ from nixl_backends.s3agg_protocol import (
     FRAME_LAYER,
     LAYOUT_CHUNK_MAJOR,
     LAYOUT_LAYER_MAJOR,
+    LAYOUT_STRIDED,
     MODE_CHUNKWISE,
     MODE_HEADER,
     NOTIFICATION_PREFIX,
@@ -197,6 +198,7 @@ _inbox_for: PerAgent[_Inbox] = PerAgent(_Inbox)
 
 class S3AggStore(KVStore):
     delivers_layers = True  # read_layerwise
+    reads_segments = True  # read_segments: the gateway's strided target
     def __init__(self, config: S3AggStoreConfig, layout: BlockLayout, agent=None) -> None:
         super().__init__(layout)
         self.config = config
@@ -239,14 +241,49 @@ class S3AggStore(KVStore):
         if not keys:
             return []
         request_id = uuid.uuid4().hex
-        regions = [[int(a), self.layout.object_bytes] for a in dst_addrs]
+        target = _Target(self.layout, LAYOUT_CHUNK_MAJOR, [int(a) for a in dst_addrs], len(keys))
         try:
-            self._nixl_request(request_id, keys, LAYOUT_CHUNK_MAJOR, regions, lambda token: None)
+            self._nixl_request(request_id, keys, target, lambda token: None)
         except (GatewayUnavailable, GatewayRefused) as exc:
             # Per-chunk results (a missing chunk is False, not an error) come from the store.
             self._count_fallback("read", request_id, exc)
             return self._inner.read(keys, dst_addrs)
         return [True] * len(keys)
+
+    def read_segments(self, keys: Sequence[str], segments: Sequence[np.ndarray]) -> list[bool]:
+        """Whole objects into a layer-major pool's slots through the gateway (strided target), else plain S3
+        into a scratch buffer placed by numpy; the caller verifies them."""
+        if not keys:
+            return []
+        target = _strided_target(self.layout, segments)
+        request_id = uuid.uuid4().hex
+        try:
+            self._nixl_request(request_id, keys, target, lambda token: None)
+        except (GatewayUnavailable, GatewayRefused) as exc:
+            self._count_fallback("read", request_id, exc)
+            return self._read_scattered(keys, segments)
+        return [True] * len(keys)
+
+    def _read_scattered(self, keys: Sequence[str], segments: Sequence[np.ndarray]) -> list[bool]:
+        size = self.layout.object_bytes
+        scratch = np.empty((len(keys), size), dtype=np.uint8)
+        registration = self._agent.register_memory([(scratch.ctypes.data, scratch.nbytes, 0, "")], "DRAM")
+        abandoned = False
+        try:
+            ok = self._inner.read(keys, [scratch.ctypes.data + j * size for j in range(len(keys))])
+        except TransferAbandoned:
+            abandoned = True
+            self._abandoned.append(scratch)  # NIXL may still write it
+            raise
+        finally:
+            if not abandoned:
+                self._agent.deregister_memory(registration)
+        for j, pieces in enumerate(segments):
+            if ok[j]:  # one memcpy per piece
+                starts = np.cumsum(pieces[:, 1]) - pieces[:, 1]
+                for (addr, length), start in zip(pieces.tolist(), starts.tolist()):
+                    _host_view(addr, length)[:] = scratch[j, start : start + length]
+        return ok
 
     def close(self) -> None:
         self._inner.close()
@@ -262,6 +299,8 @@ class S3AggStore(KVStore):
         layout: TargetLayout = LAYOUT_LAYER_MAJOR,
         compute_window_s: float | None = None,
         request_id: str | None = None,
+        trailer_addrs: Sequence[int] | None = None,
+        layer_stride: int = 0,
     ) -> LayerwiseRead:
         """Read layer ``l`` of every chunk, with its digests, into ``regions``, handing over each layer as it lands.
 
@@ -272,7 +311,10 @@ class S3AggStore(KVStore):
           chunk ``j``'s Layer Block at ``j*S``, its stored digest of layer ``l`` at ``n*S + j*D``;
         - ``chunk_major``: ``n`` regions of ``object_bytes``, each laid out as the
           stored object (layer ``l`` at ``l*S``, its digest at ``L*S + l*D``), e.g.
-          a pool slot per chunk.
+          a pool slot per chunk;
+        - ``strided``: ``n`` layer-0 addresses, with ``trailer_addrs`` and
+          ``layer_stride``: layer ``l`` of chunk ``j`` at ``regions[j] + l*layer_stride``,
+          its digest at ``trailer_addrs[j] + l*D`` (a layer-major pool's slots).
 
         ``on_layer(l)`` is called on this thread once per layer, in layer order,
         as soon as layer ``l``'s bytes and digests are in place. Nothing here
@@ -285,7 +327,8 @@ class S3AggStore(KVStore):
         """
         if self._agent is None:
             raise RuntimeError("S3AggStore was opened without a NIXL agent: lookup only")
-        target = _Target(self.layout, layout, [int(a) for a in regions], len(keys))
+        target = _Target(self.layout, layout, [int(a) for a in regions], len(keys),
+                         None if trailer_addrs is None else [int(a) for a in trailer_addrs], layer_stride)
         num_layers = self.layout.num_layers
         request_id = request_id or uuid.uuid4().hex
         result = LayerwiseRead(request_id, "")
@@ -306,8 +349,7 @@ class S3AggStore(KVStore):
             if self.config.delivery == "http":
                 result.mode, result.summary = self._http_request(request_id, keys, target, hand_over, window)
             else:
-                result.mode, result.summary = self._nixl_request(
-                    request_id, keys, layout, target.regions(), hand_over, window)
+                result.mode, result.summary = self._nixl_request(request_id, keys, target, hand_over, window)
         except GatewayUnavailable as exc:
             self._count_fallback("read_layerwise", request_id, exc)
             result.mode, result.error = "fallback", str(exc)
@@ -343,14 +385,13 @@ class S3AggStore(KVStore):
         self,
         request_id: str,
         keys: Sequence[str],
-        layout: TargetLayout,
-        regions: list[list[int]],
+        target: _Target,
         on_token: Callable[[str], None],
         window: float | None = None,
     ) -> tuple[str, dict[str, Any]]:
         """POST on a helper thread while this thread hands over notifications as they arrive."""
-        target = nixl_target(self._agent.get_agent_metadata(), layout, regions)
-        body = self._descriptor(keys, target, window)
+        wire = nixl_target(self._agent.get_agent_metadata(), target.layout, target.regions(), target.layer_stride)
+        body = self._descriptor(keys, wire, window)
         outcome: dict[str, Any] = {}
 
         def post() -> None:
@@ -455,14 +496,12 @@ class S3AggStore(KVStore):
         layout, n = self.layout, len(keys)
         s, num_layers = layout.layer_block_bytes, layout.num_layers
         dev_ids = obj_device_ids(self._agent, n)
-        chunk_major = target.layout == LAYOUT_CHUNK_MAJOR
-        trailers = None if chunk_major else np.empty((n, num_layers, DIGEST_BYTES), dtype=np.uint8)
+        trailer_at = target.trailer_at()
+        trailers = None if trailer_at is not None else np.empty((n, num_layers, DIGEST_BYTES), dtype=np.uint8)
         registrations = [
             self._agent.register_memory([(0, layout.object_bytes, d, key) for d, key in zip(dev_ids, keys)], OBJ)]
         chunks = np.arange(n, dtype=np.int64)
-        if chunk_major:
-            trailer_at = np.asarray(target.addrs, dtype=np.int64) + layout.full_block_bytes
-        else:
+        if trailers is not None:
             registrations.append(self._agent.register_memory([(trailers.ctypes.data, trailers.nbytes, 0, "")], "DRAM"))
             trailer_at = trailers.ctypes.data + chunks * layout.trailer_bytes
         dev_id_column = np.arange(dev_ids.start, dev_ids.stop)
@@ -492,22 +531,30 @@ class S3AggStore(KVStore):
 
 @dataclass(frozen=True)
 class _Target:
-    """Where a read's layers go: ``addrs`` one per layer (layer-major) or one per chunk (chunk-major)."""
+    """Where a read's layers go: ``addrs`` one per layer (layer-major), one per chunk (chunk-major: the object;
+    strided: its layer 0, with ``trailer_addrs`` and ``layer_stride``)."""
 
     store: BlockLayout
     layout: TargetLayout
     addrs: list[int]
     num_chunks: int
+    trailer_addrs: list[int] | None = None
+    layer_stride: int = 0
 
     def __post_init__(self) -> None:
         expected = self.store.num_layers if self.layout == LAYOUT_LAYER_MAJOR else self.num_chunks
-        if self.layout not in (LAYOUT_LAYER_MAJOR, LAYOUT_CHUNK_MAJOR):
+        if self.layout not in (LAYOUT_LAYER_MAJOR, LAYOUT_CHUNK_MAJOR, LAYOUT_STRIDED):
             raise ValueError(f"unknown target layout {self.layout!r}")
         if len(self.addrs) != expected:
             raise ValueError(f"a {self.layout} target of {self.num_chunks} chunks needs {expected} regions, "
                              f"got {len(self.addrs)}")
+        if self.layout == LAYOUT_STRIDED and (self.trailer_addrs is None or len(self.trailer_addrs) != self.num_chunks
+                                              or self.layer_stride < self.store.layer_block_bytes):
+            raise ValueError("a strided target needs a trailer address per chunk and a stride of a Layer Block or more")
 
     def regions(self) -> list[list[int]]:
+        if self.layout == LAYOUT_STRIDED:
+            return [[first, trailer] for first, trailer in zip(self.addrs, self.trailer_addrs)]
         size = (layer_region_bytes(self.num_chunks, self.store.layer_block_bytes)
                 if self.layout == LAYOUT_LAYER_MAJOR else self.store.object_bytes)
         return [[addr, size] for addr in self.addrs]
@@ -517,16 +564,25 @@ class _Target:
         s = self.store.layer_block_bytes
         if self.layout == LAYOUT_LAYER_MAJOR:
             return self.addrs[layer] + np.arange(self.num_chunks, dtype=np.int64) * s
-        return np.asarray(self.addrs, dtype=np.int64) + layer * s
+        return np.asarray(self.addrs, dtype=np.int64) + layer * (self.layer_stride or s)
+
+    def trailer_at(self) -> np.ndarray | None:
+        """Where each chunk's whole trailer goes, or None (layer-major: digests sit in the layers' regions)."""
+        if self.layout == LAYOUT_STRIDED:
+            return np.asarray(self.trailer_addrs, dtype=np.int64)
+        if self.layout == LAYOUT_CHUNK_MAJOR:
+            return np.asarray(self.addrs, dtype=np.int64) + self.store.full_block_bytes
+        return None
 
     def place_layer(self, layer: int, region: np.ndarray) -> None:
-        """A layer-major region of ``layer`` (blocks, then digests) into a chunk-major target."""
-        s, full = self.store.layer_block_bytes, self.store.full_block_bytes
+        """A layer-major region of ``layer`` (blocks, then digests) into a chunk-major or strided target."""
+        s = self.store.layer_block_bytes
         blocks = region[: self.num_chunks * s].reshape(self.num_chunks, s)
         digests = region[self.num_chunks * s :].reshape(self.num_chunks, DIGEST_BYTES)
-        for j, addr in enumerate(self.addrs):  # one memcpy per chunk and part
-            _host_view(addr + layer * s, s)[:] = blocks[j]
-            _host_view(addr + full + layer * DIGEST_BYTES, DIGEST_BYTES)[:] = digests[j]
+        for j, (block_addr, trailer_addr) in enumerate(zip(self.block_addrs(layer).tolist(), self.trailer_at().tolist())):
+            # one memcpy per chunk and part
+            _host_view(block_addr, s)[:] = blocks[j]
+            _host_view(trailer_addr + layer * DIGEST_BYTES, DIGEST_BYTES)[:] = digests[j]
 
     def receive_objects(self, receive: Callable[[np.ndarray], None]) -> None:
         """Every stored object, in chunk order, from ``receive(view)`` (which fills ``view``)."""
@@ -537,9 +593,32 @@ class _Target:
             return
         objects = np.empty((self.num_chunks, size), dtype=np.uint8)
         receive(objects)
-        region = layer_region_bytes(self.num_chunks, self.store.layer_block_bytes)
-        for layer, addr in enumerate(self.addrs):
-            _place_layer(self.store, layer, objects, _host_view(addr, region))
+        region = np.empty(layer_region_bytes(self.num_chunks, self.store.layer_block_bytes), dtype=np.uint8)
+        for layer in range(self.store.num_layers):
+            if self.layout == LAYOUT_LAYER_MAJOR:
+                _place_layer(self.store, layer, objects, _host_view(self.addrs[layer], region.size))
+            else:
+                _place_layer(self.store, layer, objects, region)
+                self.place_layer(layer, region)
+
+
+def _strided_target(layout: BlockLayout, segments: Sequence[np.ndarray]) -> _Target:
+    """A layer-major pool's slots (``HostBufferPool.slot_segments``: L Layer Blocks at one stride, then the
+    trailer) as a strided target; anything else is refused."""
+    s, num_layers = layout.layer_block_bytes, layout.num_layers
+    firsts, trailers, strides = [], [], set()
+    for pieces in segments:
+        lengths = pieces[:, 1].tolist()
+        if lengths != [s] * num_layers + [layout.trailer_bytes]:
+            raise ValueError(f"s3agg reads into {num_layers} Layer Blocks and a trailer per object, got pieces {lengths}")
+        addrs = pieces[:, 0].astype(np.int64)
+        steps = set(np.diff(addrs[:num_layers]).tolist()) or {s}
+        strides |= steps
+        firsts.append(int(addrs[0]))
+        trailers.append(int(addrs[-1]))
+    if len(strides) != 1:
+        raise ValueError(f"s3agg reads layers at one stride, got {sorted(strides)}")
+    return _Target(layout, LAYOUT_STRIDED, firsts, len(segments), trailers, strides.pop())
 
 
 def post_signed(

@@ -20,7 +20,12 @@ bytes per digest:
   (``L*S`` layer bytes, then the ``L*D`` trailer);
 - layer-major: one region per layer of :func:`layer_region_bytes` ``= N*S + N*D``
   bytes: chunk ``j``'s Layer Block at ``j*S``, its digest of that layer at
-  ``N*S + j*D``. A layer's notification or frame means both are in place.
+  ``N*S + j*D``. A layer's notification or frame means both are in place;
+- strided (version 3): one ``[layer 0 address, trailer address]`` pair per chunk
+  and a ``layer_stride``: chunk ``j``'s layer ``l`` at ``regions[j][0] + l*layer_stride``,
+  its digests (``L*D``, the stored trailer) at ``regions[j][1]``. A layer-major
+  host pool's slots (``HostBufferPool(layer_major=...)``), where each layer of a
+  hit is one run of every chunk's Layer Block.
 
 Nothing here talks to the network or NIXL; both sides import these names so
 no part of the protocol is written twice.
@@ -40,7 +45,8 @@ from nixl_backends.layout import DIGEST_BYTES
 # Sent in every descriptor; a gateway refuses a descriptor of another version
 # (or of none) before reading anything, naming both versions.
 # 2: objects carry the integrity trailer; deliveries carry the digests (digest_bytes).
-PROTOCOL_VERSION = 2
+# 3: the strided target layout.
+PROTOCOL_VERSION = 3
 
 EXTENSION_QUERY = "aggregate"
 REQUEST_ID_HEADER = "x-s3agg-request-id"
@@ -97,14 +103,17 @@ TARGET_TYPE = "type"
 TARGET_NIXL, TARGET_HTTP = "nixl", "http"
 AGENT_METADATA = "agent_metadata"  # base64 of the client agent's NIXL metadata
 TARGET_LAYOUT = "layout"
-REGIONS = "regions"  # [[addr, length], ...]
-NIXL_TARGET_KEYS = frozenset({TARGET_TYPE, AGENT_METADATA, TARGET_LAYOUT, REGIONS})
+REGIONS = "regions"  # [[addr, length], ...]; strided: [[layer 0 addr, trailer addr], ...]
+LAYER_STRIDE = "layer_stride"  # strided only: bytes from a chunk's layer l to its layer l + 1
+NIXL_TARGET_KEYS = frozenset({TARGET_TYPE, AGENT_METADATA, TARGET_LAYOUT, REGIONS, LAYER_STRIDE})
 # layer_major: one region per layer (layer_region_bytes), chunk j of layer l at regions[l] + j*S,
 #   its digest at regions[l] + N*S + j*D.
 # chunk_major: one region per chunk (the stored object), layer l at regions[j] + l*S, its digest
 #   at regions[j] + L*S + l*D.
-TargetLayout = Literal["layer_major", "chunk_major"]
-LAYOUT_LAYER_MAJOR, LAYOUT_CHUNK_MAJOR = typing.get_args(TargetLayout)
+# strided: one [layer 0, trailer] pair per chunk, layer l at regions[j][0] + l*layer_stride, its digest
+#   at regions[j][1] + l*D.
+TargetLayout = Literal["layer_major", "chunk_major", "strided"]
+LAYOUT_LAYER_MAJOR, LAYOUT_CHUNK_MAJOR, LAYOUT_STRIDED = typing.get_args(TargetLayout)
 
 
 def layer_region_bytes(num_chunks: int, layer_bytes: int) -> int:
@@ -116,13 +125,18 @@ def http_target() -> dict[str, Any]:
     return {TARGET_TYPE: TARGET_HTTP}
 
 
-def nixl_target(agent_metadata: bytes, layout: TargetLayout, regions: Sequence[Sequence[int]]) -> dict[str, Any]:
-    return {
+def nixl_target(agent_metadata: bytes, layout: TargetLayout, regions: Sequence[Sequence[int]],
+                layer_stride: int | None = None) -> dict[str, Any]:  # fmt: skip
+    """``regions``: ``[addr, length]`` per region, or for ``strided`` ``[layer 0, trailer]`` per chunk."""
+    target = {
         TARGET_TYPE: TARGET_NIXL,
         TARGET_LAYOUT: layout,
-        REGIONS: [[int(addr), int(length)] for addr, length in regions],
+        REGIONS: [[int(a), int(b)] for a, b in regions],
         AGENT_METADATA: base64.b64encode(agent_metadata).decode(),
     }
+    if layout == LAYOUT_STRIDED:
+        target[LAYER_STRIDE] = int(layer_stride or 0)
+    return target
 
 
 def descriptor_body(

@@ -157,7 +157,7 @@ class Aggregator:
         # Preparing the whole target checks every region is memory the client
         # registered, before anything is read or written.
         try:
-            handle = io.agent.prep_xfer_dlist(remote, descriptors(target.addrs, target.lengths), "DRAM")
+            handle = io.agent.prep_xfer_dlist(remote, descriptors(*target.spans()), "DRAM")
         except Exception:
             raise DescriptorError(
                 400, "InvalidTarget", f"target regions are not memory registered by NIXL agent {remote}") from None

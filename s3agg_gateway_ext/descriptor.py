@@ -43,8 +43,10 @@ from nixl_backends.s3agg_protocol import (
     DESCRIPTOR_KEYS,
     DIGEST_BYTES_KEY,
     LAYER_BYTES,
+    LAYER_STRIDE,
     LAYOUT_CHUNK_MAJOR,
     LAYOUT_LAYER_MAJOR,
+    LAYOUT_STRIDED,
     NIXL_TARGET_KEYS,
     NUM_LAYERS,
     PROTOCOL_VERSION,
@@ -81,9 +83,18 @@ def _bad(message: str) -> DescriptorError:
 class NixlTarget:
     agent_metadata: bytes
     layout: TargetLayout
-    # (addr, length) per region, as int64 arrays for vectorised address arithmetic.
+    # (addr, length) per region, as int64 arrays for vectorised address arithmetic; strided: each chunk's
+    # layer 0 address (lengths: one Layer Block), its trailer's address, and the stride between layers.
     addrs: np.ndarray
     lengths: np.ndarray
+    layer_stride: int = 0
+    trailer_addrs: np.ndarray | None = None
+    # Every byte range the gateway writes (what the client must have registered).
+    span_addrs: np.ndarray | None = None
+    span_lengths: np.ndarray | None = None
+
+    def spans(self) -> tuple[np.ndarray, np.ndarray]:
+        return (self.addrs, self.lengths) if self.span_addrs is None else (self.span_addrs, self.span_lengths)
 
 
 @dataclass(frozen=True)
@@ -133,6 +144,8 @@ class Descriptor:
         if target.layout == LAYOUT_LAYER_MAJOR:
             region = target.addrs[layers]
             return region + chunks * s, region + self.num_chunks * s + chunks * d
+        if target.layout == LAYOUT_STRIDED:
+            return target.addrs[chunks] + layers * target.layer_stride, target.trailer_addrs[chunks] + layers * d
         region = target.addrs[chunks]
         return region + layers * s, region + self.full_block_bytes + layers * d
 
@@ -167,22 +180,27 @@ def _parse_target(raw: Any, num_chunks: int, num_layers: int, layer_bytes: int,
     if not metadata:
         raise _bad(f"{TARGET}.{AGENT_METADATA} is empty")
     layout = raw.get(TARGET_LAYOUT)
-    if layout not in (LAYOUT_LAYER_MAJOR, LAYOUT_CHUNK_MAJOR):
-        raise _bad(
-            f"{TARGET}.{TARGET_LAYOUT} must be {LAYOUT_LAYER_MAJOR!r} or {LAYOUT_CHUNK_MAJOR!r}, got {layout!r}")
+    if layout not in (LAYOUT_LAYER_MAJOR, LAYOUT_CHUNK_MAJOR, LAYOUT_STRIDED):
+        raise _bad(f"{TARGET}.{TARGET_LAYOUT} must be {LAYOUT_LAYER_MAJOR!r}, {LAYOUT_CHUNK_MAJOR!r} or "
+                   f"{LAYOUT_STRIDED!r}, got {layout!r}")  # fmt: skip
+    if (LAYER_STRIDE in raw) != (layout == LAYOUT_STRIDED):
+        raise _bad(f"{TARGET}.{LAYER_STRIDE} is given with the {LAYOUT_STRIDED!r} layout and only with it")
     regions = raw.get(REGIONS)
     if not isinstance(regions, list) or not all(
         isinstance(r, list) and len(r) == 2 and all(isinstance(v, int) and not isinstance(v, bool) for v in r)
         for r in regions
     ):
         raise _bad(f"{TARGET}.{REGIONS} must be a list of [addr, length] integer pairs")
+    if any(a <= 0 or n < 0 or a + n > _ADDR_LIMIT for a, n in regions):
+        raise DescriptorError(400, "InvalidTarget", "target region outside the 64-bit address space")
+    if layout == LAYOUT_STRIDED:
+        return _strided_target(metadata, regions, raw.get(LAYER_STRIDE), num_chunks, num_layers, layer_bytes,
+                               digest_bytes)  # fmt: skip
     expected, needed = (num_layers, num_chunks * (layer_bytes + digest_bytes)) if layout == LAYOUT_LAYER_MAJOR \
         else (num_chunks, num_layers * (layer_bytes + digest_bytes))
     if len(regions) != expected:
         raise DescriptorError(400, "InvalidTarget", f"{layout} target needs {expected} regions, got {len(regions)}")
     pairs = np.array(regions, dtype=object)
-    if any(a <= 0 or n < 0 or a + n > _ADDR_LIMIT for a, n in regions):
-        raise DescriptorError(400, "InvalidTarget", "target region outside the 64-bit address space")
     addrs = pairs[:, 0].astype(np.int64)
     lengths = pairs[:, 1].astype(np.int64)
     short = np.flatnonzero(lengths < needed)
@@ -190,13 +208,38 @@ def _parse_target(raw: Any, num_chunks: int, num_layers: int, layer_bytes: int,
         i = int(short[0])
         raise DescriptorError(
             400, "InvalidTarget", f"target region {i} has {int(lengths[i])} bytes, needs {needed}")
+    _refuse_overlaps(addrs, lengths, "target regions")
+    return NixlTarget(metadata, layout, addrs, lengths)
+
+
+def _strided_target(metadata: bytes, regions: list, stride: Any, num_chunks: int, num_layers: int,
+                    layer_bytes: int, digest_bytes: int) -> NixlTarget:  # fmt: skip
+    """Per chunk ``[layer 0, trailer]``: every Layer Block and trailer written must lie apart from every other."""
+    if not isinstance(stride, int) or isinstance(stride, bool) or not layer_bytes <= stride < _ADDR_LIMIT:
+        raise DescriptorError(400, "InvalidTarget", f"{TARGET}.{LAYER_STRIDE} must be an integer >= {layer_bytes}, "
+                                                    f"got {stride!r}")  # fmt: skip
+    if len(regions) != num_chunks:
+        raise DescriptorError(400, "InvalidTarget", f"{LAYOUT_STRIDED} target needs {num_chunks} regions, got {len(regions)}")
+    pairs = np.array(regions, dtype=object)
+    firsts, trailers = pairs[:, 0].astype(object), pairs[:, 1].astype(object)
+    if any(a + (num_layers - 1) * stride + layer_bytes > _ADDR_LIMIT for a in firsts):
+        raise DescriptorError(400, "InvalidTarget", "target region outside the 64-bit address space")
+    firsts, trailers = firsts.astype(np.int64), trailers.astype(np.int64)
+    blocks = (firsts[:, None] + np.arange(num_layers, dtype=np.int64) * stride).ravel()
+    span_addrs = np.concatenate([blocks, trailers])
+    span_lengths = np.concatenate([np.full(blocks.size, layer_bytes), np.full(trailers.size, num_layers * digest_bytes)])
+    _refuse_overlaps(span_addrs, span_lengths, "target Layer Blocks and trailers")
+    return NixlTarget(metadata, LAYOUT_STRIDED, firsts, np.full(firsts.size, layer_bytes), stride, trailers, span_addrs,
+                      span_lengths)
+
+
+def _refuse_overlaps(addrs: np.ndarray, lengths: np.ndarray, what: str) -> None:
     order = np.argsort(addrs, kind="stable")
     ends = addrs[order] + lengths[order]
     overlap = np.flatnonzero(ends[:-1] > addrs[order][1:])
     if overlap.size:
         a, b = int(order[overlap[0]]), int(order[overlap[0] + 1])
-        raise DescriptorError(400, "InvalidTarget", f"target regions {a} and {b} overlap")
-    return NixlTarget(metadata, layout, addrs, lengths)
+        raise DescriptorError(400, "InvalidTarget", f"{what} {a} and {b} overlap")
 
 
 def _check_version(raw: dict[str, Any]) -> None:

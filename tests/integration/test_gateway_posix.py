@@ -23,7 +23,8 @@ from nixl_backends.buffers import HostBufferPool
 from nixl_backends.integrity import ChunkIntegrity, chunk_hash_of
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout
 from nixl_backends.registry import make_store, parse_store_config
-from nixl_backends.s3agg_protocol import LAYOUT_CHUNK_MAJOR
+from nixl_backends.s3agg import GatewayRefused, _Target
+from nixl_backends.s3agg_protocol import LAYOUT_CHUNK_MAJOR, LAYOUT_STRIDED
 from tests.s3agg_fixtures import CLIENT_ACCESS_KEY, CLIENT_SECRET_KEY, LayerBuffers
 
 BUCKET = "kv-root"
@@ -221,5 +222,45 @@ def test_chunk_major_delivery_into_pool_slots_and_corruption_is_caught_at_the_re
                                           view[slice(*LAYOUT.digest_range(1))])
         assert integrity.verify_layer(chunk_hash_of(keys[2]), 0, view[slice(*LAYOUT.layer_range(0))],
                                       view[slice(*LAYOUT.digest_range(0))])
+    finally:
+        pool.close()
+
+
+@pytest.mark.parametrize("delivery", ["nixl", "http"])
+def test_strided_delivery_lands_layer_major_in_pool_slots(gateway, root, delivery):
+    """A layer-major pool's slots: each layer of the hit one host run, the trailers apart; no reshuffle on NIXL."""
+    keys, objects = sealed_objects(4, seed=6)
+    write_with_posix_store(root, keys, objects)
+    agent = nixl_agent_for(f"agg-strided-{delivery}")
+    store = s3agg_store(gateway, agent, delivery)
+    pool = HostBufferPool(agent, LAYOUT.object_bytes, 6, layer_major=(LAYOUT.num_layers, LAYOUT.layer_block_bytes))
+    integrity = ChunkIntegrity(LAYOUT)
+    try:
+        pool.array[:] = 0xA5
+        slots = pool.acquire(len(keys))
+        assert slots == [0, 1, 2, 3]
+        handed: list[int] = []
+        store.read_layerwise(keys, [pool.slot_addr(s) for s in slots], handed.append, layout=LAYOUT_STRIDED,
+                             trailer_addrs=[pool.trailer_addr(s) for s in slots], layer_stride=pool.layer_stride)  # fmt: skip
+        assert handed == list(range(LAYOUT.num_layers))
+        for slot, key, obj in zip(slots, keys, objects):
+            layers = [pool.layer_view(slot, layer) for layer in range(LAYOUT.num_layers)]
+            for layer, data in enumerate(layers):
+                np.testing.assert_array_equal(data, obj[slice(*LAYOUT.layer_range(layer))])
+            np.testing.assert_array_equal(pool.trailer_view(slot), obj[LAYOUT.full_block_bytes :])
+            assert integrity.verify_parts(chunk_hash_of(key), layers, pool.trailer_view(slot))
+        # Layer 1 of the whole hit is one run: every chunk's Layer Block 1 in chunk order.
+        run = pool.array[pool.layer_stride : pool.layer_stride + len(keys) * LAYOUT.layer_block_bytes]
+        np.testing.assert_array_equal(run.reshape(len(keys), -1), objects[:, slice(*LAYOUT.layer_range(1))])
+        # Whole objects the same way (read_segments), into other slots; slot 4 is left alone.
+        again = [5, 4]
+        assert store.read_segments(keys[:2], [pool.slot_segments(s) for s in again]) == [True, True]
+        np.testing.assert_array_equal(pool.layer_view(5, 2), objects[0][slice(*LAYOUT.layer_range(2))])
+        np.testing.assert_array_equal(pool.trailer_view(4), objects[1][LAYOUT.full_block_bytes :])
+        # Negative control: a NIXL target whose layers overlap another chunk's is refused before anything moves.
+        with pytest.raises(GatewayRefused, match="overlap"):
+            store._nixl_request(uuid.uuid4().hex, keys[:2], _Target(
+                LAYOUT, LAYOUT_STRIDED, [pool.slot_addr(0), pool.slot_addr(0) + 8], 2,
+                [pool.trailer_addr(0), pool.trailer_addr(1)], pool.layer_stride), lambda token: None)
     finally:
         pool.close()
