@@ -14,6 +14,7 @@ from nixl_backends.s3agg_protocol import (
     DIGEST_BYTES_KEY,
     LAYOUT_CHUNK_MAJOR,
     LAYOUT_LAYER_MAJOR,
+    LAYOUT_STRIDED,
     PROTOCOL_VERSION,
     VERSION,
     descriptor_body,
@@ -164,6 +165,46 @@ def test_target_addresses_put_each_digest_where_the_protocol_says(layout):
             else:
                 region, block, digest = regions[j][0], layer * s, num_layers * s + layer * d
             assert (blocks[j, layer], digests[j, layer]) == (region + block, region + digest)
+
+
+def test_a_strided_target_puts_layer_l_a_stride_further_and_digests_in_the_trailer():
+    """A layer-major pool's slots: chunk j's layer l at first_j + l*stride, its digest at trailer_j + l*D."""
+    n, num_layers, s, d, stride = len(KEYS), 4, 256, DIGEST_BYTES, 8 * 256
+    firsts = [(1 << 20) + j * s for j in (0, 1, 5)]  # slots 0, 1 and 5 of an 8-slot band
+    trailers = [(2 << 20) + j * num_layers * d for j in (0, 1, 5)]
+    target = nixl_target(b"m", LAYOUT_STRIDED, list(zip(firsts, trailers)), stride)
+    desc = parse_descriptor("kv-bucket", descriptor_body(KEYS, num_layers, 16, s, target), CONFIG)
+    blocks, digests = desc.target_addrs(np.arange(n)[:, None], np.arange(num_layers)[None, :])
+    for j in range(n):
+        for layer in range(num_layers):
+            assert (blocks[j, layer], digests[j, layer]) == (firsts[j] + layer * stride, trailers[j] + layer * d)
+    assert len(desc.target.spans()[0]) == n * num_layers + n  # every Layer Block and trailer is checked registered
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"firsts": [1 << 20, (1 << 20) + 8, 3 << 20]}, "overlap"),  # chunk 1's layers inside chunk 0's
+    ({"stride": 2 * 256}, "overlap"),  # a band narrower than the hit: chunk 0's layer 1 is chunk 2's layer 0
+    ({"trailers": [(2 << 20), (2 << 20) + 8, 3 << 20]}, "overlap"),
+    ({"stride": 100}, "layer_stride"),
+    ({"stride": None}, "layer_stride"),
+    ({"firsts": [1 << 20, 2 << 20]}, "needs 3 regions"),
+    ({"firsts": [(1 << 64) - 512, 1 << 20, 2 << 20]}, "64-bit"),
+])
+def test_bad_strided_targets_are_refused(change, message):
+    firsts = change.get("firsts", [(1 << 20) + j * 256 for j in range(3)])
+    trailers = change.get("trailers", [(4 << 20) + j * 64 for j in range(len(firsts))])
+    target = nixl_target(b"m", LAYOUT_STRIDED, list(zip(firsts, trailers)), change.get("stride", 3 * 256))
+    if "stride" in change and change["stride"] is None:
+        del target["layer_stride"]
+    with pytest.raises(DescriptorError, match=message):
+        parse_descriptor("kv-bucket", descriptor_body(KEYS, 4, 16, 256, target), CONFIG)
+
+
+def test_a_layer_stride_is_refused_with_another_layout():
+    target = nixl_target(b"m", LAYOUT_CHUNK_MAJOR, [[(1 + j) << 20, OBJECT] for j in range(3)])
+    target["layer_stride"] = 4096
+    with pytest.raises(DescriptorError, match="layer_stride"):
+        parse_descriptor("kv-bucket", descriptor_body(KEYS, 4, 16, 256, target), CONFIG)
 
 
 def _layer_major(objects: np.ndarray, layout: BlockLayout, layer: int) -> np.ndarray:
