@@ -6,7 +6,7 @@ STAMP := $(VENV)/.setup-stamp
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
-.PHONY: setup test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak gpu-connector-check
+.PHONY: setup test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak gpu-connector-check device-check
 
 setup: $(STAMP) mma
 
@@ -103,8 +103,13 @@ soak: setup
 # On a machine with an NVIDIA GPU (torch, no vLLM needed): the connector's device copies in every KV layout,
 # and bulk vs layerwise vs no-load forwards with the stall metric, also under mma_preload.
 # Results: benchmarks/results/gpu_connector.*; `make test` runs its CPU self-test.
-gpu-connector-check: setup
-	$(PY) scripts/gpu_connector_check.py --mma
+gpu-connector-check: mma
+	python3 scripts/gpu_connector_check.py --mma
+
+# Every GPU check in one command, on a machine with an NVIDIA GPU and torch (no vLLM, no network, no
+# `make setup`): scripts/device_check.sh OUTDIR. The H100 figures: benchmarks/results/gpu_*.
+device-check:
+	bash scripts/device_check.sh benchmarks/results/device-check
 
 clean:
 	rm -rf $(VENV) build *.egg-info
