@@ -125,11 +125,7 @@ def _open(key: ClusterKey, frame: bytes, kind: bytes, now: float | None) -> tupl
             f"side-channel envelope version {version}, this side speaks {ENVELOPE_VERSION}: run the same "
             "dualpath-kv release on every engine"
         )
-    if not hmac.compare_digest(mac, key.mac(header + body)):
-        raise AuthError(f"bad signature (a {CLUSTER_KEY_ENV} other than this engine's, or a tampered message)")
-    if sent_kind != kind:
-        # Signed by a member, so one of ours: a request reflected back as its answer, or the reverse.
-        raise AuthError(f"{_KIND_NAMES.get(sent_kind, repr(sent_kind))} where {_KIND_NAMES[kind]} was expected")
+    # The stamp first: a stale frame (a replay, a flood of old captures) costs no MAC over its body.
     sent_at = sent_ms / 1000
     skew = sent_at - (time.time() if now is None else now)
     if abs(skew) > MAX_CLOCK_SKEW_S:
@@ -137,6 +133,11 @@ def _open(key: ClusterKey, frame: bytes, kind: bytes, now: float | None) -> tupl
             f"stamped {skew:+.0f} s from this engine's clock, beyond {MAX_CLOCK_SKEW_S:.0f} s: a replayed "
             "message, or clocks out of sync (run NTP on every engine's host)"
         )
+    if not hmac.compare_digest(mac, key.mac(header + body)):
+        raise AuthError(f"bad signature (a {CLUSTER_KEY_ENV} other than this engine's, or a tampered message)")
+    if sent_kind != kind:
+        # Signed by a member, so one of ours: a request reflected back as its answer, or the reverse.
+        raise AuthError(f"{_KIND_NAMES.get(sent_kind, repr(sent_kind))} where {_KIND_NAMES[kind]} was expected")
     return Opened(body, nonce, sent_at), reply_to
 
 

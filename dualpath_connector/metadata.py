@@ -72,6 +72,7 @@ class PullSpec:
     req_id: str
     remote_side_channel: str
     remote_req_id: str
+    remote_hold_token: str  # ends the PE's hold: sent with the pulled notification
     remote_block_ids: list[int]
     block_ids: list[int]
     kept_token: str | None = None
@@ -80,10 +81,15 @@ class PullSpec:
 
 @dataclass
 class SendSpec:
-    """PE: a finished prefill's blocks are held until the DE's pull or ``expires_at`` (time.time())."""
+    """PE: a finished prefill's blocks are held until the DE's pull or ``expires_at`` (time.time()).
+
+    Only a ``pulled:`` notification or ``release_hold`` message carrying ``hold_token`` ends the hold early.
+    """
 
     req_id: str
     expires_at: float
+    hold_token: str
+    num_blocks: int  # for the held-blocks gauge
 
 
 @dataclass

@@ -7,11 +7,19 @@ Both PD roles run one :class:`PeerLink`. It answers peers on the side channel:
 - ``read`` (served by a DE for a PE): read hit chunks from the store into this
   engine's registered host buffer and lease them until the PE has pulled them.
 
+- ``release_hold`` (served by a PE for a router): the DE named in a hand-off
+  will not pull it (it refused the request, or the client went away), so the
+  hold ends now, not at its lease.
+
 It handles two NIXL notification prefixes, registered with the agent's one
 dispatcher (:mod:`nixl_backends.notifications`, shared with the store's):
-``pulled:<req>`` from a DE ends a PE's hold on a finished prefill's blocks;
-``release:<lease>`` from a PE ends a DE's lease on its buffer. Every hold has
-an expiry, so a peer that vanishes never pins memory for good.
+``pulled:<req>:<hold token>`` from a DE ends a PE's hold on a finished
+prefill's blocks; ``release:<lease>`` from a PE ends a DE's lease on its
+buffer. NIXL notifications are not authenticated, so a hold ends only with the
+secret its hand-off carried (a ``pulled:`` without it, or for no hold here, is
+counted and ignored, and kept at most a lease, in case its hold registers
+next), and a lease id is itself a random secret. Every hold has an expiry, so
+a peer that vanishes never pins memory for good.
 
 A lease taken with a keep token (the DE reads a hit for the PE that will hand
 it the same prompt to decode) does not return its slots on release: they are
@@ -26,6 +34,7 @@ a PD engine does not start, and a peer without it is served nothing.
 from __future__ import annotations
 
 import dataclasses
+import hmac
 import logging
 import threading
 import time
@@ -41,19 +50,25 @@ from dualpath_connector.kv_regions import KVRegions
 from dualpath_connector.protocol import (
     OP_HELLO,
     OP_READ,
+    OP_RELEASE_HOLD,
     PROTOCOL_VERSION,
     PULLED,
     RELEASE,
     VERSION_KEY,
     ProtocolError,
     ReadRequest,
+    ReleaseHold,
     check_version,
     hello_message,
+    parse_pulled,
 )
 from dualpath_connector.side_channel import SideChannelServer, decode_bytes, encode_bytes, rank_address
 from dualpath_connector.side_channel import request as side_channel_request
 
 logger = logging.getLogger(__name__)
+
+# Pull notifications kept for a hold not registered yet: a flood of forged ones cannot grow memory past this.
+_MAX_EARLY_PULLS = 4096
 
 
 class PeerLink:
@@ -83,10 +98,11 @@ class PeerLink:
         self._lock = threading.Lock()
         self._handshake_lock = threading.Lock()
         self._peers: dict[str, KVRegions] = {}
-        # PE: requests whose blocks a DE may still pull -> expiry.
-        self._holds: dict[str, float] = {}
-        self._pulled: set[str] = set()
+        # PE: requests whose blocks a DE may still pull; pulls reported (maybe before their hold registered).
+        self._holds: dict[str, _Hold] = {}
+        self._pulled: dict[str, tuple[str, float]] = {}  # request id -> (hold token, time.monotonic())
         self._released_holds: set[str] = set()
+        self.forged_notifications = 0  # pulled: notifications that named no hold or carried the wrong token
         # DE: buffer slots lent to a PE, by lease; kept for this engine's decode after the release, by token.
         self._leases: dict[str, _Lease] = {}
         self._kept: dict[str, _Lease] = {}
@@ -94,8 +110,10 @@ class PeerLink:
         self._notifications.register(PULLED, self._on_pulled)
         self._notifications.register(RELEASE, lambda message: self._released(message[len(RELEASE):].decode()))
         self._server = SideChannelServer(
-            host, port + tp_rank, self._key, {OP_HELLO: self._hello, OP_READ: self._read}, self._tick, cpu_affinity=cpu_affinity
-        )
+            host, port + tp_rank, self._key,
+            {OP_HELLO: self._hello, OP_READ: self._read, OP_RELEASE_HOLD: self._release_hold}, self._tick,
+            cpu_affinity=cpu_affinity,
+        )  # fmt: skip
 
     @property
     def rejected_messages(self) -> int:
@@ -126,6 +144,18 @@ class PeerLink:
             reply({"error": f"namespace {read.namespace} is not this engine's ({self.namespace_digest})"})
             return
         self._serve_read(read, reply)
+
+    def _release_hold(self, message: dict[str, Any], reply: Callable[[dict[str, Any]], None]) -> None:
+        release = ReleaseHold.from_message(message)
+        with self._lock:
+            hold = self._holds.get(release.remote_request_id)
+            released = hold is not None and hmac.compare_digest(hold.token, release.hold_token)
+            if released:
+                del self._holds[release.remote_request_id]
+                self._released_holds.add(release.remote_request_id)
+        if released:
+            logger.info("request %s: its DE will not pull it; blocks released", release.remote_request_id)
+        reply({"released": released})
 
     def lease(
         self, pool: HostBufferPool, slots: list[int], keep_token: str | None = None, chunk_hashes: list[str] = ()
@@ -163,13 +193,19 @@ class PeerLink:
 
     # -- PE holds -------------------------------------------------------------
 
-    def hold(self, req_id: str, expires_at: float) -> None:
-        """Keep a finished prefill's blocks for its DE until pulled or ``expires_at`` (time.time())."""
+    def hold(self, req_id: str, expires_at: float, token: str, num_blocks: int) -> None:
+        """Keep a finished prefill's blocks for its DE until pulled (with ``token``) or ``expires_at`` (time.time())."""
         with self._lock:
-            self._holds[req_id] = expires_at
+            self._holds[req_id] = _Hold(expires_at, token, num_blocks)
+
+    @property
+    def held_blocks(self) -> int:
+        """KV blocks this PE holds for DEs to pull."""
+        with self._lock:
+            return sum(hold.num_blocks for hold in self._holds.values())
 
     def take_released_holds(self) -> set[str]:
-        """Holds ended since the last call: pulled by the DE, or expired."""
+        """Holds ended since the last call: pulled by the DE, released by the router, or expired."""
         with self._lock:
             done, self._released_holds = self._released_holds, set()
         return done
@@ -182,12 +218,22 @@ class PeerLink:
         self._notifications.poll()
         now_wall, now = time.time(), time.monotonic()
         with self._lock:
-            for req_id in [r for r in self._holds if r in self._pulled or self._holds[r] < now_wall]:
-                if req_id not in self._pulled:
+            for req_id, hold in list(self._holds.items()):
+                pulled = self._pulled.pop(req_id, None)
+                if pulled is not None and not hmac.compare_digest(pulled[0], hold.token):
+                    self.forged_notifications += 1
+                    logger.warning("request %s: a pulled notification with the wrong hold token; ignored", req_id)
+                    pulled = None
+                if pulled is None and hold.expires_at >= now_wall:
+                    continue
+                if pulled is None:
                     logger.warning("request %s: no DE pulled its KV within the lease; blocks released", req_id)
-                self._pulled.discard(req_id)
                 del self._holds[req_id]
                 self._released_holds.add(req_id)
+            # A pull for no hold registers next step at the latest; one older than a lease names none.
+            for req_id in [r for r, (_, at) in self._pulled.items() if now - at > self._lease_s]:
+                del self._pulled[req_id]
+                self.forged_notifications += 1
             expired = {k: self._leases.pop(k) for k in [k for k, v in self._leases.items() if v.expires_at < now]}
             expired_kept = {k: self._kept.pop(k) for k in [k for k, v in self._kept.items() if v.expires_at < now]}
         for lease, held in expired.items():
@@ -198,9 +244,14 @@ class PeerLink:
             kept.pool.release(kept.slots)
 
     def _on_pulled(self, message: bytes) -> None:
+        parsed = parse_pulled(message)
         with self._lock:
+            if parsed is None or len(self._pulled) >= _MAX_EARLY_PULLS:
+                self.forged_notifications += 1
+                return
             # A pull may finish before this engine's next step registers the hold.
-            self._pulled.add(message[len(PULLED) :].decode())
+            req_id, token = parsed
+            self._pulled[req_id] = (token, time.monotonic())
 
     def _released(self, lease: str) -> None:
         """The PE is done with a lease: keep its slots for the decode if asked to, else free them."""
@@ -269,6 +320,15 @@ class PeerLink:
         self._server.stop()
         for prefix in (PULLED, RELEASE):
             self._notifications.unregister(prefix)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Hold:
+    """A PE's finished prefill held for its DE: until ``expires_at`` (time.time()) or a pull naming ``token``."""
+
+    expires_at: float
+    token: str
+    num_blocks: int
 
 
 @dataclasses.dataclass

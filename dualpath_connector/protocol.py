@@ -20,6 +20,7 @@ anything reaches an engine: hostile input raises :class:`ProtocolError`.
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import uuid
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
@@ -83,9 +84,14 @@ def new_keep_token() -> str:
     return uuid.uuid4().hex
 
 
+def new_hold_token() -> str:
+    """A fresh secret that ends one PE hold (128 bits: not guessable by who did not see the hand-off)."""
+    return secrets.token_hex(16)
+
+
 def _nonempty_str(value: Any, name: str) -> str:
     if not isinstance(value, str) or not value:
-        raise ProtocolError(f"{name} must be a non-empty string, got {value!r}")
+        raise ProtocolError(f"{name} must be a non-empty string, got {value!r}"[:200])
     return value
 
 
@@ -156,6 +162,11 @@ class PrefillHandoff:
     ``tp_size``: the PE's tensor parallel size. DE rank ``r`` pulls from PE
     rank ``r`` (at the side channel's port + ``r``), so a DE of another size
     refuses the hand-off and recomputes the prompt.
+
+    ``hold_token``: the secret that ends the PE's hold on these blocks. Only
+    who saw the hand-off has it (the DE, in its ``pulled:`` notification; the
+    router, in a ``release_hold`` message when the DE refused the request or the
+    client went away): a notification or message without it ends nothing.
     """
 
     remote_side_channel: str
@@ -166,6 +177,7 @@ class PrefillHandoff:
     kept_first_chunk: int = 0
     kept_chunks: int = 0
     tp_size: int = 1
+    hold_token: str = ""  # always set by a PE; a hand-off without one is refused
 
     def to_dict(self) -> dict[str, Any]:
         params = {
@@ -174,6 +186,7 @@ class PrefillHandoff:
             "remote_side_channel": self.remote_side_channel,
             "remote_request_id": self.remote_request_id,
             "remote_block_ids": list(self.remote_block_ids),
+            "hold_token": self.hold_token,
             "stored_chunks": self.stored_chunks,
             VERSION_KEY: PROTOCOL_VERSION,
         }
@@ -194,6 +207,7 @@ class PrefillHandoff:
             remote_side_channel=_nonempty_str(params.get("remote_side_channel"), "remote_side_channel"),
             remote_request_id=_nonempty_str(params.get("remote_request_id"), "remote_request_id"),
             remote_block_ids=_int_list(params.get("remote_block_ids"), "remote_block_ids"),
+            hold_token=_keep_token(params.get("hold_token"), "hold_token"),
             stored_chunks=_count(params.get("stored_chunks", 0), "stored_chunks"),
             kept_token=token,
             kept_first_chunk=_count(params.get("kept_first_chunk", 0), "kept_first_chunk") if token else 0,
@@ -207,10 +221,43 @@ class PrefillHandoff:
 
 OP_HELLO = "hello"
 OP_READ = "read"
+OP_RELEASE_HOLD = "release_hold"
 # NIXL notifications: a DE's READ of a prefilled prompt ends with PULLED + the
-# PE's request id; a PE hands a DE's leased buffer back with RELEASE + lease.
+# PE's request id + ":" + the hand-off's hold token; a PE hands a DE's leased
+# buffer back with RELEASE + lease (a lease id is itself unguessable).
 PULLED = b"pulled:"
 RELEASE = b"release:"
+
+
+def pulled_notification(remote_request_id: str, hold_token: str) -> bytes:
+    return PULLED + f"{remote_request_id}:{hold_token}".encode()
+
+
+def parse_pulled(message: bytes) -> tuple[str, str] | None:
+    """``(request id, hold token)`` of a ``pulled:`` notification; None if malformed."""
+    try:
+        req_id, _, token = message[len(PULLED) :].decode().rpartition(":")
+        return (req_id, _keep_token(token, "hold_token")) if req_id else None
+    except (UnicodeDecodeError, ProtocolError):
+        return None
+
+
+@dataclass(frozen=True)
+class ReleaseHold:
+    """Router -> PE: the DE will not pull this hand-off (it refused the request, or the client went away)."""
+
+    remote_request_id: str
+    hold_token: str
+
+    def to_message(self) -> dict[str, Any]:
+        return {"op": OP_RELEASE_HOLD, VERSION_KEY: PROTOCOL_VERSION, "remote_request_id": self.remote_request_id,
+                "hold_token": self.hold_token}  # fmt: skip
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> ReleaseHold:
+        check_version(message, "the release_hold message")
+        return cls(_nonempty_str(message.get("remote_request_id"), "remote_request_id"),
+                   _keep_token(message.get("hold_token"), "hold_token"))  # fmt: skip
 
 
 def hello_message() -> dict[str, Any]:
@@ -317,6 +364,8 @@ COUNTERS = {
     "the PE read those hits itself",
     "corrupt_chunks": "Chunks read from the store that failed their integrity digest or held NaN/inf (treated as "
     "misses and deleted)",
+    "forged_notifications": "pulled: notifications ignored: malformed, for no hold of this engine's within a lease, "
+    "or with the wrong hold token",
     "side_channel_rejected_messages": "Side-channel messages dropped unanswered: unsigned, wrong key, stale, "
     "replayed or malformed",
     "kv_events_stored_blocks": "vLLM blocks announced in BlockStored KV events (medium STORAGE) once their chunk "
@@ -355,6 +404,7 @@ SIZES = {
     "total is the PE's figure plus the DE's",
 }
 GAUGES = {
+    "pd_held_blocks": "PE: KV blocks of finished prefills held for their DEs to pull",
     "read_queue_tokens": "Tokens queued or in flight in this engine's store reads, including reads served for a PE",
     "layer_load_hidden_fraction": "Layerwise loads: 1 - layer_wait_seconds / layer_load_seconds of the latest "
     "forward (1: every byte moved behind compute)",

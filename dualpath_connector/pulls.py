@@ -1,6 +1,6 @@
 """DE: pull a prefilled prompt's KV straight from the PE's KV cache (NIXL READ).
 
-The READ carries ``pulled:<PE request id>``: its completion tells the PE it may
+The READ carries ``pulled:<PE request id>:<hold token>``: its completion tells the PE it may
 free the blocks it holds for this DE. A pull with nothing to copy (a local
 prefix hit, an aborted request) only sends that notification.
 """
@@ -17,7 +17,7 @@ from nixl_backends.transport import post_read
 from dualpath_connector.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import PullSpec
 from dualpath_connector.peer import PeerLink
-from dualpath_connector.protocol import PULLED
+from dualpath_connector.protocol import pulled_notification
 from dualpath_connector.stats_recorder import StatsRecorder
 
 logger = logging.getLogger(__name__)
@@ -47,7 +47,7 @@ class PromptPuller:
         """Copy ``spec``'s blocks from the PE; False if they did not all arrive (vLLM recomputes them)."""
         started = time.perf_counter()
         address = spec.remote_side_channel
-        notification = PULLED + spec.remote_req_id.encode()
+        notification = pulled_notification(spec.remote_req_id, spec.remote_hold_token)
         ok = False
         try:
             peer = self.peers.peer(address, self.transfer_timeout_s)

@@ -34,6 +34,7 @@ from dualpath_connector.protocol import (
     ProtocolError,
     ShardedKeySpace,
     StoreKeySpace,
+    new_hold_token,
     new_keep_token,
 )
 from dualpath_connector.stats import DualPathStats
@@ -349,6 +350,7 @@ class DualPathScheduler:
                 req_id=request.request_id,
                 remote_side_channel=handoff.remote_side_channel,
                 remote_req_id=handoff.remote_request_id,
+                remote_hold_token=handoff.hold_token,
                 remote_block_ids=remote_blocks[first:wanted] if local else [],
                 block_ids=local,
                 kept_token=handoff.kept_token if kept else None,
@@ -491,17 +493,20 @@ class DualPathScheduler:
         if state.remote_prefill is not None:
             # Aborted before its pull was planned: the PE still holds blocks.
             handoff = state.remote_prefill
-            self._pulls.append(PullSpec(request.request_id, handoff.remote_side_channel, handoff.remote_request_id, [], []))
+            self._pulls.append(PullSpec(request.request_id, handoff.remote_side_channel, handoff.remote_request_id,
+                                        handoff.hold_token, [], []))  # fmt: skip
             return False, None
         prefilled = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
         if not (state.remote_decode is not None and prefilled and block_ids):
             return False, None
-        self._sends.append(SendSpec(request.request_id, time.time() + self.config.pd_lease_s))
+        hold_token = new_hold_token()
+        self._sends.append(SendSpec(request.request_id, time.time() + self.config.pd_lease_s, hold_token, len(block_ids)))
         kept_token, kept_first_chunk, kept_chunks = state.kept or (None, 0, 0)
         return True, PrefillHandoff(
             remote_side_channel=f"{self.config.side_channel_host}:{self.config.side_channel_port}",
             remote_request_id=request.request_id,
             remote_block_ids=list(block_ids),
+            hold_token=hold_token,
             tp_size=self.tp_size,
             # Stored, or being saved by this engine.
             stored_chunks=state.saved_chunks,

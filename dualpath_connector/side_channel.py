@@ -48,6 +48,8 @@ _server_ids = itertools.count()
 # load buffer of chunk hashes); ZeroMQ drops a peer that sends more, before
 # it costs memory.
 MAX_MESSAGE_BYTES = 16 << 20
+# Requests handled between two ticks (notifications, expiry) at most.
+_FRAMES_PER_TICK = 64
 # A flood of bad frames must not flood the log: one warning, then at most one per interval.
 REJECTION_LOG_INTERVAL_S = 60.0
 
@@ -140,7 +142,8 @@ class SideChannelServer:
                         break
                     self._router.send_multipart([identity, b"", body])
             if self._router in events:
-                while True:
+                # At most a batch between ticks: a flood of requests must not starve hold and lease expiry.
+                for _ in range(_FRAMES_PER_TICK):
                     try:
                         frames = self._router.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:

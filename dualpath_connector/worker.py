@@ -141,7 +141,7 @@ class DualPathWorker:
         self._in_flight: set[str] = set()
         self._dropped: set[str] = set()
         self._injection: LayerwiseInjection | None = None
-        self._rejected_reported = 0
+        self._rejected_reported = (0, 0)  # side-channel messages, pulled: notifications
         self._store_counters: dict[str, int] = {}
         # KV events: finished writes, handed to the scheduler as worker metadata each step.
         self._kv_events = kv_events_enabled(vllm_config, config)
@@ -216,7 +216,7 @@ class DualPathWorker:
     def start_load_kv(self, meta: DualPathMetadata) -> None:
         self._note_ended(meta)
         for send in meta.sends:
-            self.peers.hold(send.req_id, send.expires_at)
+            self.peers.hold(send.req_id, send.expires_at, send.hold_token, send.num_blocks)
         for spec in meta.loads:
             with self._lock:
                 self._in_flight.add(spec.req_id)
@@ -430,9 +430,11 @@ class DualPathWorker:
     def get_stats(self) -> DualPathStats | None:
         if self.peers is not None:
             # The side channel counts refusals on its own thread; hand on what is new.
-            rejected = self.peers.rejected_messages
-            self.stats.add(side_channel_rejected_messages=rejected - self._rejected_reported)
+            rejected = self.peers.rejected_messages, self.peers.forged_notifications
+            self.stats.add(side_channel_rejected_messages=rejected[0] - self._rejected_reported[0],
+                           forged_notifications=rejected[1] - self._rejected_reported[1])  # fmt: skip
             self._rejected_reported = rejected
+            self.stats.gauge(pd_held_blocks=self.peers.held_blocks)
         self._add_store_metrics()
         data = self.stats.take()
         return DualPathStats(data=data) if data is not None else None

@@ -47,7 +47,8 @@ class ClusterKeys:
         return {"VLLM_API_KEY": self.api_key, CLUSTER_KEY_ENV: self.cluster_key}
 
     def router_env(self) -> dict[str, str]:
-        return {ROUTER_KEY_ENV: self.api_key}
+        # The cluster key lets the router end a PE's hold when no DE will pull it.
+        return {ROUTER_KEY_ENV: self.api_key, CLUSTER_KEY_ENV: self.cluster_key}
 
     def auth_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}

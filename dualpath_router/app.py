@@ -32,6 +32,7 @@ from dualpath_router.accounting import Accounting
 from dualpath_router.config import RouterConfig, load_router_config
 from dualpath_router.credentials import EngineCredential
 from dualpath_router.dispatcher import Dispatcher, Placement, QueueTimeout
+from dualpath_router.holds import HoldReleaser
 from dualpath_router.lookup import HitLookup
 from dualpath_router.policies import make_policy
 from dualpath_router.prompts import BadRequest, PromptBuilder, RoutedRequest
@@ -62,6 +63,10 @@ class RouterMetrics:
                                ["role"], registry=self.registry)
         self.rejected = Counter("dualpath_router_rejected_requests", "Requests answered with an error, by reason",
                                 ["reason"], registry=self.registry)
+        self.holds_released = Counter(
+            "dualpath_router_released_holds", "PE holds ended by the router because no DE would pull them, by reason",
+            ["reason"], registry=self.registry,
+        )
         self._dispatcher = dispatcher
         self.registry.register(self)
 
@@ -119,6 +124,7 @@ class Router:
         self.dispatcher = Dispatcher(config, accounting, make_policy(config.policy, config.scheduling), lookup)
         self.prompts = PromptBuilder(config)
         self.metrics = RouterMetrics(self.dispatcher)
+        self.holds = HoldReleaser.from_env(config.timeouts.connect_s)
         self.client: httpx.AsyncClient | None = None
 
     @contextlib.asynccontextmanager
@@ -286,6 +292,8 @@ class Router:
             body["kv_transfer_params"] = handoff.to_dict()
         failures: dict[str, str] = {}
         booked = True
+        # Whether the PE's hold ends without the DE: set where the DE answered and so pulled.
+        unpulled: str | None = "router error"
         try:
             while True:
                 try:
@@ -297,6 +305,7 @@ class Router:
                     self.metrics.retries.labels("decode").inc()
                     booked = self.dispatcher.replace_decode(placement, set(failures))
                     if not booked:
+                        unpulled = "decode_failed"
                         self.metrics.rejected.labels("decode_failed").inc()
                         reasons = "; ".join(f"{name}: {why}" for name, why in failures.items())
                         return error_response(503, f"all decode engines failed: {reasons}",
@@ -312,23 +321,37 @@ class Router:
             if upstream.is_closed:  # read whole: not streamed, or an error answer
                 content = upstream.content
                 if upstream.status_code < 400:
+                    unpulled = None  # the DE answered: it pulled first
                     content = self.prompts.answer(content, form)
+                else:
+                    unpulled = "decode_refused"
                 return Response(content, upstream.status_code, headers=headers, media_type=media_type)
             if form == "raw":
                 chunks = upstream.aiter_raw()
             else:
                 chunks = self.prompts.answer_stream(upstream.aiter_lines(), form)
+            ended = {"whole": False}
 
             async def close_stream() -> None:
                 self.dispatcher.finish_decode(placement)
                 await upstream.aclose()
+                if not ended["whole"]:  # the client went away (or the DE broke off) maybe before the pull
+                    await self._release_hold(handoff, "client_gone")
 
-            booked = False  # the stream releases it when it ends
-            return UpstreamStream(self._pass_through(chunks, placement), close_stream,
+            booked, unpulled = False, None  # the stream releases both when it ends
+            return UpstreamStream(self._pass_through(chunks, placement, ended), close_stream,
                                   status_code=upstream.status_code, headers=headers, media_type=media_type)
         finally:
             if booked:
                 self.dispatcher.finish_decode(placement)
+            if unpulled is not None:
+                with anyio.CancelScope(shield=True):  # also when the client's disconnect cancels this request
+                    await self._release_hold(handoff, unpulled)
+
+    async def _release_hold(self, handoff: PrefillHandoff | None, reason: str) -> None:
+        """No DE will pull ``handoff``: the PE frees its blocks now, not at the end of its lease."""
+        if handoff is not None and await self.holds.release(handoff, reason):
+            self.metrics.holds_released.labels(reason).inc()
 
     async def _open_decode(self, placement: Placement, body: dict, *, read_all: bool) -> httpx.Response:
         """Send the DE request; with ``read_all`` (or an error status) the whole answer is read and closed."""
@@ -350,10 +373,12 @@ class Router:
         _raise_for_engine_failure(upstream, self.config.engine_api_key_env)
         return upstream
 
-    async def _pass_through(self, chunks: AsyncIterator[bytes], placement: Placement) -> AsyncIterator[bytes]:
+    async def _pass_through(self, chunks: AsyncIterator[bytes], placement: Placement,
+                            ended: dict[str, bool]) -> AsyncIterator[bytes]:  # fmt: skip
         try:
             async for chunk in chunks:
                 yield chunk
+            ended["whole"] = True
         except httpx.HTTPError as exc:
             # Bytes already reached the client: no retry; the client sees the stream end early.
             logger.warning("decode engine %s broke off the stream: %s", placement.decode.name, exc)

@@ -122,6 +122,10 @@ class RouterConfig:
     vocab_size: int | None = None
     # Longer prompts get a 400; default: the model config's max_position_embeddings.
     max_prompt_tokens: int | None = None
+    # The engines' --max-model-len: max_tokens above it, or a prompt as long, gets a 400 before any prefill
+    # (vLLM's own rules, checked here so that no PE holds blocks for a request its DE would refuse); default:
+    # the model config's max_position_embeddings, else unchecked.
+    max_model_len: int | None = None
     # The environment variable holding the engines' API key (never the key itself).
     engine_api_key_env: str = DEFAULT_ENGINE_API_KEY_ENV
     metrics_refresh_interval_s: float = 1.0
@@ -154,7 +158,7 @@ class RouterConfig:
         _require_positive(self, "metrics_refresh_interval_s", "lookup_cache_chunks", "lookup_cache_ttl_s")
         if self.tokenizer is None and self.model_config is None and self.vocab_size is None:
             raise ConfigError(NO_VOCABULARY)
-        for name in ("vocab_size", "max_prompt_tokens"):
+        for name in ("vocab_size", "max_prompt_tokens", "max_model_len"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)
         if not ENV_NAME.fullmatch(self.engine_api_key_env):

@@ -24,6 +24,8 @@ class ModelLimits:
     vocab_size: int
     # Longer prompts are refused; None: the engines decide.
     max_prompt_tokens: int | None = None
+    # max_tokens above it, or a prompt as long, is refused as the engines would (vLLM's max_model_len); None: unchecked.
+    max_model_len: int | None = None
 
 
 def read_model_config(path: str) -> dict[str, Any]:
@@ -52,12 +54,13 @@ def model_limits(
     model_config: str | None,
     vocab_size: int | None,
     max_prompt_tokens: int | None,
+    max_model_len: int | None = None,
 ) -> ModelLimits:
     """The limits from every configured source (``RouterConfig.validate`` made sure there is one).
 
     Where several give a vocabulary size the smallest wins: an id must be
     valid for the tokenizer's decoding and for the model's embedding table.
-    ``max_prompt_tokens`` defaults to the model config's
+    ``max_prompt_tokens`` and ``max_model_len`` default to the model config's
     ``max_position_embeddings`` (an engine's ``--max-model-len`` is at most that).
     """
     sizes: dict[str, int] = {}
@@ -71,11 +74,12 @@ def model_limits(
         if model_vocab is None:
             raise ConfigError(f"model_config: {model_config}: no positive integer `vocab_size`")
         sizes["model_config"] = model_vocab
-        if max_prompt_tokens is None:
-            max_prompt_tokens = _positive_int(text, "max_position_embeddings")
+        positions = _positive_int(text, "max_position_embeddings")
+        max_prompt_tokens = max_prompt_tokens or positions
+        max_model_len = max_model_len or positions
     if vocab_size is not None:
         sizes["vocab_size"] = vocab_size
     source = min(sizes, key=sizes.__getitem__)
     logger.info("token ids must be below %d (from %s); prompts up to %s tokens", sizes[source], source,
                 max_prompt_tokens or "any number of")
-    return ModelLimits(sizes[source], max_prompt_tokens)
+    return ModelLimits(sizes[source], max_prompt_tokens, max_model_len)

@@ -64,6 +64,28 @@ class RoutedRequest:
     answer_form: AnswerForm = "raw"
 
 
+def _check_sampling(body: dict[str, Any], stream: bool) -> None:
+    """What a DE would refuse, refused here before a PE prefills (and holds blocks) for nothing; vLLM's rules."""
+    n = body.get("n", 1)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise BadRequest(f"`n` must be a positive integer, got {_shown(n)}", param="n", reason="bad_n")
+    if n > 1:
+        # One prefill hands one prompt's KV to one decode; n choices would need n hand-offs.
+        raise BadRequest("`n` > 1 is not served through the PD router: send n requests (with different seeds)",
+                         param="n", reason="unsupported_n")
+    if body.get("stream_options") is not None and not stream:
+        raise BadRequest("Stream options can only be defined when `stream=True`.", param="stream_options",
+                         reason="bad_stream_options")
+    min_tokens, max_tokens = body.get("min_tokens"), body.get("max_tokens")
+    if min_tokens is not None:
+        if not isinstance(min_tokens, int) or isinstance(min_tokens, bool) or min_tokens < 0:
+            raise BadRequest(f"`min_tokens` must be a non-negative integer, got {_shown(min_tokens)}",
+                             param="min_tokens", reason="bad_min_tokens")
+        if max_tokens is not None and min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
+                             param="min_tokens", reason="bad_min_tokens")
+
+
 def _shown(value: Any) -> str:
     shown = json.dumps(value) if not isinstance(value, float) else repr(value)
     return shown if len(shown) <= 40 else shown[:37] + "..."
@@ -123,7 +145,7 @@ class PromptBuilder:
                 raise ConfigError(f"tokenizer: cannot load {config.tokenizer}: {exc}") from None
         self.limits = model_limits(
             len(self.tokenizer) if self.tokenizer is not None else None,
-            config.model_config, config.vocab_size, config.max_prompt_tokens,
+            config.model_config, config.vocab_size, config.max_prompt_tokens, config.max_model_len,
         )
 
     def build(self, raw: bytes, *, chat: bool) -> RoutedRequest:
@@ -157,8 +179,18 @@ class PromptBuilder:
                                        or max_tokens < 1):
             raise BadRequest(f"`max_tokens` must be a positive integer, got {max_tokens!r}", param="max_tokens",
                              reason="bad_max_tokens")
+        _check_sampling(out, stream)
         # Every id, the tokenizer's too (it may know more ids than the model's embedding table).
         out["prompt"] = token_ids = check_token_ids(token_ids, where, self.limits)
+        limit = self.limits.max_model_len
+        # vLLM's rules (it clamps max_tokens to what the context leaves, but refuses these two).
+        if limit is not None and max_tokens is not None and max_tokens > limit:
+            raise BadRequest(f"max_tokens={max_tokens} cannot be greater than max_model_len={limit}. Please request "
+                             "fewer output tokens.", param="max_tokens", reason="bad_max_tokens")  # fmt: skip
+        if limit is not None and len(token_ids) >= limit:
+            raise BadRequest(f"The prompt (length {len(token_ids)}) plus the number of requested output tokens (at "
+                             f"least 1) is longer than the maximum model length of {limit}.", param="prompt",
+                             reason="too_long")  # fmt: skip
         return RoutedRequest(out, token_ids, stream, answer_form)
 
     def _check_model(self, body: dict[str, Any]) -> None:

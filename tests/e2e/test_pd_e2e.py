@@ -22,6 +22,8 @@ the PE healthy.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import os
 import random
 import secrets
@@ -32,7 +34,9 @@ import urllib.request
 
 import pytest
 
-from dualpath_connector.protocol import PrefillRequest, counter_total_name
+from dualpath_connector.cluster_auth import ClusterKey
+from dualpath_connector.protocol import METRIC_PREFIX, PrefillHandoff, PrefillRequest, counter_total_name, metric_total
+from dualpath_router.holds import HoldReleaser
 from dualpath_dev.engines import ClusterKeys, RouterProcess
 from tests.conftest import (
     PLAIN_ENGINE_BATCH_TOKENS,
@@ -322,3 +326,51 @@ def test_de_killed_during_de_side_read_falls_back(cluster, baseline):
     assert same({"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}, expected)
     assert "did not read the hit" in pe.log_path.read_text()
     assert _settled(lambda: pe.metric_total(counter_total_name("de_read_fallbacks"))) == fallbacks_before + 1
+
+
+def held_blocks(pe) -> float:
+    """The PE's KV blocks held for DEs (``dualpath_kv:pd_held_blocks``, reported per engine step)."""
+    return pe.metric_total(f"{METRIC_PREFIX}pd_held_blocks")
+
+
+def test_holds_end_with_their_request(cluster, seaweedfs, tmp_path):
+    """No client pins PE memory: what a DE would refuse is refused before any prefill, and a refusal only the DE
+    makes (its max_model_len is below the model's, which the router checks) ends the PE's hold at once."""
+    pe, de = cluster
+    router = RouterProcess([pe], [de], seaweedfs, tmp_path).start()
+    prompt = [random.Random(7).randrange(1024) for _ in range(4 * BLOCK)]
+    try:
+        model = router_model(router)
+        base = {"model": model, "prompt": prompt, "max_tokens": 2}
+        prefills = pe.metric_total("vllm:request_success_total")
+        for change in ({"n": 4}, {"stream_options": {"include_usage": True}}, {"min_tokens": 3}):
+            status, answer, _ = post(f"{router.url}/v1/completions", {**base, **change})
+            assert status == 400, answer
+        assert pe.metric_total("vllm:request_success_total") == prefills  # no prefill ran
+
+        # Control: a hand-off nobody pulls stays held (the gauge can show a hold), until released by its token.
+        handoff = PrefillHandoff.from_dict(pe.post("/v1/completions", {
+            **base, "max_tokens": 1, "kv_transfer_params": PrefillRequest("pe").to_dict()})["kv_transfer_params"])
+        poll(lambda: held_blocks(pe), lambda n: n > 0, 30, "blocks held for the hand-off")
+        time.sleep(1.0)  # not synchronisation: the hold must outlast a second nobody pulls it in
+        assert held_blocks(pe) > 0
+        forged = dataclasses.replace(handoff, hold_token="00" * 16)
+        releaser = HoldReleaser(ClusterKey(pe.keys.cluster_key.encode()), timeout_s=10.0)
+        assert asyncio.run(releaser.release(forged, "test: the wrong token")) == 0
+        assert asyncio.run(releaser.release(handoff, "test")) == 1
+        started = time.monotonic()
+        poll(lambda: held_blocks(pe), lambda n: n == 0, 30, "blocks held after the release")
+        assert time.monotonic() - started < 1.0
+
+        # Through the router: the DE (max_model_len 8192) refuses what the model's 32768 positions allow.
+        status, answer, _ = post(f"{router.url}/v1/completions", {**base, "max_tokens": 9000})
+        assert status == 400 and "cannot be greater than max_model_len=8192" in answer["error"]["message"], answer
+        assert pe.metric_total("vllm:request_success_total") == prefills + 2  # the PE prefilled it
+        started = time.monotonic()
+        poll(lambda: held_blocks(pe), lambda n: n == 0, 30, "blocks held after the DE's refusal")
+        assert time.monotonic() - started < 1.0
+        released = metric_total(urllib.request.urlopen(f"{router.url}/metrics", timeout=30).read().decode(),
+                                "dualpath_router_released_holds_total")  # fmt: skip
+        assert released == 1
+    finally:
+        router.stop()

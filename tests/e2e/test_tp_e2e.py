@@ -120,7 +120,10 @@ def cluster(baseline, tiny_model, seaweedfs, tmp_path_factory):
     """A PE and a DE, each at TP = 2 (after the baseline engine stopped: four workers on this machine's cores)."""
     logs = tmp_path_factory.mktemp("tp-pd-logs")
     options = {"bucket": BUCKET, "max_num_batched_tokens": PLAIN_ENGINE_BATCH_TOKENS, "keys": ClusterKeys.generate(),
-               "extra": {"split_read_min_tokens": SPLIT_READ_MIN_TOKENS}, "tensor_parallel_size": TP}  # fmt: skip
+               # Two TP=2 engines share two cores with the rest of the suite: a rank's side channel can wait its
+               # turn for seconds, so the PE waits longer for a DE's answer than the default 10 s.
+               "extra": {"split_read_min_tokens": SPLIT_READ_MIN_TOKENS, "de_read_timeout_s": 30.0},
+               "tensor_parallel_size": TP}  # fmt: skip
     with pd_pair(tiny_model, seaweedfs, logs, **options) as pair:
         yield pair
 

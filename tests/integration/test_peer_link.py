@@ -37,7 +37,9 @@ from dualpath_connector.protocol import (
     VERSION_KEY,
     ProtocolError,
     ReadRequest,
+    ReleaseHold,
     hello_message,
+    pulled_notification,
 )
 from dualpath_connector.side_channel import PeerBusy, SideChannelError, request
 from nixl_backends.configuration import ConfigError
@@ -145,26 +147,63 @@ def wait_for(condition, timeout_s: float = 10.0):
     return value
 
 
+TOKEN = "5a" * 16  # the hand-off's hold token
+
+
 def test_de_pulls_pe_blocks_and_the_notification_ends_the_hold(pair):
     pe, de = pair
-    pe.link.hold("req-1", time.time() + 60)
+    pe.link.hold("req-1", time.time() + 60, TOKEN, 3)
+    assert pe.link.held_blocks == 3
     peer = de.link.peer(pe.address, timeout_s=5)
     assert peer.layer_addrs == tuple(layer.ctypes.data for layer in pe.layers)
     remote_blocks, local_blocks = [3, 7, 8], [0, 1, 15]
     read = post_read(
-        de.agent, peer.agent, rows(de.layers, local_blocks), "DRAM", rows(pe.layers, remote_blocks), "DRAM", PULLED + b"req-1"
+        de.agent, peer.agent, rows(de.layers, local_blocks), "DRAM", rows(pe.layers, remote_blocks), "DRAM",
+        pulled_notification("req-1", TOKEN),
     )
     assert read.wait(10.0)
     for pe_layer, de_layer in zip(pe.layers, de.layers):
         for r, l in zip(remote_blocks, local_blocks):
             assert np.array_equal(de_layer[l * BLOCK_BYTES : (l + 1) * BLOCK_BYTES], pe_layer[r * BLOCK_BYTES : (r + 1) * BLOCK_BYTES])
     # The PE learns of the pull from the READ's notification alone.
-    assert wait_for(pe.link.take_released_holds) == {"req-1"}
+    assert wait_for(pe.link.take_released_holds) == {"req-1"} and pe.link.held_blocks == 0
+
+
+def test_forged_pulled_notifications_end_no_hold(pair):
+    """Anyone reaching the UCX listener can send a notification: without the hand-off's token it ends nothing."""
+    pe, de = pair
+    peer = de.link.peer(pe.address, timeout_s=5)
+    pe.link.hold("victim", time.time() + 60, TOKEN, 5)
+    for forged in (PULLED + b"victim", pulled_notification("victim", "00" * 16), PULLED + b"victim:not-hex",
+                   pulled_notification("nobody", TOKEN)):  # fmt: skip
+        de.link.notify(peer.agent, forged)
+    # A barrier behind the forgeries: once its hold ends, every forgery before it was handled.
+    pe.link.hold("barrier", time.time() + 60, TOKEN, 1)
+    de.link.notify(peer.agent, pulled_notification("barrier", TOKEN))
+    assert wait_for(pe.link.take_released_holds) == {"barrier"}
+    assert pe.link.held_blocks == 5  # the victim's blocks stay held
+    # Refused: no token, the wrong token, a malformed one (the one for no hold waits a lease, then counts too).
+    assert pe.link.forged_notifications >= 3
+    # Control: the right token ends it.
+    de.link.notify(peer.agent, pulled_notification("victim", TOKEN))
+    assert wait_for(pe.link.take_released_holds) == {"victim"} and pe.link.held_blocks == 0
+
+
+def test_a_router_releases_a_hold_with_its_token_only(pair):
+    pe, _ = pair
+    pe.link.hold("refused-by-de", time.time() + 60, TOKEN, 4)
+    key = KEY
+    wrong = request(pe.address, ReleaseHold("refused-by-de", "00" * 16).to_message(), 5, key)
+    unknown = request(pe.address, ReleaseHold("no-such-request", TOKEN).to_message(), 5, key)
+    assert wrong == {"released": False} and unknown == {"released": False} and pe.link.held_blocks == 4
+    right = request(pe.address, ReleaseHold("refused-by-de", TOKEN).to_message(), 5, key)
+    assert right == {"released": True} and pe.link.held_blocks == 0
+    assert pe.link.take_released_holds() == {"refused-by-de"}
 
 
 def test_a_hold_nobody_pulls_expires(pair):
     pe, _ = pair
-    pe.link.hold("req-2", time.time() + 0.2)
+    pe.link.hold("req-2", time.time() + 0.2, TOKEN, 1)
     assert wait_for(pe.link.take_released_holds) == {"req-2"}
 
 
@@ -197,9 +236,9 @@ def test_unreleased_lease_expires(caplog):
 def release_and_sync(pe: Side, de: Side, lease: str) -> None:
     """The PE's release, then a notification behind it: once that one is seen, the release was handled."""
     peer = pe.link.peer(de.address, timeout_s=5)
-    de.link.hold("barrier", time.time() + 60)
+    de.link.hold("barrier", time.time() + 60, TOKEN, 1)
     pe.link.notify(peer.agent, RELEASE + lease.encode())
-    pe.link.notify(peer.agent, PULLED + b"barrier")
+    pe.link.notify(peer.agent, pulled_notification("barrier", TOKEN))
     assert wait_for(de.link.take_released_holds) == {"barrier"}
 
 

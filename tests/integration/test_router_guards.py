@@ -106,11 +106,35 @@ def test_max_prompt_tokens_defaults_to_the_model_config(guarded):
     assert (f"the prompt has {MAX_POSITIONS + 1} tokens, more than the model's {MAX_POSITIONS}"
             in response.json()["error"]["message"])  # fmt: skip
     assert pe.received == []
-    # Negative control: exactly max_position_embeddings tokens pass.
-    assert complete(router, prompt=[1] * MAX_POSITIONS, max_tokens=2).status_code == 200
-    assert len(pe.received[-1]["prompt"]) == MAX_POSITIONS
+    # Negative control: a prompt and its completion that fit max_position_embeddings exactly pass.
+    assert complete(router, prompt=[1] * (MAX_POSITIONS - 2), max_tokens=2).status_code == 200
+    assert len(pe.received[-1]["prompt"]) == MAX_POSITIONS - 2
     pe.received.clear()
     de.received.clear()
+
+
+@pytest.mark.parametrize(
+    "body, param, message",
+    [
+        ({"n": 2}, "n", "`n` > 1 is not served through the PD router"),
+        ({"n": 0}, "n", "`n` must be a positive integer, got 0"),
+        ({"n": "2"}, "n", "`n` must be a positive integer"),
+        ({"stream_options": {"include_usage": True}}, "stream_options",
+         "Stream options can only be defined when `stream=True`."),
+        ({"min_tokens": 3, "max_tokens": 2}, "min_tokens", "min_tokens must be less than or equal to max_tokens=2"),
+        ({"min_tokens": -1}, "min_tokens", "`min_tokens` must be a non-negative integer"),
+        ({"max_tokens": MAX_POSITIONS + 1}, "max_tokens",
+         f"max_tokens={MAX_POSITIONS + 1} cannot be greater than max_model_len={MAX_POSITIONS}"),
+    ],
+)
+def test_what_a_de_would_refuse_gets_400_before_any_prefill(guarded, body, param, message):
+    """No PE prefills (and holds blocks for a DE) a request its DE would refuse: vLLM's own rules, checked first."""
+    pe, de, router = guarded
+    response = complete(router, **{"prompt": PROMPT, "max_tokens": 2, **body})
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert message in error["message"] and error["param"] == param
+    assert pe.received == [] and de.received == []
 
 
 def test_explicit_vocab_size_and_prompt_limit(engines, start_router):

@@ -28,7 +28,7 @@ import httpx
 import pytest
 import yaml
 
-from dualpath_connector.protocol import PROTOCOL_VERSION, VERSION_KEY, PrefillHandoff, PrefillRequest
+from dualpath_connector.protocol import PROTOCOL_VERSION, VERSION_KEY, PrefillHandoff, PrefillRequest, new_hold_token
 from dualpath_dev.processes import free_port, stop_process_group
 
 MODEL = "tiny-llama"
@@ -138,7 +138,7 @@ class StandInEngine:
     def prefill_answer(self, body: dict) -> dict:
         # A fresh request id per answer: the DE must get this very answer's hand-off.
         kv_transfer_params = PrefillHandoff(f"127.0.0.1:{self.server.server_address[1]}", uuid.uuid4().hex,
-                                            [1, 2, 3], stored_chunks=1).to_dict()
+                                            [1, 2, 3], stored_chunks=1, hold_token=new_hold_token()).to_dict()
         self.sent_kv_transfer_params.append(kv_transfer_params)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": body.get("model", MODEL),
@@ -290,8 +290,7 @@ def complete(router: RouterProcess, **body) -> httpx.Response:
 def test_prefill_then_decode_bodies_and_headers(engines, start_router):
     pe, de = engines("pe0", "prefill"), engines("de0", "decode")
     router = start_router(router_config([pe], [de], read_side="de"))
-    response = complete(router, prompt=PROMPT, max_tokens=5, temperature=0.0, stream_options={"include_usage": True},
-                        return_token_ids=True)
+    response = complete(router, prompt=PROMPT, max_tokens=5, temperature=0.0, min_tokens=2, return_token_ids=True)
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["token_ids"] == de.decode_tokens({"prompt": PROMPT, "max_tokens": 5})
     assert response.headers["x-dualpath-read-side"] == "de"
@@ -301,7 +300,7 @@ def test_prefill_then_decode_bodies_and_headers(engines, start_router):
 
     [pe_body] = pe.received
     assert pe_body["prompt"] == PROMPT
-    assert pe_body["max_tokens"] == 1 and pe_body["stream"] is False and "stream_options" not in pe_body
+    assert pe_body["max_tokens"] == 1 and pe_body["stream"] is False and "min_tokens" not in pe_body
     assert pe_body["temperature"] == 0.0
     assert pe_body["kv_transfer_params"] == {
         "do_remote_decode": True, "read_side": "de", "de_side_channel": "127.0.0.1:5700",
@@ -310,7 +309,7 @@ def test_prefill_then_decode_bodies_and_headers(engines, start_router):
     assert PrefillRequest.from_dict(pe_body["kv_transfer_params"]) == PrefillRequest("de", "127.0.0.1:5700")
     [de_body] = de.received
     assert de_body["max_tokens"] == 5 and de_body["prompt"] == PROMPT
-    assert de_body["stream_options"] == {"include_usage": True}
+    assert de_body["min_tokens"] == 2
     # The PE's hand-off, unchanged.
     assert de_body["kv_transfer_params"] == pe.sent_kv_transfer_params[0]
 
@@ -318,7 +317,7 @@ def test_prefill_then_decode_bodies_and_headers(engines, start_router):
 def test_streaming_passes_the_decode_stream_through(engines, start_router):
     pe, de = engines("pe0", "prefill"), engines("de0", "decode")
     router = start_router(router_config([pe], [de]))
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True, "stream_options": {"include_usage": True}}
     with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=30.0) as response:
         assert response.status_code == 200
         assert response.headers["content-type"].startswith("text/event-stream")
@@ -327,7 +326,8 @@ def test_streaming_passes_the_decode_stream_through(engines, start_router):
     expected = "".join(f"data: {event}\n\n" for event in de.decode_events({"prompt": PROMPT, "max_tokens": 4}))
     assert received == expected
     assert pe.received[0]["stream"] is False and pe.received[0]["max_tokens"] == 1
-    assert de.received[0]["stream"] is True
+    assert "stream_options" not in pe.received[0]  # meaningless for a one-token prefill
+    assert de.received[0]["stream"] is True and de.received[0]["stream_options"] == {"include_usage": True}
 
 
 def test_prefill_retries_on_another_pe_when_the_first_is_down(engines, start_router):

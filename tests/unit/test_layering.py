@@ -18,6 +18,8 @@ SHIPPED = PACKAGES[:-1]
 CONTRACT = "dualpath_connector.protocol"
 # The simulator also plans reads with the connector's own rule (no vLLM import either).
 READ_PLAN = "dualpath_connector.read_split"
+# The router also speaks the engines' side channel (release_hold): its framing and signing, no vLLM import.
+SIDE_CHANNEL = ("dualpath_connector.side_channel", "dualpath_connector.cluster_auth")
 
 
 def _module_graph() -> dict[str, set[str]]:
@@ -87,8 +89,10 @@ def _violations(graph: dict[str, set[str]]) -> list[tuple[str, str]]:
             if top == "nixl_backends" and dep_top != "nixl_backends":
                 violations.append((module, dep))  # the storage layer imports nothing else of ours
             simulator = module.startswith("dualpath_bench.simulate.")
+            router = top == "dualpath_router"
             if top in ("dualpath_router", "s3agg_gateway_ext", "dualpath_bench") and dep_top == "dualpath_connector" \
-                    and dep != CONTRACT and not (simulator and dep == READ_PLAN):  # fmt: skip
+                    and dep != CONTRACT and not (simulator and dep == READ_PLAN) \
+                    and not (router and dep in SIDE_CHANNEL):  # fmt: skip
                 violations.append((module, dep))  # services see the connector's contract only
             if top in SHIPPED and dep_top == "dualpath_dev":
                 violations.append((module, dep))  # dev scaffolding is not installed
@@ -108,6 +112,7 @@ def test_dependencies_point_down(graph):
     [
         ("nixl_backends.store", "dualpath_connector.protocol"),
         ("dualpath_router.app", "dualpath_connector.worker"),
+        ("s3agg_gateway_ext.app", "dualpath_connector.side_channel"),
         ("s3agg_gateway_ext.app", "dualpath_connector.config"),
         ("dualpath_bench.replay", "dualpath_connector.scheduler"),
         ("dualpath_bench.replay", READ_PLAN),

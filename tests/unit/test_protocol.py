@@ -22,15 +22,21 @@ from dualpath_connector.protocol import (
     ReadRequest,
     StoreKeySpace,
     counter_total_name,
+    ReleaseHold,
     metric_total,
     metric_totals,
+    new_hold_token,
     new_keep_token,
+    parse_pulled,
+    pulled_notification,
 )
 
 KEY_SPACE = StoreKeySpace(digest="0123abcd" * 4, key_prefix="dualpath", chunk_tokens=32, num_layers=4,
                           layer_block_bytes=1024)  # fmt: skip
-HANDOFF = PrefillHandoff("10.0.0.1:5600", "cmpl-1", [3, 1, 2], stored_chunks=2)
-KEPT = PrefillHandoff("10.0.0.1:5600", "cmpl-1", [3, 1, 2], 2, kept_token="0f" * 16, kept_first_chunk=1, kept_chunks=4)
+HOLD = "7e" * 16
+HANDOFF = PrefillHandoff("10.0.0.1:5600", "cmpl-1", [3, 1, 2], stored_chunks=2, hold_token=HOLD)
+KEPT = PrefillHandoff("10.0.0.1:5600", "cmpl-1", [3, 1, 2], 2, kept_token="0f" * 16, kept_first_chunk=1, kept_chunks=4,
+                      hold_token=HOLD)  # fmt: skip
 
 
 # -- kv_transfer_params ----------------------------------------------------------
@@ -57,13 +63,36 @@ def test_prefill_handoff_round_trips():
 
 
 def test_a_handoff_names_the_pe_tensor_parallel_size_one_when_absent():
-    sharded = PrefillHandoff("10.0.0.1:5600", "cmpl-1", [3, 1, 2], tp_size=4)
+    sharded = PrefillHandoff("10.0.0.1:5600", "cmpl-1", [3, 1, 2], tp_size=4, hold_token=HOLD)
     assert PrefillHandoff.from_dict(sharded.to_dict()) == sharded
     older = {k: v for k, v in HANDOFF.to_dict().items() if k != "tp_size"}
     assert PrefillHandoff.from_dict(older).tp_size == 1
     for bad in (0, -2, "2", True, None):
         with pytest.raises(ProtocolError, match="tp_size"):
             PrefillHandoff.from_dict({**HANDOFF.to_dict(), "tp_size": bad})
+
+
+def test_a_handoff_needs_its_hold_token():
+    """What ends the PE's hold: without it a DE could not release the blocks, so such a hand-off is refused."""
+    for bad in (None, "", "not hex", "AB" * 16, "a" * 65, 7):
+        with pytest.raises(ProtocolError, match="hold_token"):
+            PrefillHandoff.from_dict({**HANDOFF.to_dict(), "hold_token": bad})
+    assert new_hold_token() != new_hold_token() and len(new_hold_token()) == 32
+
+
+def test_pulled_notifications_carry_the_request_and_its_hold_token():
+    assert parse_pulled(pulled_notification("cmpl-1:odd:id", HOLD)) == ("cmpl-1:odd:id", HOLD)
+    for bad in (b"pulled:cmpl-1", b"pulled::" + HOLD.encode(), b"pulled:cmpl-1:XYZ", b"pulled:\xff:" + HOLD.encode()):
+        assert parse_pulled(bad) is None
+
+
+def test_a_release_hold_message_round_trips_and_bad_ones_are_refused():
+    message = ReleaseHold("cmpl-1", HOLD).to_message()
+    assert ReleaseHold.from_message(message) == ReleaseHold("cmpl-1", HOLD)
+    for change, what in (({"hold_token": "zz"}, "hold_token"), ({"remote_request_id": ""}, "remote_request_id"),
+                         ({VERSION_KEY: 1}, "version")):  # fmt: skip
+        with pytest.raises(ProtocolError, match=what):
+            ReleaseHold.from_message({**message, **change})
 
 
 def test_a_handoff_naming_a_kept_hit_round_trips():

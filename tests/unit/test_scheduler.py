@@ -379,12 +379,16 @@ def test_a_running_request_extends_its_block_list(tmp_path):
 # -- 5 and 6. decode engine: pulls ----------------------------------------------
 
 
+HOLD_TOKEN = "c0" * 16
+
+
 def handoff(num_remote_blocks=7, stored_chunks=1) -> PrefillHandoff:
     return PrefillHandoff(
         remote_side_channel="pe-host:7001",
         remote_request_id="pe-r1",
         remote_block_ids=[500 + i for i in range(num_remote_blocks)],
         stored_chunks=stored_chunks,
+        hold_token=HOLD_TOKEN,
     )
 
 
@@ -398,7 +402,7 @@ def test_de_abort_before_the_pull_releases_the_pe_blocks(tmp_path):
     request.status = RequestStatus.FINISHED_ABORTED
     assert scheduler.request_finished(request, []) == (False, None)
     meta = scheduler.build_connector_meta(empty_step())
-    assert meta.pulls == [PullSpec("d1", "pe-host:7001", "pe-r1", [], [])]
+    assert meta.pulls == [PullSpec("d1", "pe-host:7001", "pe-r1", HOLD_TOKEN, [], [])]
     assert meta.dropped_req_ids == ["d1"]
     assert meta.loads == []
 
@@ -411,7 +415,7 @@ def test_de_pull_maps_every_remote_prompt_block_onto_a_local_one(tmp_path):
     scheduler.update_state_after_alloc(request, Blocks(range(10, 17)), 100)
     meta = scheduler.build_connector_meta(empty_step())
 
-    assert meta.pulls == [PullSpec("d1", "pe-host:7001", "pe-r1", list(range(500, 507)), list(range(10, 17)))]
+    assert meta.pulls == [PullSpec("d1", "pe-host:7001", "pe-r1", HOLD_TOKEN, list(range(500, 507)), list(range(10, 17)))]
     assert meta.loads == []
     # Asked again (after a failed pull), the DE recomputes instead of pulling again.
     assert request.kv_transfer_params["do_remote_prefill"] is False
@@ -444,7 +448,7 @@ def test_de_pull_with_too_few_remote_blocks_names_none(tmp_path):
 def kept_handoff(first_chunk=0, chunks=2, token="ab" * 16) -> PrefillHandoff:
     return PrefillHandoff(
         "pe-host:7001", "pe-r1", [500 + i for i in range(7)], stored_chunks=3,
-        kept_token=token, kept_first_chunk=first_chunk, kept_chunks=chunks,
+        kept_token=token, kept_first_chunk=first_chunk, kept_chunks=chunks, hold_token=HOLD_TOKEN,
     )  # fmt: skip
 
 
@@ -574,12 +578,17 @@ def test_pe_hands_its_prefill_to_the_de(tmp_path):
     delay_free, params = scheduler.request_finished(request, blocks)
     assert delay_free is True
     # The DE saves only after chunk 3 (the PE's own saves included), and takes chunks 0-1 from what it keeps.
-    assert PrefillHandoff.from_dict(params) == PrefillHandoff(
-        f"127.0.0.1:{PORT}", "p1", blocks, stored_chunks=3, kept_token=load.keep_token, kept_first_chunk=0, kept_chunks=2
-    )
+    parsed = PrefillHandoff.from_dict(params)
+    assert parsed == PrefillHandoff(
+        f"127.0.0.1:{PORT}", "p1", blocks, stored_chunks=3, kept_token=load.keep_token, kept_first_chunk=0,
+        kept_chunks=2, hold_token=parsed.hold_token,
+    )  # fmt: skip
 
     meta = scheduler.build_connector_meta(empty_step())
     assert [s.req_id for s in meta.sends] == ["p1"]
+    # The hold ends only with the hand-off's secret; each hand-off gets its own.
+    assert meta.sends[0].hold_token == parsed.hold_token and len(parsed.hold_token) == 32
+    assert meta.sends[0].num_blocks == len(blocks)
     assert before + 120.0 <= meta.sends[0].expires_at <= time.time() + 120.0
     assert "p1" in meta.dropped_req_ids
 
@@ -602,7 +611,8 @@ def test_pe_hands_off_a_prefill_asked_for_in_nixl_connector_convention(tmp_path)
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
     delay_free, handed = scheduler.request_finished(request, blocks)
     assert delay_free is True
-    assert PrefillHandoff.from_dict(handed) == PrefillHandoff(f"127.0.0.1:{PORT}", "p1", blocks, stored_chunks=3)
+    parsed = PrefillHandoff.from_dict(handed)
+    assert parsed == PrefillHandoff(f"127.0.0.1:{PORT}", "p1", blocks, stored_chunks=3, hold_token=parsed.hold_token)
 
 
 @pytest.mark.parametrize("status", [RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR])
@@ -785,7 +795,8 @@ def test_pe_hands_off_an_uncacheable_prefill_without_touching_the_store(tmp_path
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
     delay_free, params = scheduler.request_finished(request, list(range(7)))
     assert delay_free is True
-    assert PrefillHandoff.from_dict(params) == PrefillHandoff(f"127.0.0.1:{PORT}", "p1", list(range(7)), 0)
+    parsed = PrefillHandoff.from_dict(params)
+    assert parsed == PrefillHandoff(f"127.0.0.1:{PORT}", "p1", list(range(7)), 0, hold_token=parsed.hold_token)
 
 
 # -- 11. store outage ----------------------------------------------------------

@@ -123,6 +123,22 @@ def test_a_message_beyond_the_clock_skew_is_refused(skew):
     assert open_request(KEY, inside, now=now).body == BODY
 
 
+def test_a_stale_frame_is_refused_before_its_mac_is_computed(monkeypatch):
+    """A flood of old or forged-stamp frames (up to 16 MiB each) costs no MAC over their bodies."""
+    now = time.time()
+    stale, _ = seal_request(KEY, b"x" * (1 << 20), now=now - MAX_CLOCK_SKEW_S - 5)
+    macs: list[int] = []
+    real_mac = ClusterKey.mac
+    monkeypatch.setattr(ClusterKey, "mac", lambda self, data: macs.append(len(data)) or real_mac(self, data))
+    with pytest.raises(AuthError, match="from this engine's clock"):
+        open_request(KEY, stale, now=now)
+    assert macs == []
+    # Control: a fresh frame is MACed (once) and opens.
+    fresh, _ = seal_request(KEY, BODY, now=now)
+    macs.clear()
+    assert open_request(KEY, fresh, now=now).body == BODY and len(macs) == 1
+
+
 def test_a_replayed_request_is_refused():
     guard = ReplayGuard()
     frame, _ = seal_request(KEY, BODY)
