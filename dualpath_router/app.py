@@ -20,6 +20,7 @@ import anyio
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
+from starlette.requests import ClientDisconnect
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -31,7 +32,7 @@ from dualpath_connector.protocol import PrefillHandoff, PrefillRequest, Protocol
 from dualpath_router.accounting import Accounting
 from dualpath_router.config import RouterConfig, load_router_config
 from dualpath_router.credentials import EngineCredential
-from dualpath_router.dispatcher import Dispatcher, Placement, QueueTimeout
+from dualpath_router.dispatcher import Dispatcher, Placement, QueueFull, QueueTimeout
 from dualpath_router.holds import HoldReleaser
 from dualpath_router.lookup import HitLookup
 from dualpath_router.policies import make_policy
@@ -180,11 +181,15 @@ class Router:
 
     async def _serve(self, request: Request, *, chat: bool) -> Response:
         try:
-            raw = await request.body()
+            raw = await self._body(request)
             routed = self.prompts.build(raw, chat=chat)
         except BadRequest as exc:
             self.metrics.rejected.labels(exc.reason).inc()
             return error_response(exc.status, exc.message, err_type=exc.err_type, param=exc.param)
+        except ClientDisconnect:
+            logger.debug("a client went away while sending its request")
+            self.metrics.rejected.labels("client_gone").inc()
+            return Response(status_code=499)  # nobody reads it
         try:
             return await self._route(routed)
         except Exception:  # every accepted request gets an answer, even on a router bug
@@ -192,10 +197,34 @@ class Router:
             self.metrics.rejected.labels("internal").inc()
             return error_response(500, "internal router error; see the router log", err_type="InternalServerError")
 
+    async def _body(self, request: Request) -> bytes:
+        """The request body, refused with 413 once it passes ``max_request_bytes`` (before it is all read)."""
+        limit = self.config.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise BadRequest(f"request body of {int(declared)} bytes, above this router's max_request_bytes={limit}",
+                             status=413, reason="too_large", err_type="RequestEntityTooLarge")  # fmt: skip
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise BadRequest(f"request body above this router's max_request_bytes={limit}", status=413,
+                                 reason="too_large", err_type="RequestEntityTooLarge")  # fmt: skip
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def _route(self, routed: RoutedRequest) -> Response:
         hit_tokens = await self.dispatcher.lookup.hit_tokens(routed.token_ids)
         try:
             placement, handoff, failure = await self._prefill(routed, hit_tokens)
+        except QueueFull:
+            self.metrics.rejected.labels("queue_full").inc()
+            scheduling = self.config.scheduling
+            response = error_response(
+                429, f"{scheduling.max_queued_requests} requests already wait for a prefill engine "
+                     "(scheduling.max_queued_requests); retry later", err_type="RateLimitError")  # fmt: skip
+            response.headers["Retry-After"] = str(max(1, round(scheduling.beta_s)))
+            return response
         except QueueTimeout:
             self.metrics.rejected.labels("queue_timeout").inc()
             scheduling = self.config.scheduling
@@ -452,7 +481,10 @@ def main(argv: list[str] | None = None) -> None:
     logger.info("policy %s, read side %s, %d prefill and %d decode engines, listening on %s:%d; "
                 "engine API key from $%s", config.policy, config.read_side, len(config.prefill_engines),
                 len(config.decode_engines), config.host, config.port, config.engine_api_key_env)
-    uvicorn.run(router.build_app(), host=config.host, port=config.port, log_level=args.log_level)
+    # Bounded: connections served at once, idle keep-alives, and a request head's size (a slow or huge
+    # header waits in h11's buffer, which this caps).
+    uvicorn.run(router.build_app(), host=config.host, port=config.port, log_level=args.log_level,
+                limit_concurrency=config.max_connections, timeout_keep_alive=5, h11_max_incomplete_event_size=64 << 10)
 
 
 if __name__ == "__main__":

@@ -75,9 +75,12 @@ class SchedulingConfig:
     de_token_threshold_factor: float = 1.05
     # How long a request may wait in the router's queue for a PE under beta.
     queue_timeout_s: float = 600.0
+    # Requests waiting for a PE at most; more get 429 with Retry-After.
+    max_queued_requests: int = 1024
 
     def validate(self) -> None:
-        _require_positive(self, "alpha_s", "beta_s", "read_tokens_per_s", "prefill_tokens_per_s", "queue_timeout_s")
+        _require_positive(self, "alpha_s", "beta_s", "read_tokens_per_s", "prefill_tokens_per_s", "queue_timeout_s",
+                          "max_queued_requests")
         if not 0 < self.rate_ewma_weight <= 1:
             raise ConfigError(f"rate_ewma_weight must be in (0, 1], got {self.rate_ewma_weight}")
         if self.de_token_threshold_factor < 1:
@@ -109,6 +112,10 @@ class RouterConfig:
     served_model_names: list[str]
     host: str = "127.0.0.1"
     port: int = 8000
+    # A request body above this gets 413 before it is parsed (a 128k-token prompt as JSON ids is ~1 MiB).
+    max_request_bytes: int = 8 << 20
+    # Connections served at once; more get 503 from the HTTP server (uvicorn's limit_concurrency).
+    max_connections: int = 1024
     policy: PolicyName = "dualpath"
     # Forces every request's read side (tests, demos); "auto" lets the policy choose.
     read_side: ReadSideOverride = "auto"
@@ -158,6 +165,7 @@ class RouterConfig:
         _require_positive(self, "metrics_refresh_interval_s", "lookup_cache_chunks", "lookup_cache_ttl_s")
         if self.tokenizer is None and self.model_config is None and self.vocab_size is None:
             raise ConfigError(NO_VOCABULARY)
+        _require_positive(self, "max_request_bytes", "max_connections")
         for name in ("vocab_size", "max_prompt_tokens", "max_model_len"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import httpx
@@ -26,6 +26,10 @@ logger = logging.getLogger(__name__)
 
 class QueueTimeout(Exception):
     """No PE came under beta within ``scheduling.queue_timeout_s``."""
+
+
+class QueueFull(Exception):
+    """``scheduling.max_queued_requests`` requests already wait for a PE."""
 
 
 @dataclass
@@ -52,16 +56,17 @@ class Dispatcher:
         self.accounting = accounting
         self.policy = policy
         self.lookup = lookup
-        self._waiting: deque[object] = deque()
-        self._changed = asyncio.Event()
+        # Requests waiting for a PE, in arrival order, each with its own wake-up: only the head can be
+        # placed, so a change wakes the head alone, and a request leaving the line costs O(1).
+        self._waiting: OrderedDict[object, asyncio.Event] = OrderedDict()
 
     @property
     def queued_requests(self) -> int:
         return len(self._waiting)
 
     def _notify_changed(self) -> None:
-        changed, self._changed = self._changed, asyncio.Event()
-        changed.set()
+        if self._waiting:
+            next(iter(self._waiting.values())).set()
 
     def _candidates(self, role: Role, excluded: set[str]) -> list[EngineLoad]:
         everyone = self.accounting.role(role)
@@ -81,26 +86,28 @@ class Dispatcher:
         and booked too. ``None``: every PE already failed this request.
         Raises :class:`QueueTimeout`.
         """
+        if len(self._waiting) >= self.config.scheduling.max_queued_requests:
+            raise QueueFull
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.config.scheduling.queue_timeout_s
-        ticket = object()
-        self._waiting.append(ticket)
+        ticket, wake = object(), asyncio.Event()
+        self._waiting[ticket] = wake
         try:
             while True:
                 pes = self._candidates("prefill", excluded_pes)
                 if not pes:
                     return None
-                if self._waiting[0] is ticket:
+                if next(iter(self._waiting)) is ticket:
                     placement = self.try_place(pes, prompt_tokens, hit_tokens, decode)
                     if placement is not None:
                         return placement
-                changed = self._changed
+                wake.clear()  # no await since the check: no change can slip between
                 try:
-                    await asyncio.wait_for(changed.wait(), deadline - loop.time())
+                    await asyncio.wait_for(wake.wait(), deadline - loop.time())
                 except TimeoutError:
                     raise QueueTimeout from None
         finally:
-            self._waiting.remove(ticket)
+            del self._waiting[ticket]
             # The next request in line may now be placeable.
             self._notify_changed()
 

@@ -143,6 +143,9 @@ class PromptBuilder:
                 self.tokenizer = AutoTokenizer.from_pretrained(config.tokenizer)
             except (OSError, ValueError) as exc:
                 raise ConfigError(f"tokenizer: cannot load {config.tokenizer}: {exc}") from None
+        # The longest token's spelling (one character per byte-level symbol); bounds text before tokenizing.
+        self._max_chars_per_token = max((len(t) for t in self.tokenizer.get_vocab()), default=1) \
+            if self.tokenizer is not None else 1
         self.limits = model_limits(
             len(self.tokenizer) if self.tokenizer is not None else None,
             config.model_config, config.vocab_size, config.max_prompt_tokens, config.max_model_len,
@@ -180,6 +183,9 @@ class PromptBuilder:
             raise BadRequest(f"`max_tokens` must be a positive integer, got {max_tokens!r}", param="max_tokens",
                              reason="bad_max_tokens")
         _check_sampling(out, stream)
+        # The engines key a request by its id (an abort, for one): a client's own id could name another client's
+        # request, so every request gets the router's.
+        out["request_id"] = f"dualpath-{uuid.uuid4().hex}"
         # Every id, the tokenizer's too (it may know more ids than the model's embedding table).
         out["prompt"] = token_ids = check_token_ids(token_ids, where, self.limits)
         limit = self.limits.max_model_len
@@ -220,6 +226,7 @@ class PromptBuilder:
         if isinstance(prompt, str) and prompt:
             if self.tokenizer is None:
                 raise BadRequest(NO_TOKENIZER, param="prompt", reason="no_tokenizer")
+            self._bound_text(len(prompt), where)
             return list(self.tokenizer.encode(prompt)), "text", f"the tokenized {where}"
         raise BadRequest(f"`prompt` must be one non-empty string or one list of token ids, got {_shown(prompt)}",
                          param="prompt", reason="bad_prompt")
@@ -231,6 +238,7 @@ class PromptBuilder:
                              reason="missing_prompt")
         if self.tokenizer is None:
             raise BadRequest(NO_TOKENIZER, param="messages", reason="no_tokenizer")
+        self._bound_text(sum(len(json.dumps(m)) for m in messages), "messages")
         try:
             token_ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                                            return_dict=False)
@@ -238,6 +246,17 @@ class PromptBuilder:
             raise BadRequest(f"cannot apply the chat template: {exc}", param="messages",
                              reason="bad_prompt") from None
         return list(token_ids)
+
+    def _bound_text(self, chars: int, where: str) -> None:
+        """Refuse text that must tokenize past ``max_prompt_tokens``, before spending the tokenizer on it.
+
+        No token spells more than ``_max_chars_per_token`` characters, so text longer than that many per
+        allowed token has too many tokens whatever it says.
+        """
+        limit = self.limits.max_prompt_tokens
+        if limit is not None and chars > limit * self._max_chars_per_token:
+            raise BadRequest(f"{where} has {chars} characters: more than {limit} tokens (max_prompt_tokens) can spell",
+                             param="messages" if where == "messages" else "prompt", reason="too_long")  # fmt: skip
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -196,3 +196,18 @@ def test_openai_client_headers_and_text(model_stack, monkeypatch):
     # Control: without the template's roles the request is refused, with the template's reason.
     with pytest.raises(Exception, match="roles are system, user and assistant, not tool"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "42"}], max_tokens=8)
+
+
+def test_text_that_cannot_fit_is_refused_before_it_is_tokenized(tmp_path, tokenizer_dir):
+    """No token spells more than the longest one does: text past max_prompt_tokens of those is refused unread."""
+    with standin_stack(tmp_path, tokenizer=str(tokenizer_dir), max_prompt_tokens=8) as (pe, de, router):
+        long_text = " ".join(["hello"] * 2000)
+        for body in ({"prompt": long_text}, {"messages": [{"role": "user", "content": long_text}]}):
+            path = "chat/completions" if "messages" in body else "completions"
+            response = httpx.post(f"{router.url}/v1/{path}", json={"model": MODEL, "max_tokens": 2, **body}, timeout=30.0)
+            assert response.status_code == 400 and "characters" in response.json()["error"]["message"], response.text
+        assert pe.received == []
+        # Control: a short text passes the bound and is tokenized.
+        ok = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "max_tokens": 2, "prompt": "hello world"},
+                        timeout=30.0)  # fmt: skip
+        assert ok.status_code == 200, ok.text

@@ -113,6 +113,34 @@ def test_max_prompt_tokens_defaults_to_the_model_config(guarded):
     de.received.clear()
 
 
+def test_a_body_above_the_cap_gets_413_before_it_is_read_whole(guarded):
+    """Declared (Content-Length) or not (chunked): the router stops reading past max_request_bytes (8 MiB)."""
+    pe, de, router = guarded
+    big = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "pad": "x" * (9 << 20)}).encode()
+    declared = httpx.post(f"{router.url}/v1/completions", content=big, timeout=60.0,
+                          headers={"content-type": "application/json"})  # fmt: skip
+    chunked = httpx.post(f"{router.url}/v1/completions", timeout=60.0, headers={"content-type": "application/json"},
+                         content=(big[i : i + (1 << 20)] for i in range(0, len(big), 1 << 20)))  # fmt: skip
+    for response in (declared, chunked):
+        assert response.status_code == 413 and "max_request_bytes" in response.json()["error"]["message"]
+    assert pe.received == [] and de.received == []
+    # Control: the same request without the padding passes.
+    assert complete(router, prompt=PROMPT, max_tokens=2).status_code == 200
+    pe.received.clear()
+    de.received.clear()
+
+
+def test_the_engines_see_the_routers_request_id_not_the_clients(guarded):
+    """A client's id could name another client's request on the engines (an abort, for one)."""
+    pe, de, router = guarded
+    for _ in range(2):
+        assert complete(router, prompt=PROMPT, max_tokens=2, request_id="everyone-uses-this").status_code == 200
+    ids = [body["request_id"] for body in (*pe.received, *de.received)]
+    assert all(i.startswith("dualpath-") for i in ids) and len({b["request_id"] for b in pe.received}) == 2
+    pe.received.clear()
+    de.received.clear()
+
+
 @pytest.mark.parametrize(
     "body, param, message",
     [

@@ -8,7 +8,7 @@ import pytest
 
 from dualpath_router.accounting import Accounting, EngineLoad, ThroughputEstimate, parse_engine_metrics
 from dualpath_router.config import EngineConfig, parse_router_config
-from dualpath_router.dispatcher import Dispatcher, QueueTimeout
+from dualpath_router.dispatcher import Dispatcher, QueueFull, QueueTimeout
 from dualpath_router.lookup import HitLookup
 from dualpath_router.policies import (
     BasicPolicy,
@@ -187,6 +187,27 @@ def test_queue_timeout():
             await dispatcher.start_prefill(1500, 0, set(), None)
         with pytest.raises(QueueTimeout):
             await dispatcher.start_prefill(10, 0, set(), None)
+        assert dispatcher.queued_requests == 0
+
+    asyncio.run(scenario())
+
+
+def test_a_full_queue_refuses_at_once_and_a_leaving_request_wakes_the_next():
+    async def scenario():
+        dispatcher = make_dispatcher(max_queued_requests=2, queue_timeout_s=30.0)
+        placed = [await dispatcher.start_prefill(1500, 0, set(), None) for _ in range(2)]  # both PEs over beta
+        waiting = [asyncio.create_task(dispatcher.start_prefill(n, 0, set(), None)) for n in (10, 20)]
+        await asyncio.sleep(0)
+        assert dispatcher.queued_requests == 2
+        with pytest.raises(QueueFull):
+            await dispatcher.start_prefill(30, 0, set(), None)
+        # The head gives up (its client went away): the next in line becomes the head and is placed on a change.
+        waiting[0].cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting[0]
+        assert dispatcher.queued_requests == 1
+        dispatcher.finish_prefill(placed[0], completed=True)
+        assert (await asyncio.wait_for(waiting[1], 5)).prompt_tokens == 20
         assert dispatcher.queued_requests == 0
 
     asyncio.run(scenario())
