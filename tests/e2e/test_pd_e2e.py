@@ -294,40 +294,6 @@ def test_a_proxy_in_nixl_connector_convention_drives_the_handoff(session, cluste
         poll(grew, bool, 60, f"{side}'s {name} after the session")
 
 
-def test_de_killed_during_de_side_read_falls_back(cluster, baseline):
-    """The DE hangs, then dies, while the PE waits for it to read a hit: the PE reads the store itself.
-
-    Runs last in this module: the DE does not come back.
-    """
-    pe, de = cluster
-    expected = baseline["fallback"]
-    fallbacks_before = pe.metric_total(counter_total_name("de_read_fallbacks"))
-    os.killpg(de.proc.pid, signal.SIGSTOP)
-    answer: dict = {}
-
-    def ask() -> None:
-        body = {
-            "model": str(pe.model), "prompt": expected["prompt"], "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
-            "ignore_eos": True, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
-            "kv_transfer_params": PrefillRequest("de", de.side_channel).to_dict(),
-        }  # fmt: skip
-        answer.update(pe.post("/v1/completions", body, timeout_s=300))
-
-    asker = threading.Thread(target=ask)
-    asker.start()
-    try:
-        # The request is in the PE, waiting for the DE's read.
-        poll(lambda: pe.metric_total("vllm:num_requests_waiting") + pe.metric_total("vllm:num_requests_running"),
-             lambda n: n >= 1, 60, "the request in the PE")  # fmt: skip
-    finally:
-        os.killpg(de.proc.pid, signal.SIGKILL)
-        asker.join(timeout=300)
-    choice = answer["choices"][0]
-    assert same({"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}, expected)
-    assert "did not read the hit" in pe.log_path.read_text()
-    assert _settled(lambda: pe.metric_total(counter_total_name("de_read_fallbacks"))) == fallbacks_before + 1
-
-
 def held_blocks(pe) -> float:
     """The PE's KV blocks held for DEs (``dualpath_kv:pd_held_blocks``, reported per engine step)."""
     return pe.metric_total(f"{METRIC_PREFIX}pd_held_blocks")
@@ -374,3 +340,38 @@ def test_holds_end_with_their_request(cluster, seaweedfs, tmp_path):
         assert released == 1
     finally:
         router.stop()
+
+
+def test_de_killed_during_de_side_read_falls_back(cluster, baseline):
+    """The DE hangs, then dies, while the PE waits for it to read a hit: the PE reads the store itself.
+
+    Runs last in this module: the DE does not come back.
+    """
+    pe, de = cluster
+    expected = baseline["fallback"]
+    fallbacks_before = pe.metric_total(counter_total_name("de_read_fallbacks"))
+    os.killpg(de.proc.pid, signal.SIGSTOP)
+    answer: dict = {}
+
+    def ask() -> None:
+        body = {
+            "model": str(pe.model), "prompt": expected["prompt"], "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "kv_transfer_params": PrefillRequest("de", de.side_channel).to_dict(),
+        }  # fmt: skip
+        answer.update(pe.post("/v1/completions", body, timeout_s=300))
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    try:
+        # The request is in the PE, waiting for the DE's read.
+        poll(lambda: pe.metric_total("vllm:num_requests_waiting") + pe.metric_total("vllm:num_requests_running"),
+             lambda n: n >= 1, 60, "the request in the PE")  # fmt: skip
+    finally:
+        os.killpg(de.proc.pid, signal.SIGKILL)
+        asker.join(timeout=300)
+    choice = answer["choices"][0]
+    assert same({"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}, expected)
+    assert "did not read the hit" in pe.log_path.read_text()
+    assert _settled(lambda: pe.metric_total(counter_total_name("de_read_fallbacks"))) == fallbacks_before + 1
+
