@@ -266,10 +266,10 @@ def test_a_proxy_in_nixl_connector_convention_drives_the_handoff(session, cluste
     pe, de = cluster
     extra = ["--de-side-channel", de.side_channel, "--read-side", "de"] if "naming" in session else []
     proxy = NixlStyleProxy(pe, de, tmp_path / "proxy.log", *extra).start(timeout_s=120)
-    before = {("de", "pulled_tokens"): de.metric_total(counter_total_name("pulled_tokens")),
-              ("pe", "bytes_read"): pe.metric_total(counter_total_name("bytes_read")),
-              ("de", "bytes_read_for_peer"): de.metric_total(counter_total_name("bytes_read_for_peer"))}  # fmt: skip
-    try:
+    try:  # from here on the proxy is stopped whatever fails, an engine's /metrics too
+        before = {("de", "pulled_tokens"): de.metric_total(counter_total_name("pulled_tokens")),
+                  ("pe", "bytes_read"): pe.metric_total(counter_total_name("bytes_read")),
+                  ("de", "bytes_read_for_peer"): de.metric_total(counter_total_name("bytes_read_for_peer"))}  # fmt: skip
         history: list[int] = []
         for turn, append in enumerate(PROXY_SESSIONS[session]):
             prompt = history + append
