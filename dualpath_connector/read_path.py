@@ -376,7 +376,11 @@ class HitReader:
         else:
             digest = trailer[layer * DIGEST_BYTES : (layer + 1) * DIGEST_BYTES]
             intact = self.integrity.verify_layer(chunk_hash, layer, layers[layer], digest)
+        if layer is not None:
             layers = [layers[layer]]
+        elif not self.pool.layer_major:
+            # A chunk-major Full Block is one run: one scan for NaN/inf, not one per layer.
+            layers = [self.pool.slot_view(slot)[: self.key_space.layout.full_block_bytes]]
         if not intact:
             return f"failed its integrity check ({self.integrity.algorithm})"
         if self.kv_dtype is not None:
