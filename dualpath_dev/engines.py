@@ -24,6 +24,11 @@ from dualpath_dev.seaweedfs import SeaweedFS
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 # Where the routers started here read the engines' API key (named in their config as engine_api_key_env).
 ROUTER_KEY_ENV = "DUALPATH_ENGINE_API_KEY"
+# KV cache per worker: 256k tokens of the tiny model (2 KiB a token), 32 times its longest context. The CPU
+# build touches every byte of it at start-up; at vLLM's usual 2 GiB a worker, the seven workers a full
+# `make test` can run at once (two modules side by side, TP=2 pairs) did not fit 24 GiB: the kernel killed
+# a worker mid start-up (its engine then never answered /health) and vLLM refused the next engine's KV cache.
+TEST_KV_CACHE_BYTES = 512 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -69,7 +74,8 @@ class VLLMServer(ServiceProcess):
     too; the PE and DE of one cluster need the same, a single-instance engine
     (``kv_both``) makes its own when none is given. ``tensor_parallel_size``:
     its TP workers get this machine's cores split among them, and a PD engine
-    free side-channel ports for every rank (``side_channel_port`` + rank).
+    free side-channel ports for every rank (``side_channel_port`` + rank). ``kv_cache_bytes``: each worker's
+    KV cache (``--kv-cache-memory-bytes``).
     """
 
     def __init__(
@@ -88,6 +94,7 @@ class VLLMServer(ServiceProcess):
         keys: ClusterKeys | None = None,
         vllm_args: Sequence[str] = (),
         tensor_parallel_size: int = 1,
+        kv_cache_bytes: int = TEST_KV_CACHE_BYTES,
     ) -> None:
         self.kv_config = json.loads((CONFIGS / config).read_text())
         extra_config = self.kv_config["kv_connector_extra_config"]
@@ -112,11 +119,12 @@ class VLLMServer(ServiceProcess):
             os.environ,
             AWS_ACCESS_KEY_ID=s3.access_key,
             AWS_SECRET_ACCESS_KEY=s3.secret_key,
-            VLLM_CPU_KVCACHE_SPACE="2",
             VLLM_CPU_NUM_OF_RESERVED_CPU="1",
             PYTHONUNBUFFERED="1",
             **self.keys.engine_env(),
         )
+        # The size comes from --kv-cache-memory-bytes; vLLM's legacy variable (whole GiB) would override it.
+        self.env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         if tensor_parallel_size > 1:
             self.env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(tensor_parallel_size)
         # The engine loads the model directory's tokenizer, as `vllm serve MODEL` does in production:
@@ -128,6 +136,7 @@ class VLLMServer(ServiceProcess):
             "--block-size", "32", "--enforce-eager", "--seed", "0",
             "--host", host, "--port", str(self.port),
             "--max-model-len", str(max_model_len),
+            "--kv-cache-memory-bytes", str(kv_cache_bytes),
             "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
             "--kv-transfer-config", json.dumps(self.kv_config),
             # vLLM's --api-key leaves /invocations open; the guard closes every path but the probes.

@@ -116,18 +116,27 @@ class ServiceProcess:
             deadline = time.monotonic() + timeout_s
             while True:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"{self.args[:3]} exited during start-up; see {self.log_path}")
+                    raise RuntimeError(f"{self.args[:3]} exited during start-up; see {self.log_path}"
+                                       f"{self._log_tail()}")
                 try:
                     if urllib.request.urlopen(self.health_url, timeout=5).status == 200:
                         return self
                 except OSError:
                     pass  # not listening yet
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"not healthy after {timeout_s}s; see {self.log_path}")
+                    raise TimeoutError(f"not healthy after {timeout_s}s; see {self.log_path}{self._log_tail()}")
                 time.sleep(0.2)
         except BaseException:
             self.stop()
             raise
+
+    def _log_tail(self, lines: int = 30) -> str:
+        """The log's last lines, for an error raised where the log itself will be gone (a CI machine's)."""
+        try:
+            tail = Path(self.log_path).read_bytes()[-16384:].decode(errors="replace").splitlines()[-lines:]
+        except OSError as exc:
+            return f" (log unreadable: {exc})"
+        return "; its last lines:\n" + "\n".join(tail)
 
     def stop(self) -> None:
         if self.proc is not None:
