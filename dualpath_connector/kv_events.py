@@ -59,6 +59,11 @@ class _Block:
     block_hash: Any
     parent_block_hash: Any
     token_ids: tuple[int, ...]
+    # vLLM's untagged extra keys of the block (the adapter's name, the salt on a prompt's first block), as its
+    # own events carry them: the keys its block hash was computed with.
+    extra_keys: tuple[Any, ...] | None = None
+    lora_name: str | None = None
+    lora_id: int | None = None
 
 
 @dataclass
@@ -96,7 +101,11 @@ class StorageEvents:
 
     def planned(self, request: Request, first_chunk: int, chunk_hashes: Sequence[str]) -> None:
         """A save of ``chunk_hashes`` (chunks ``first_chunk``... of ``request``) goes to the workers this step."""
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+        from vllm.v1.core.kv_cache_utils import (
+            generate_block_hash_extra_keys,
+            maybe_convert_block_hash,
+            to_event_extra_keys,
+        )
 
         bpc, size = self.blocks_per_chunk, self.block_size
         block_hashes = request.block_hashes
@@ -105,6 +114,14 @@ class StorageEvents:
             logger.debug("request %s: vLLM block hashes missing; no KV events for its saves", request.request_id)
             return
         tokens = request.all_token_ids
+        lora = request.lora_request
+        lora_name, lora_id = (lora.lora_name, lora.lora_int_id) if lora is not None else (None, None)
+
+        def extra_keys(block: int) -> tuple[Any, ...] | None:
+            # Saved requests carry no images or embeddings (not cacheable), so vLLM's multimodal index stays 0.
+            keys, _ = generate_block_hash_extra_keys(request, block * size, (block + 1) * size, 0)
+            return (to_event_extra_keys([keys]) or [None])[0]
+
         for offset, chunk_hash in enumerate(chunk_hashes):
             if chunk_hash in self._pending:
                 continue  # another request saves the same chunk: one announcement
@@ -114,6 +131,9 @@ class StorageEvents:
                     block_hash=maybe_convert_block_hash(block_hashes[b]),
                     parent_block_hash=maybe_convert_block_hash(block_hashes[b - 1]) if b > 0 else None,
                     token_ids=tuple(tokens[b * size : (b + 1) * size]),
+                    extra_keys=extra_keys(b),
+                    lora_name=lora_name,
+                    lora_id=lora_id,
                 )
                 for b in range(first_block, first_block + bpc)
             )
@@ -155,10 +175,10 @@ class StorageEvents:
                     parent_block_hash=block.parent_block_hash,
                     token_ids=list(block.token_ids),
                     block_size=self.block_size,
-                    # Requests with adapters, images, salts or embeddings are never stored.
-                    lora_id=None,
+                    lora_id=block.lora_id,
                     medium=MEDIUM_STORAGE,
-                    lora_name=None,
+                    lora_name=block.lora_name,
+                    extra_keys=[block.extra_keys] if block.extra_keys is not None else None,
                     group_idx=0,
                 )
             )

@@ -499,15 +499,16 @@ class StoreKeySpace:
         """The keys of every object of each chunk, chunk by chunk (``keys_per_chunk`` a chunk)."""
         return [self.key(h) for h in hashes]
 
-    def chunk_keys(self, token_ids: Sequence[int]) -> list[str]:
-        """Keys of every full chunk of ``token_ids``."""
-        return self.object_keys(chunk_hashes(self.chain_digest, token_ids, self.chunk_tokens))
+    def chunk_keys(self, token_ids: Sequence[int], chain: str | None = None) -> list[str]:
+        """Keys of every full chunk of ``token_ids``, hashed from ``chain`` (default: ``chain_digest``; a salted
+        request's is :func:`~nixl_backends.layout.isolated_chain`)."""
+        return self.object_keys(chunk_hashes(chain or self.chain_digest, token_ids, self.chunk_tokens))
 
-    def claimable_keys(self, token_ids: Sequence[int]) -> list[str]:
+    def claimable_keys(self, token_ids: Sequence[int], chain: str | None = None) -> list[str]:
         """Keys of the chunks an engine can load for this prompt: never the last token's
         (vLLM computes the last prompt token itself, it needs its logits)."""
         claimable = max(0, (len(token_ids) - 1) // self.chunk_tokens)
-        return self.chunk_keys(token_ids[: claimable * self.chunk_tokens])
+        return self.chunk_keys(token_ids[: claimable * self.chunk_tokens], chain)
 
     def to_labels(self) -> dict[str, str]:
         return {

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nixl_backends.gc import GcError, open_chunks
-from nixl_backends.layout import KVNamespace, chunk_hashes
+from nixl_backends.layout import KVNamespace, chunk_hashes, isolated_chain
 from nixl_backends.lookup import PresentChunks
 from nixl_backends.registry import for_rank, make_store
 from nixl_backends.removals import RemovalLog
@@ -54,9 +54,21 @@ logger = logging.getLogger(__name__)
 MAX_LOAD_ATTEMPTS = 2
 
 
+def request_chain(namespace_digest: str, request: Request) -> str:
+    """The digest ``request``'s chunk hashes chain from: its own for a salt or a LoRA adapter (isolated_chain)."""
+    lora = request.lora_request
+    return isolated_chain(
+        namespace_digest,
+        cache_salt=getattr(request, "cache_salt", None),
+        lora=(lora.lora_name, lora.lora_path) if lora is not None else None,
+    )
+
+
 @dataclass
 class _RequestState:
     request: Request
+    # What its chunk hashes chain from (request_chain): the namespace, or a salt's or adapter's own.
+    chain: str
     # Hashes of the request's full chunks computed so far (extended lazily).
     hashes: list[str] = field(default_factory=list)
     # Leading chunks known to be in the store; saving starts after them.
@@ -183,7 +195,8 @@ class DualPathScheduler:
     def _state(self, request: Request) -> _RequestState:
         state = self._states.get(request.request_id)
         if state is None:
-            state = self._states[request.request_id] = _RequestState(request)
+            chain = request_chain(self.key_space.chain_digest, request)
+            state = self._states[request.request_id] = _RequestState(request, chain)
         return state
 
     def _hashes(self, state: _RequestState, num_tokens: int) -> list[str]:
@@ -192,7 +205,7 @@ class DualPathScheduler:
         if wanted > have:
             state.hashes.extend(
                 chunk_hashes(
-                    self.key_space.digest,
+                    state.chain,
                     state.request.all_token_ids[: wanted * self.geometry.chunk_tokens],
                     self.geometry.chunk_tokens,
                     start_chunk=have,
@@ -205,14 +218,9 @@ class DualPathScheduler:
 
     @staticmethod
     def _cacheable(request: Request) -> bool:
-        # Token ids alone do not name these requests' KV: adapters, images,
-        # salts and prompt embeddings change it behind the same ids.
-        return not (
-            request.lora_request
-            or request.mm_features
-            or getattr(request, "cache_salt", None)
-            or getattr(request, "prompt_embeds", None) is not None
-        )
+        # Token ids (and the chain: salt, adapter) do not name these requests' KV: images and prompt embeddings
+        # change it behind the same ids.
+        return not (request.mm_features or getattr(request, "prompt_embeds", None) is not None)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self.kv_role == "kv_consumer":
@@ -232,8 +240,8 @@ class DualPathScheduler:
                 return count, count > 0
         state = self._state(request)
         if self.kv_role == "kv_producer":
-            # Before the cacheability check: a LoRA or salted prompt is still
-            # handed to its DE, it only never touches the store.
+            # Before the cacheability check: a multimodal or embeddings prompt is
+            # still handed to its DE, it only never touches the store.
             state.remote_decode = self._parsed(request, PrefillRequest)
         if not self._cacheable(request):
             return 0, False

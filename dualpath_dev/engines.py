@@ -241,6 +241,8 @@ class RouterProcess(ServiceProcess):
             "tokenizer": str(Path(prefill[0].model).resolve()),
             "engine_api_key_env": ROUTER_KEY_ENV,
             "policy": "dualpath",
+            # The dev stack's tests, demos and benches read each answer's hit.
+            "report_hit_tokens": True,
             "prefill_engines": [
                 {"name": f"pe{i}", "url": pe.base_url, "node": f"node-pe{i}"} for i, pe in enumerate(prefill)
             ],

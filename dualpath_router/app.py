@@ -214,7 +214,7 @@ class Router:
         return b"".join(chunks)
 
     async def _route(self, routed: RoutedRequest) -> Response:
-        hit_tokens = await self.dispatcher.lookup.hit_tokens(routed.token_ids)
+        hit_tokens = await self.dispatcher.lookup.hit_tokens(routed.token_ids, routed.cache_salt)
         try:
             placement, handoff, failure = await self._prefill(routed, hit_tokens)
         except QueueFull:
@@ -341,10 +341,11 @@ class Router:
                                               err_type="ServiceUnavailableError")
             headers = {
                 "x-dualpath-read-side": placement.read_side,
-                "x-dualpath-hit-tokens": str(placement.hit_tokens),
                 "x-dualpath-prefill-engine": placement.prefill.name,
                 "x-dualpath-decode-engine": placement.decode.name,
             }
+            if self.config.report_hit_tokens:
+                headers["x-dualpath-hit-tokens"] = str(placement.hit_tokens)
             media_type = upstream.headers.get("content-type")
             form = routed.answer_form
             if upstream.is_closed:  # read whole: not streamed, or an error answer

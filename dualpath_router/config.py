@@ -143,6 +143,9 @@ class RouterConfig:
     store: object | None = None
     # "auto": the key space the first engine (config order) exports on its /metrics.
     namespace: StoreKeySpace | Literal["auto"] = "auto"
+    # Whether answers carry `x-dualpath-hit-tokens` (benches, demos): off by default, since it tells a client
+    # whether anyone stored its prompt's prefix. Lookups are per salt either way (a request's cache_salt).
+    report_hit_tokens: bool = False
     # Chunks remembered as present (immutable, so a positive answer stays true).
     lookup_cache_chunks: int = 100_000
     # ... until this long after the store said so: nothing loads through the router's cache, so only this

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Sequence
 
+from nixl_backends.layout import isolated_chain
 from nixl_backends.lookup import PresentChunks
 from nixl_backends.registry import make_store, shared_tier
 from nixl_backends.store import KVStore
@@ -42,16 +43,21 @@ class HitLookup:
     def enabled(self) -> bool:
         return self._store_config is not None
 
-    async def hit_tokens(self, token_ids: Sequence[int]) -> int:
-        """Tokens at the start of the prompt whose KV the store holds; store trouble counts as a miss."""
+    async def hit_tokens(self, token_ids: Sequence[int], cache_salt: str | None = None) -> int:
+        """Tokens at the start of the prompt whose KV the store holds for its salt; store trouble counts as a miss.
+
+        A salted prompt is looked up in its salt's chain only (as the engines store it): never a hit from
+        another salt's chunks or from unsalted ones.
+        """
         if not self.enabled or self.namespace is None:
             return 0
         namespace = self.namespace
-        return await asyncio.to_thread(self._hit_tokens_blocking, token_ids, namespace)
+        return await asyncio.to_thread(self._hit_tokens_blocking, token_ids, namespace, cache_salt)
 
-    def _hit_tokens_blocking(self, token_ids: Sequence[int], namespace: StoreKeySpace) -> int:
+    def _hit_tokens_blocking(self, token_ids: Sequence[int], namespace: StoreKeySpace, cache_salt: str | None) -> int:
         # A TP engine's namespace lists every rank's shard of each chunk: a chunk counts when all are stored.
-        keys = namespace.claimable_keys(token_ids)
+        chain = isolated_chain(namespace.chain_digest, cache_salt=cache_salt)
+        keys = namespace.claimable_keys(token_ids, chain)
         known = self._present.known_run(keys)
         if known == len(keys) or time.monotonic() < self._skip_store_until:
             return known // namespace.keys_per_chunk * namespace.chunk_tokens

@@ -32,8 +32,11 @@ NO_TOKENIZER = "text prompts need `tokenizer` in the router config"
 _CHAT_TO_COMPLETION_FIELDS = (
     "model", "max_tokens", "temperature", "top_p", "top_k", "min_p", "n", "stop", "stop_token_ids", "seed",
     "presence_penalty", "frequency_penalty", "repetition_penalty", "ignore_eos", "min_tokens", "stream",
-    "stream_options", "user",
+    "stream_options", "user", "cache_salt",
 )
+# vLLM's own bounds on a cache salt (validate_cache_salt).
+_MAX_CACHE_SALT_CHARS = 128
+_CACHE_SALT_FORBIDDEN = frozenset("@/\\\0")
 
 
 class BadRequest(Exception):
@@ -62,6 +65,8 @@ class RoutedRequest:
     token_ids: list[int]
     stream: bool
     answer_form: AnswerForm = "raw"
+    # vLLM's cache_salt: the request's KV is stored and looked up in the salt's own chain.
+    cache_salt: str | None = None
 
 
 def _check_sampling(body: dict[str, Any], stream: bool) -> None:
@@ -84,6 +89,19 @@ def _check_sampling(body: dict[str, Any], stream: bool) -> None:
         if max_tokens is not None and min_tokens > max_tokens:
             raise BadRequest(f"min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}.",
                              param="min_tokens", reason="bad_min_tokens")
+
+
+def _checked_cache_salt(salt: Any) -> str | None:
+    """The request's cache salt, refused as vLLM refuses it (a PE must not hold blocks for a 400 to come)."""
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise BadRequest("Parameter 'cache_salt' must be a non-empty string if provided.", param="cache_salt",
+                         reason="bad_cache_salt")
+    if len(salt) > _MAX_CACHE_SALT_CHARS or not _CACHE_SALT_FORBIDDEN.isdisjoint(salt):
+        raise BadRequest(f"Parameter 'cache_salt' must be at most {_MAX_CACHE_SALT_CHARS} characters and must not "
+                         "contain '@', '/', '\\', or NUL.", param="cache_salt", reason="bad_cache_salt")
+    return salt
 
 
 def _shown(value: Any) -> str:
@@ -183,6 +201,7 @@ class PromptBuilder:
             raise BadRequest(f"`max_tokens` must be a positive integer, got {max_tokens!r}", param="max_tokens",
                              reason="bad_max_tokens")
         _check_sampling(out, stream)
+        cache_salt = _checked_cache_salt(out.get("cache_salt"))
         # The engines key a request by its id (an abort, for one): a client's own id could name another client's
         # request, so every request gets the router's.
         out["request_id"] = f"dualpath-{uuid.uuid4().hex}"
@@ -197,7 +216,7 @@ class PromptBuilder:
             raise BadRequest(f"The prompt (length {len(token_ids)}) plus the number of requested output tokens (at "
                              f"least 1) is longer than the maximum model length of {limit}.", param="prompt",
                              reason="too_long")  # fmt: skip
-        return RoutedRequest(out, token_ids, stream, answer_form)
+        return RoutedRequest(out, token_ids, stream, answer_form, cache_salt)
 
     def _check_model(self, body: dict[str, Any]) -> None:
         if "model" not in body:

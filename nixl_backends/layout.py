@@ -135,6 +135,21 @@ def chunk_hashes(
     return out
 
 
+def isolated_chain(namespace_digest: str, *, cache_salt: str | None = None, lora: tuple[str, str] | None = None) -> str:
+    """The digest a request's chunk hash chain starts from (what :func:`chunk_hashes` takes).
+
+    A request whose KV differs behind the same token ids gets a chain of its own: vLLM's ``cache_salt`` (a
+    tenant's isolation), a LoRA adapter (``(name, path)``: its name and where it was loaded from). Its chunks
+    then have other hashes, so other keys and other trailers: nothing is shared across salts, adapters, or with
+    plain requests, and a lookup without the salt cannot find them. Plain requests chain from the namespace
+    digest itself (their keys are unchanged). The parts are JSON-encoded: no two inputs give the same text.
+    """
+    if not cache_salt and lora is None:
+        return namespace_digest
+    parts = ["dualpath-chain/1", namespace_digest, cache_salt or None, list(lora) if lora is not None else None]
+    return hashlib.sha256(json.dumps(parts).encode()).hexdigest()
+
+
 def shard_chunk_hash(shard_digest: str, chunk_hash: str) -> str:
     """The hash one rank's shard of chunk ``chunk_hash`` is stored under, in namespace ``shard_digest``."""
     return hashlib.sha256(bytes.fromhex(chunk_hash) + shard_digest.encode()).hexdigest()

@@ -92,6 +92,16 @@ def test_chat_completion(stack):
     assert "messages" not in de.received[-1] and de.received[-1]["return_token_ids"] is True
 
 
+def test_chat_keeps_the_cache_salt(stack):
+    """A chat request's salt reaches both engines: without it they would store the tenant's KV in the shared chain."""
+    pe, de, router = stack
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2,
+            "cache_salt": "tenant-a"}
+    response = httpx.post(f"{router.url}/v1/chat/completions", json=body, timeout=30.0)
+    assert response.status_code == 200, response.text
+    assert pe.received[-1]["cache_salt"] == de.received[-1]["cache_salt"] == "tenant-a"
+
+
 def test_chat_streaming(stack):
     pe, de, router = stack
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2, "stream": True}

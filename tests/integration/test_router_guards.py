@@ -153,6 +153,10 @@ def test_the_engines_see_the_routers_request_id_not_the_clients(guarded):
         ({"min_tokens": -1}, "min_tokens", "`min_tokens` must be a non-negative integer"),
         ({"max_tokens": MAX_POSITIONS + 1}, "max_tokens",
          f"max_tokens={MAX_POSITIONS + 1} cannot be greater than max_model_len={MAX_POSITIONS}"),
+        ({"cache_salt": ""}, "cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided."),
+        ({"cache_salt": 7}, "cache_salt", "Parameter 'cache_salt' must be a non-empty string if provided."),
+        ({"cache_salt": "a/b"}, "cache_salt", "must not contain '@', '/'"),
+        ({"cache_salt": "x" * 129}, "cache_salt", "must be at most 128 characters"),
     ],
 )
 def test_what_a_de_would_refuse_gets_400_before_any_prefill(guarded, body, param, message):

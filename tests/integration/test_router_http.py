@@ -219,6 +219,7 @@ def router_config(pes: list[StandInEngine], des: list[StandInEngine], **override
         "served_model_names": [MODEL],
         "vocab_size": 1024,
         "policy": "dualpath",
+        "report_hit_tokens": True,
         "metrics_refresh_interval_s": 0.2,
         "prefill_engines": [{"name": e.name, "url": e.url, "node": f"node-{e.name}"} for e in pes],
         "decode_engines": [
@@ -312,6 +313,15 @@ def test_prefill_then_decode_bodies_and_headers(engines, start_router):
     assert de_body["min_tokens"] == 2
     # The PE's hand-off, unchanged.
     assert de_body["kv_transfer_params"] == pe.sent_kv_transfer_params[0]
+
+
+def test_hits_are_not_reported_unless_the_operator_enables_it(engines, start_router):
+    """By default no answer says how much of its prompt someone else stored (a cross-tenant oracle)."""
+    pe, de = engines("pe0", "prefill"), engines("de0", "decode")
+    router = start_router(router_config([pe], [de], read_side="de", report_hit_tokens=False))
+    response = complete(router, prompt=PROMPT, max_tokens=2, temperature=0.0)
+    assert response.status_code == 200, response.text
+    assert "x-dualpath-hit-tokens" not in response.headers and response.headers["x-dualpath-read-side"] == "de"
 
 
 def test_streaming_passes_the_decode_stream_through(engines, start_router):

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from nixl_backends.layout import chunk_hashes, chunk_key
+from nixl_backends.layout import chunk_hashes, chunk_key, isolated_chain
 from nixl_backends.registry import parse_store_config
 
 from dualpath_connector.protocol import PrefillRequest, StoreKeySpace
@@ -35,8 +35,8 @@ def s3_env(seaweedfs, monkeypatch):
     return seaweedfs
 
 
-def keys_of(tokens: list[int]) -> list[str]:
-    hashes = chunk_hashes(NAMESPACE.digest, tokens, NAMESPACE.chunk_tokens)
+def keys_of(tokens: list[int], cache_salt: str | None = None) -> list[str]:
+    hashes = chunk_hashes(isolated_chain(NAMESPACE.digest, cache_salt=cache_salt), tokens, NAMESPACE.chunk_tokens)
     return [chunk_key(NAMESPACE.key_prefix, NAMESPACE.digest, h) for h in hashes]
 
 
@@ -102,6 +102,18 @@ def test_positive_answers_are_cached(s3_env, s3_bucket):
     assert asyncio.run(lookup.hit_tokens(TOKENS)) == 64
 
 
+def test_salted_prompts_hit_only_their_own_salts_chunks(s3_env, s3_bucket):
+    """A salt is looked up in its own chain: unsalted or other salts' chunks of the same tokens are no hit."""
+    put_chunks(s3_env, s3_bucket, keys_of(TOKENS)[:4] + keys_of(TOKENS, "tenant-a")[:2])
+    lookup = lookup_for(s3_env, s3_bucket)
+    assert asyncio.run(lookup.hit_tokens(TOKENS)) == 128
+    assert asyncio.run(lookup.hit_tokens(TOKENS, "tenant-a")) == 64
+    assert asyncio.run(lookup.hit_tokens(TOKENS, "tenant-b")) == 0
+    # The remembered positives are per key, so also per salt: asked again, the answers stand.
+    assert asyncio.run(lookup.hit_tokens(TOKENS, "tenant-b")) == 0
+    assert asyncio.run(lookup.hit_tokens(TOKENS, "tenant-a")) == 64
+
+
 def test_store_outage_is_a_miss(monkeypatch, caplog):
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "x")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "y")
@@ -134,6 +146,10 @@ def test_router_reports_hits_with_namespace_from_engine_metrics(s3_env, s3_bucke
         if response.headers["x-dualpath-hit-tokens"] == str(expected):
             break
     assert response.headers["x-dualpath-hit-tokens"] == str(expected)
+    salted = httpx.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": TOKENS[:129],
+                                                                "max_tokens": 1, "cache_salt": "tenant-a"}, timeout=30.0)
+    assert salted.status_code == 200 and salted.headers["x-dualpath-hit-tokens"] == "0"
+    assert pe.received[-1]["cache_salt"] == "tenant-a"  # the engines store and load it in the salt's chain
     # Read side forced to "pe": the PE reads every hit and is told of no DE to move reads to.
     assert PrefillRequest.from_dict(pe.received[-1]["kv_transfer_params"]) == PrefillRequest("pe")
     assert "AWS_SECRET_ACCESS_KEY" not in router.log() and s3_env.secret_key not in router.log()

@@ -37,9 +37,9 @@ _HASH_FN = get_hash_fn_by_name("sha256")
 init_none_hash(_HASH_FN)
 
 
-def vllm_request(req_id: str, prompt: list[int]) -> Request:
+def vllm_request(req_id: str, prompt: list[int], **options) -> Request:
     hasher = get_request_block_hasher(BLOCK, _HASH_FN)
-    return Request(req_id, prompt, SamplingParams(max_tokens=4), None, block_hasher=hasher)
+    return Request(req_id, prompt, SamplingParams(max_tokens=4), None, block_hasher=hasher, **options)
 
 
 def prompt_of(num_tokens: int, seed: int = 1) -> list[int]:
@@ -103,6 +103,24 @@ def test_a_chunk_is_announced_only_once_every_rank_wrote_it_one_event_per_vllm_b
     scheduler.saves_finished(SavedChunks(stored={hashes[1]: 1}))
     assert stored_blocks(scheduler.take_events()) == expected_blocks(request, range(2, 4))
     assert scheduler.get_stats().data["kv_events_stored_blocks"] == 6
+
+
+def test_salted_and_adapter_blocks_carry_their_extra_keys_as_vllms_own_events_do(tmp_path):
+    """The salt on the prompt's first block, the adapter's name on every block; hashes are vLLM's salted ones."""
+    from vllm.lora.request import LoRARequest
+
+    scheduler, _ = events_scheduler(tmp_path)
+    lora = LoRARequest("adapter-a", 3, "/adapters/a")
+    request = vllm_request("r1", prompt_of(2 * CHUNK + 5), cache_salt="tenant-a", lora_request=lora)
+    plain = vllm_request("r0", prompt_of(2 * CHUNK + 5))
+    assert not set(request.block_hashes) & set(plain.block_hashes)  # vLLM's own hashes are salted
+    hashes = save_all(scheduler, request)
+    assert not set(hashes) & set(hashes_of(request.all_token_ids))  # and so are the store's chunks
+    scheduler.saves_finished(SavedChunks(stored={h: 1 for h in hashes}))
+    events = scheduler.take_events()
+    assert [e.block_hashes[0] for e in events] == published(request.block_hashes[:4])
+    assert [e.extra_keys for e in events] == [[("adapter-a", "tenant-a")]] + [[("adapter-a",)]] * 3
+    assert {(e.lora_name, e.lora_id) for e in events} == {("adapter-a", 3)}
 
 
 def test_a_failed_write_is_never_announced_and_reports_for_unplanned_chunks_are_ignored(tmp_path):

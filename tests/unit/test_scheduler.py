@@ -19,7 +19,7 @@ from dualpath_connector.config import ChunkGeometry, parse_config
 from dualpath_connector.metadata import ChunkLoad, PullSpec, SaveSpec
 from dualpath_connector.protocol import VERSION_KEY, PrefillHandoff, PrefillRequest
 from dualpath_connector.scheduler import MAX_LOAD_ATTEMPTS, DualPathScheduler
-from nixl_backends.layout import KVNamespace, chunk_hashes, chunk_key
+from nixl_backends.layout import KVNamespace, chunk_hashes, chunk_key, isolated_chain
 
 BLOCK = 16
 CHUNK = 32
@@ -754,18 +754,62 @@ def test_chunks_missing_on_a_retry_are_saved_again(tmp_path):
     assert meta.saves == [SaveSpec("r1", [hashes_of(prompt)[2]], [[4, 5]], only_missing=True)]
 
 
-# -- 10. uncacheable requests --------------------------------------------------
+# -- 10. salts, adapters, uncacheable requests ---------------------------------
+
+
+LORA_A = SimpleNamespace(lora_name="adapter-a", lora_path="/adapters/a", lora_int_id=1)
+
+
+def chain_keys(tokens: list[int], **isolation) -> list[str]:
+    chain = isolated_chain(NAMESPACE.digest(), **isolation)
+    return [chunk_key(KEY_PREFIX, NAMESPACE.digest(), h) for h in chunk_hashes(chain, tokens, CHUNK)]
+
+
+@pytest.mark.parametrize(
+    "override, isolation",
+    [
+        ({"cache_salt": "tenant-a"}, {"cache_salt": "tenant-a"}),
+        ({"lora_request": LORA_A}, {"lora": ("adapter-a", "/adapters/a")}),
+    ],
+    ids=["cache-salt", "lora"],
+)
+def test_salted_and_adapter_requests_hit_and_save_in_their_own_chain(tmp_path, override, isolation):
+    """The same tokens under a salt or an adapter: other keys; the plain chain's chunks are no hit for them."""
+    scheduler, store = make_scheduler(tmp_path)
+    prompt = prompt_of(100)
+    own = chain_keys(prompt, **isolation)
+    assert not set(own) & set(keys_of(prompt))
+    store_chunks(store, prompt, 3)  # the plain chain: not theirs
+    request = make_request("r1", prompt, **override)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    assert store.calls and set(store.calls[-1]) <= set(own)
+    scheduler.update_state_after_alloc(request, Blocks([]), 0)
+    meta = scheduler.build_connector_meta(step(new=[new_req("r1", range(7))], scheduled={"r1": 100}))
+    assert [scheduler._lookup_keys.key(h) for h in meta.saves[0].chunk_hashes] == own
+
+    store.present.update(own[:2])
+    again = make_request("r2", prompt, **override)
+    assert scheduler.get_num_new_matched_tokens(again, 0) == (2 * CHUNK, True)
+    other = make_request("r3", prompt, cache_salt="tenant-b", lora_request=None)
+    assert scheduler.get_num_new_matched_tokens(other, 0) == (0, False)
+
+
+def test_chains_differ_by_salt_adapter_and_their_spelling():
+    """No two isolations share a chain; the plain one is the namespace itself (keys of plain requests unchanged)."""
+    digest = NAMESPACE.digest()
+    chains = [
+        isolated_chain(digest, cache_salt="a"), isolated_chain(digest, cache_salt="b"),
+        isolated_chain(digest, lora=("x", "/p")), isolated_chain(digest, lora=("x", "/q")),
+        isolated_chain(digest, lora=("x/", "p")), isolated_chain(digest, cache_salt="a", lora=("x", "/p")),
+    ]  # fmt: skip
+    assert len(set(chains)) == len(chains) and digest not in chains
+    assert isolated_chain(digest) == isolated_chain(digest, cache_salt="") == digest
 
 
 @pytest.mark.parametrize(
     "override",
-    [
-        {"lora_request": SimpleNamespace(lora_name="adapter")},
-        {"cache_salt": "tenant-a"},
-        {"mm_features": [SimpleNamespace(identifier="img")]},
-        {"prompt_embeds": SimpleNamespace(shape=(100, 8))},
-    ],
-    ids=["lora", "cache-salt", "multimodal", "prompt-embeds"],
+    [{"mm_features": [SimpleNamespace(identifier="img")]}, {"prompt_embeds": SimpleNamespace(shape=(100, 8))}],
+    ids=["multimodal", "prompt-embeds"],
 )
 def test_uncacheable_requests_neither_hit_nor_save(tmp_path, override):
     scheduler, store = make_scheduler(tmp_path)
@@ -784,7 +828,7 @@ def test_uncacheable_requests_neither_hit_nor_save(tmp_path, override):
 
 def test_pe_hands_off_an_uncacheable_prefill_without_touching_the_store(tmp_path):
     scheduler, store = make_scheduler(tmp_path, "kv_producer")
-    request = make_request("p1", prompt_of(100), PrefillRequest().to_dict(), cache_salt="tenant-a")
+    request = make_request("p1", prompt_of(100), PrefillRequest().to_dict(), mm_features=[SimpleNamespace(identifier="i")])
 
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
     assert store.calls == []
