@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from nixl_backends.integrity import INTEGRITY_KEY_ENV, derived_integrity_key
 from nixl_backends.lookup import wait_stored
 
 from dualpath_connector.cluster_auth import CLUSTER_KEY_ENV
@@ -31,6 +32,9 @@ ROUTER_KEY_ENV = "DUALPATH_ENGINE_API_KEY"
 TEST_KV_CACHE_BYTES = 512 * 1024 * 1024
 
 
+_PROCESS_KEYS: ClusterKeys | None = None
+
+
 @dataclass(frozen=True)
 class ClusterKeys:
     """One cluster's secrets, random per run: every engine of the cluster and its router share them.
@@ -38,18 +42,35 @@ class ClusterKeys:
     ``api_key``: what the engines' OpenAI servers demand (vLLM reads
     ``VLLM_API_KEY``; the environment keeps it out of ``ps``), sent by the
     router and by the helpers here. ``cluster_key``: what authenticates
-    PE<->DE side-channel messages.
+    PE<->DE side-channel messages. ``integrity_secret``: what keys the MAC on
+    every stored Layer Block (``integrity: "keyed"``, as configs/ run): a
+    writer of the bucket without it cannot make a chunk the engines load.
     """
 
     api_key: str = field(repr=False)
     cluster_key: str = field(repr=False)
+    integrity_secret: str = field(repr=False)
 
     @classmethod
     def generate(cls) -> ClusterKeys:
-        return cls(secrets.token_hex(16), secrets.token_hex(32))
+        return cls(secrets.token_hex(16), secrets.token_hex(32), secrets.token_hex(32))
+
+    @classmethod
+    def of_this_process(cls) -> ClusterKeys:
+        """One set per process, generated on first use: the engines a test or bench starts without keys of their
+        own are one deployment, sharing stored chunks (their namespace holds the integrity key's fingerprint)."""
+        global _PROCESS_KEYS
+        if _PROCESS_KEYS is None:
+            _PROCESS_KEYS = cls.generate()
+        return _PROCESS_KEYS
 
     def engine_env(self) -> dict[str, str]:
-        return {"VLLM_API_KEY": self.api_key, CLUSTER_KEY_ENV: self.cluster_key}
+        return {"VLLM_API_KEY": self.api_key, CLUSTER_KEY_ENV: self.cluster_key,
+                INTEGRITY_KEY_ENV: self.integrity_secret}  # fmt: skip
+
+    def integrity_key(self) -> bytes:
+        """The MAC key the engines derive from ``integrity_secret`` (to forge a chunk as a keyholder would)."""
+        return derived_integrity_key(self.integrity_secret)
 
     def router_env(self) -> dict[str, str]:
         # The cluster key lets the router end a PE's hold when no DE will pull it.
@@ -72,7 +93,7 @@ class VLLMServer(ServiceProcess):
     command prefix (``ip netns exec <ns>`` for a network namespace).
     ``keys``: the cluster's secrets (:class:`ClusterKeys`), in the environment
     too; the PE and DE of one cluster need the same, a single-instance engine
-    (``kv_both``) makes its own when none is given. ``tensor_parallel_size``:
+    (``kv_both``) takes the process's own when none is given (:meth:`ClusterKeys.of_this_process`). ``tensor_parallel_size``:
     its TP workers get this machine's cores split among them, and a PD engine
     free side-channel ports for every rank (``side_channel_port`` + rank). ``kv_cache_bytes``: each worker's
     KV cache (``--kv-cache-memory-bytes``).
@@ -109,7 +130,7 @@ class VLLMServer(ServiceProcess):
             # Rank r serves at side_channel_port + r.
             extra_config["side_channel_port"] = free_port(tensor_parallel_size)
             self.side_channel = f"{extra_config['side_channel_host']}:{extra_config['side_channel_port']}"
-        self.keys = keys if keys is not None else ClusterKeys.generate()
+        self.keys = keys if keys is not None else ClusterKeys.of_this_process()
         self.model = model
         self._s3 = s3
         self.log_path = log_path

@@ -75,7 +75,11 @@ def integrity_key_from_env(mode: IntegrityMode, where: str = "") -> bytes | None
             f"{where}integrity 'keyed' needs a secret of at least {_MIN_SECRET_BYTES} bytes in "
             f"${INTEGRITY_KEY_ENV} (the same on every engine of the deployment)"
         )
-    # A fixed-size key from any secret; the context keeps it apart from other uses of the secret.
+    return derived_integrity_key(secret)
+
+
+def derived_integrity_key(secret: str) -> bytes:
+    """The MAC key of ``secret``: fixed-size from any secret; the context keeps it apart from other uses of it."""
     return blake3.blake3(secret.encode(), derive_key_context=_KEY_CONTEXT).digest()
 
 

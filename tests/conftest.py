@@ -144,8 +144,9 @@ def same(a: dict, b: dict, tolerance: float = 0.0) -> bool:
     return max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0.0) <= tolerance
 
 
-def resealed(stored: bytes, chunk_hash: str, num_layers: int) -> bytes:
-    """A stored object's KV under a trailer that verifies as ``chunk_hash``'s in checksum mode.
+def resealed(stored: bytes, chunk_hash: str, num_layers: int, key: bytes | None = None) -> bytes:
+    """A stored object's KV under a trailer that verifies as ``chunk_hash``'s in checksum mode (``key`` None),
+    or in keyed mode under ``key``.
 
     Anyone who can write to the store can compute XXH3; only the keyed mode
     stops this. Use another chunk's real KV, not noise: random bytes hold NaN
@@ -154,7 +155,7 @@ def resealed(stored: bytes, chunk_hash: str, num_layers: int) -> bytes:
     layout = BlockLayout(num_layers, len(stored) // num_layers - DIGEST_BYTES)
     assert layout.object_bytes == len(stored)
     sealed = np.frombuffer(bytearray(stored), dtype=np.uint8)
-    ChunkIntegrity(layout).seal(chunk_hash, sealed)
+    ChunkIntegrity(layout, key).seal(chunk_hash, sealed)
     return sealed.tobytes()
 
 

@@ -3,7 +3,8 @@
 Protocol, one JSON object per line:
   runner -> test: {"ready": true, "namespace": DIGEST|null, "namespaces": [DIGEST per TP rank]|null,
                    "key_prefix": STR|null}
-  test -> runner: {"prompts": [[token ids]...], "max_tokens": N, "reset_prefix_cache": bool}
+  test -> runner: {"prompts": [[token ids]...], "max_tokens": N, "reset_prefix_cache": bool,
+                   "cache_salts": [salt or null per prompt] (optional)}
   runner -> test: {"outputs": [{"tokens": [...], "logprobs": [...], "num_cached_tokens": N}...]}
 Closing stdin ends the engine. The runner's own log goes to stderr.
 """
@@ -75,7 +76,9 @@ def main() -> None:
         if command.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
         params = SamplingParams(temperature=0.0, max_tokens=command["max_tokens"], logprobs=0, ignore_eos=True)
-        results = llm.generate([{"prompt_token_ids": p} for p in command["prompts"]], params, use_tqdm=False)
+        salts = command.get("cache_salts") or [None] * len(command["prompts"])
+        prompts = [{"prompt_token_ids": p, **({"cache_salt": s} if s else {})} for p, s in zip(command["prompts"], salts)]
+        results = llm.generate(prompts, params, use_tqdm=False)
         outputs = []
         for result in results:
             completion = result.outputs[0]

@@ -76,8 +76,10 @@ class Engine:
                     raise EngineFailed(f"engine exited ({self.proc.returncode}); log tail:\n{self.log_text()[-20000:]}")
                 return json.loads(line)
 
-    def generate(self, prompts: list[list[int]], max_tokens: int, reset_prefix_cache: bool = True) -> list[dict]:
-        command = {"prompts": prompts, "max_tokens": max_tokens, "reset_prefix_cache": reset_prefix_cache}
+    def generate(self, prompts: list[list[int]], max_tokens: int, reset_prefix_cache: bool = True,
+                 cache_salts: list[str | None] | None = None) -> list[dict]:
+        command = {"prompts": prompts, "max_tokens": max_tokens, "reset_prefix_cache": reset_prefix_cache,
+                   "cache_salts": cache_salts}
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
         return self._read(REQUEST_TIMEOUT_S)["outputs"]

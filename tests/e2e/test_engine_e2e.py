@@ -15,7 +15,7 @@ from dualpath_dev.tiny_model import TINY_LLAMA
 from nixl_backends.dualblade.bind_map import BindMap
 from nixl_backends.buffers import align_up
 from nixl_backends.dualblade.store import JOURNAL
-from nixl_backends.layout import chunk_hashes, chunk_key
+from nixl_backends.layout import chunk_hashes, chunk_key, isolated_chain
 from tests.conftest import poll, resealed, same
 from tests.vllm_engine import Engine, start_engine_expecting_failure
 
@@ -31,6 +31,7 @@ P = [_rng.randrange(1024) for _ in range(1500)]
 A = P + [_rng.randrange(1024) for _ in range(40)]
 SHARED = [_rng.randrange(1024) for _ in range(700)]
 BATCH = [SHARED + [_rng.randrange(1024) for _ in range(50)] for _ in range(3)]
+SALTED = [_rng.randrange(1024) for _ in range(600)]
 
 
 def kv_config(seaweedfs, bucket: str = BUCKET, **extra) -> dict:
@@ -218,9 +219,35 @@ def test_fresh_engine_hits_stored_prefix_and_matches(tiny_model, seaweedfs, base
         assert not same(out, baseline["S1_after_S0"], BATCH_LOGPROB_TOLERANCE)
 
 
-def _stored_or_none(s3, key: str) -> bytes | None:
+def test_a_salt_hits_only_its_own_chunks(tiny_model, seaweedfs, plain_engine, s3):
+    """The same prompt under salts A, A, B and none, then none again: only the second A and the second plain
+    request hit, each output equal to the engine without the connector (cold, or after its own prefix cache)."""
+    prompt = SALTED
+    cold = plain_engine.generate([prompt], MAX_TOKENS)[0]
+    after_itself = plain_engine.generate([prompt], MAX_TOKENS, reset_prefix_cache=False)[0]
+    hit = (len(prompt) - 1) // CHUNK * CHUNK
+    assert after_itself["num_cached_tokens"] == hit
+    bucket = f"{BUCKET}-salts"
+    with Engine(tiny_model, kv_config(seaweedfs, bucket), s3=seaweedfs) as engine:
+        namespace, prefix = engine.ready["namespace"], engine.ready["key_prefix"]
+        outs = [engine.generate([prompt], MAX_TOKENS, cache_salts=[salt])[0] for salt in ("A", "A", "B", None, None)]
+    assert [out["num_cached_tokens"] for out in outs] == [0, hit, 0, 0, hit]
+    for out, expected in zip(outs, (cold, after_itself, cold, cold, after_itself)):
+        assert same(out, expected)
+
+    def stored(chain: str) -> int:
+        keys = [chunk_key(prefix, namespace, h) for h in chunk_hashes(chain, prompt, CHUNK)]
+        return sum(_stored_or_none(s3, key, bucket) is not None for key in keys)
+
+    # Each chain holds the prompt's chunks once: A's and B's apart from each other and from the plain ones.
+    chains = [isolated_chain(namespace, cache_salt=salt) for salt in ("A", "B", None)]
+    assert len(set(chains)) == 3
+    assert [stored(chain) for chain in chains] == [len(prompt) // CHUNK] * 3
+
+
+def _stored_or_none(s3, key: str, bucket: str = BUCKET) -> bytes | None:
     try:
-        return s3.get_object(Bucket=BUCKET, Key=key)["Body"].read()
+        return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
     except s3.exceptions.NoSuchKey:
         return None
 

@@ -504,12 +504,13 @@ def _load_outcome(stack: Stack, before: dict[str, float]) -> tuple[float, float]
 
 
 def test_corrupted_or_truncated_chunk_shortens_the_hit_on_either_read_side(stack):
-    """A stored chunk overwritten with noise of its size, or truncated, after the PE saw it present: the reader
-    (the PE, or the DE for its PE) ends the hit before it, vLLM recomputes, the tokens are the cold ones;
-    the noise counts as a corrupt chunk.
+    """A stored chunk overwritten with noise of its size, truncated, or replaced by another chunk's KV resealed
+    without the key (a writer of the bucket who computes the checksum trailer), after the PE saw it present:
+    the reader (the PE, or the DE for its PE) ends the hit before it, vLLM recomputes, the tokens are the cold
+    ones; the noise and the forgery count as corrupt chunks. The engines run ``integrity: keyed`` (configs/).
 
-    Negative control: another chunk's KV under a valid checksum trailer (what the checksum mode cannot
-    catch) is served as a hit and changes the answer.
+    Negative control: the same forgery sealed with the deployment's key (what only a keyholder can make) is
+    served as a hit and changes the answer.
     """
     tokens = prompt("corrupt")
     expected = stack.reference(tokens)
@@ -519,13 +520,18 @@ def test_corrupted_or_truncated_chunk_shortens_the_hit_on_either_read_side(stack
     both = [stack.pe, stack.de]
     de_router = stack.start_router(read_side="de")
     try:
+        layers = stack.pe.key_space().num_layers
         for side, router, damage, chunk in (("pe", stack.router, "noise", 3), ("de", de_router, "noise", 0),
-                                            ("de", de_router, "truncated", 2)):  # fmt: skip
+                                            ("de", de_router, "truncated", 2), ("pe", stack.router, "unkeyed", 1)):  # fmt: skip
             what = f"{damage} chunk {chunk}, read side {side}"
             before = _hit(stack, router, tokens, expected)
             corrupt_before = sum(counter(e, "corrupt_chunks") for e in both)
             key = keys[chunk]
-            body = _noise(len(originals[key]), 0) if damage == "noise" else originals[key][: len(originals[key]) // 2]
+            body = {
+                "noise": lambda: _noise(len(originals[key]), 0),
+                "truncated": lambda: originals[key][: len(originals[key]) // 2],
+                "unkeyed": lambda: resealed(originals[keys[chunk + 1]], chunk_hash_of(key), layers),
+            }[damage]()
             s3.put_object(Bucket=BUCKET, Key=key, Body=body)
             try:
                 output, headers = ask(router, stack.model, tokens)
@@ -535,12 +541,13 @@ def test_corrupted_or_truncated_chunk_shortens_the_hit_on_either_read_side(stack
             assert output == expected, what
             # The hit ended before the bad chunk: it and the rest were recomputed.
             assert _load_outcome(stack, before) == (chunk * CHUNK, HIT_TOKENS - chunk * CHUNK), what
-            corrupt = counted(both, "corrupt_chunks", corrupt_before + (damage == "noise")) - corrupt_before
-            assert corrupt == (damage == "noise"), what
+            damaged = damage in ("noise", "unkeyed")
+            corrupt = counted(both, "corrupt_chunks", corrupt_before + damaged) - corrupt_before
+            assert corrupt == damaged, what
         # Negative control.
         before = _hit(stack, stack.router, tokens, expected)
         corrupt_before = sum(counter(e, "corrupt_chunks") for e in both)
-        forged = resealed(originals[keys[1]], chunk_hash_of(keys[0]), stack.pe.key_space().num_layers)
+        forged = resealed(originals[keys[1]], chunk_hash_of(keys[0]), layers, stack.pe.keys.integrity_key())
         assert forged != originals[keys[0]] and len(forged) == len(originals[keys[0]])
         s3.put_object(Bucket=BUCKET, Key=keys[0], Body=forged)
         try:

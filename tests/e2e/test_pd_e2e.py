@@ -251,7 +251,7 @@ def test_bad_token_id_through_router_is_refused_and_the_pe_stays_healthy(cluster
     finally:
         router.stop()
     logs = "".join(path.read_text(errors="replace") for path in (pe.log_path, de.log_path, router.log_path))
-    assert pe.keys.api_key not in logs and pe.keys.cluster_key not in logs
+    assert pe.keys.api_key not in logs and pe.keys.cluster_key not in logs and pe.keys.integrity_secret not in logs
 
 
 # Two turns a session: the second finds the first's chunks stored (a hit) and must still match.

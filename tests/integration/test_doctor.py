@@ -43,7 +43,7 @@ def environment(access_key: str, secret_key: str) -> dict[str, str]:
     # No AWS config files: the credentials are exactly these.
     return {**env, "AWS_ACCESS_KEY_ID": access_key, "AWS_SECRET_ACCESS_KEY": secret_key,
             "AWS_CONFIG_FILE": os.devnull, "AWS_SHARED_CREDENTIALS_FILE": os.devnull,
-            "DUALPATH_CLUSTER_KEY": CLUSTER_KEY}  # fmt: skip
+            "DUALPATH_CLUSTER_KEY": CLUSTER_KEY, "DUALPATH_INTEGRITY_KEY": CLUSTER_KEY}  # fmt: skip
 
 
 @pytest.fixture

@@ -36,9 +36,14 @@ def test_defaults_and_store_section_are_parsed():
 
 
 @pytest.mark.parametrize("name", ["single.json", "pe.json", "de.json"])
-def test_shipped_configs_parse(name):
+def test_shipped_configs_parse(name, monkeypatch):
     shipped = json.loads((Path(__file__).resolve().parents[2] / "configs" / name).read_text())
+    monkeypatch.delenv("DUALPATH_INTEGRITY_KEY", raising=False)
+    with pytest.raises(ConfigError, match="DUALPATH_INTEGRITY_KEY"):  # keyed: the deployment's secret is required
+        parse_config(shipped["kv_connector_extra_config"], shipped["kv_role"])
+    monkeypatch.setenv("DUALPATH_INTEGRITY_KEY", "shipped-config-integrity-secret")
     config = parse_config(shipped["kv_connector_extra_config"], shipped["kv_role"])
+    assert config.integrity == "keyed" and config.integrity_key is not None
     assert isinstance(config.store_config, S3StoreConfig)
     assert config.load_mode == "layerwise"
     assert shipped["kv_connector_module_path"] == "dualpath_connector"

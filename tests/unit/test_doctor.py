@@ -30,6 +30,12 @@ from tests.conftest import REPO_ROOT
 SECRET = "wJalrXUtnFEMI-doctor-test-secret"
 
 
+@pytest.fixture(autouse=True)
+def integrity_secret(monkeypatch):
+    """configs/ run integrity: keyed, which needs the deployment's secret to parse."""
+    monkeypatch.setenv("DUALPATH_INTEGRITY_KEY", "doctor-test-integrity-secret-0123")
+
+
 def config(name: str) -> dict:
     return json.loads((REPO_ROOT / "configs" / name).read_text())
 

@@ -34,6 +34,12 @@ def no_ucx_variables(monkeypatch):
         monkeypatch.delenv(variable)
 
 
+@pytest.fixture(autouse=True)
+def integrity_secret(monkeypatch):
+    """configs/pe.json runs integrity: keyed, which needs the deployment's secret to parse."""
+    monkeypatch.setenv("DUALPATH_INTEGRITY_KEY", "isolation-test-integrity-secret")
+
+
 def pe_extra(**transport) -> dict:
     extra = json.loads((REPO_ROOT / "configs" / "pe.json").read_text())["kv_connector_extra_config"]
     return {**extra, "transport": transport} if transport else extra
