@@ -47,7 +47,7 @@ from s3agg_gateway_ext.aggregator import Aggregator, DeliveryError, Job, Storage
 from s3agg_gateway_ext.config import GatewayConfig, load_config
 from s3agg_gateway_ext.descriptor import DescriptorError, HttpTarget, parse_descriptor
 from s3agg_gateway_ext.s3_api import PosixBucketAPI
-from s3agg_gateway_ext.sigv4 import error_xml, verify
+from s3agg_gateway_ext.sigv4 import STREAMING_UNSIGNED_TRAILER, UNSIGNED, error_xml, verify_headers, verify_payload
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +77,15 @@ def _runtime_code(exc: Exception) -> str:
     return "SlowDown" if isinstance(exc, TimeoutError) else "DeliveryFailed"
 
 
+# Payload forms accepted per method beside ?aggregate (signed only). A PUT is signed, or NIXL OBJ's form (the AWS
+# C++ SDK's aws-chunked body with a checksum trailer, headers signed): its body is a chunk object whose trailer
+# keyed integrity checks on every read. Bodiless requests may say UNSIGNED-PAYLOAD (a body they carry is unused).
+_PAYLOADS = {
+    "PUT": ("signed", STREAMING_UNSIGNED_TRAILER),
+    "GET": ("signed", UNSIGNED), "HEAD": ("signed", UNSIGNED), "DELETE": ("signed", UNSIGNED),
+}  # fmt: skip
+
+
 class Gateway:
     """The request handlers around one :class:`Aggregator`."""
 
@@ -94,10 +103,27 @@ class Gateway:
         return Response(error_xml(exc.code, exc.message, resource, request_id), status_code=exc.status,
                         media_type="application/xml", headers={REQUEST_ID_HEADER: request_id})
 
-    def _authenticate(self, request: Request, body: bytes) -> None:
-        verify(request.method, request.scope.get("raw_path", b"").decode("latin-1") or request.url.path,
-               request.scope.get("query_string", b"").decode("latin-1"), request.headers, body,
-               self.config.client_access_key, self.config.client_secret_key)
+    async def _authenticated_body(self, request: Request, payloads: tuple[str, ...]) -> bytes:
+        """The request's body, read only once its signed headers verified, at most ``max_body_bytes`` of it
+        (413 beyond), and matching the signed payload hash; ``payloads``: the accepted payload forms."""
+        payload_hash = verify_headers(
+            request.method, request.scope.get("raw_path", b"").decode("latin-1") or request.url.path,
+            request.scope.get("query_string", b"").decode("latin-1"), request.headers,
+            self.config.client_access_key, self.config.client_secret_key, payloads=payloads)  # fmt: skip
+        limit = self.config.max_body_bytes
+        too_large = DescriptorError(413, "EntityTooLarge", f"request body above this gateway's max_body_bytes={limit}")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        body = b"".join(chunks)
+        verify_payload(payload_hash, body)
+        return body
 
     def _finish(self, job: Job, target: str, outcome: str, started: float) -> None:
         job.timings["total_s"] = time.monotonic() - started
@@ -119,9 +145,9 @@ class Gateway:
         started = time.monotonic()
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         bucket = request.path_params["bucket"]
-        body = await request.body()
         try:
-            self._authenticate(request, body)
+            # Signed: the signature covers the descriptor, so a captured request cannot carry another.
+            body = await self._authenticated_body(request, ("signed",))
             desc = parse_descriptor(bucket, body, self.config)
             job = await run_in_threadpool(self.aggregator.prepare, request_id, desc)
         except DescriptorError as exc:
@@ -168,8 +194,7 @@ class Gateway:
     async def other(self, request: Request) -> Response:
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         try:
-            body = await request.body()
-            self._authenticate(request, body)
+            body = await self._authenticated_body(request, _PAYLOADS.get(request.method, ("signed",)))
             bucket, _, key = request.path_params["bucket"].partition("/")
             files = self.files.get(bucket)
             if files is not None:
@@ -228,7 +253,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=config.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logger.info("starting with %s", config)  # secrets are repr=False fields
     gateway = Gateway(config, Aggregator(config))
-    uvicorn.run(gateway.app(), host=config.host, port=config.port, log_level="warning", access_log=False)
+    # Bounded as the router is: connections, idle keep-alive, an unfinished request head.
+    uvicorn.run(gateway.app(), host=config.host, port=config.port, log_level="warning", access_log=False,
+                limit_concurrency=config.max_connections, timeout_keep_alive=5,
+                h11_max_incomplete_event_size=64 << 10)
 
 
 if __name__ == "__main__":

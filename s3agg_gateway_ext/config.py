@@ -58,6 +58,10 @@ class GatewayConfig:
     client_secret_key: str = field(default="", repr=False)
     host: str = "127.0.0.1"
     port: int = 9100
+    # A request body (descriptor, PUT object) above this gets 413 before it is read whole; read only after the
+    # signed headers verified. Connections served at once (more get 503).
+    max_body_bytes: int = 256 * MIB
+    max_connections: int = 1024
     # Mode selection: payloads W = N*L*S below theta are served chunkwise.
     theta_bytes: int = 512 * MIB
     # Descriptor limits: anything larger is refused before a byte is read.
@@ -89,7 +93,7 @@ class GatewayConfig:
             raise ConfigError("client_access_key and client_secret_key are required (SigV4 identity of clients)")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
-        positive = ("theta_bytes", "max_layers", "max_layer_chunk_bytes", "max_chunks", "max_payload_bytes",
+        positive = ("max_body_bytes", "max_connections", "theta_bytes", "max_layers", "max_layer_chunk_bytes", "max_chunks", "max_payload_bytes",
                     "io_threads", "io_timeout_s", "epoch_s", "quantum_bytes", "default_compute_window_s")
         for name in positive:
             if getattr(self, name) <= 0:

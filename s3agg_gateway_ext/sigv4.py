@@ -45,22 +45,33 @@ def _hmac(key: bytes, text: str) -> bytes:
     return hmac.new(key, text.encode(), hashlib.sha256).digest()
 
 
-def verify(
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def verify_headers(
     method: str,
     raw_path: str,
     raw_query: str,
     headers: Mapping[str, str],
-    body: bytes,
     access_key: str,
     secret_key: str,
+    *,
+    payloads: tuple[str, ...] = ("signed", UNSIGNED, STREAMING_UNSIGNED_TRAILER),
     now: dt.datetime | None = None,
-) -> None:
-    """Raise a 403 :class:`DescriptorError` unless the request carries a valid signature by ``access_key``."""
+) -> str:
+    """Raise a 403 :class:`DescriptorError` unless the request's headers carry a valid signature by
+    ``access_key``; the declared payload hash, which :func:`verify_payload` checks once the body is read.
+
+    Checked before a byte of the body is read: a request nobody signed costs the gateway its headers only.
+    ``payloads``: the ``x-amz-content-sha256`` forms accepted ("signed": the body's SHA-256, so the signature
+    covers the body; a captured request cannot be replayed with another).
+    """
     match = _AUTH.match(headers.get("authorization", ""))
     if match is None:
         raise _denied("AccessDenied", "missing or malformed AWS4-HMAC-SHA256 Authorization header")
     key_id, date, region, service, signed, signature = match.groups()
-    if not hmac.compare_digest(key_id, access_key):
+    # As bytes: a non-ASCII key id is an unknown one, not a TypeError.
+    if not hmac.compare_digest(key_id.encode(), access_key.encode()):
         raise _denied("InvalidAccessKeyId", "the access key id is not known to this gateway")
     amz_date = headers.get("x-amz-date", "")
     try:
@@ -70,8 +81,10 @@ def verify(
     if abs((now or dt.datetime.now(dt.timezone.utc)) - when) > _MAX_SKEW or not amz_date.startswith(date):
         raise _denied("RequestTimeTooSkewed", "request time differs from the gateway's by more than 15 minutes")
     payload_hash = headers.get("x-amz-content-sha256", "")
-    if payload_hash not in (UNSIGNED, STREAMING_UNSIGNED_TRAILER) and payload_hash != hashlib.sha256(body).hexdigest():
-        raise _denied("XAmzContentSHA256Mismatch", f"x-amz-content-sha256 {payload_hash[:64]!r} does not match the body")
+    form = "signed" if _SHA256_HEX.match(payload_hash) else payload_hash
+    if form not in payloads:
+        wanted = " or ".join("the body's SHA-256" if p == "signed" else p for p in payloads)
+        raise _denied("AccessDenied", f"{method} here needs x-amz-content-sha256: {wanted}")
     names = signed.split(";")
     if "host" not in names or any(name not in headers for name in names):
         raise _denied("AccessDenied", "signed headers must include host and be present")
@@ -84,6 +97,14 @@ def verify(
     expected = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
     if not hmac.compare_digest(expected, signature):
         raise _denied("SignatureDoesNotMatch", "the request signature does not match the one computed")
+    return payload_hash
+
+
+def verify_payload(payload_hash: str, body: bytes) -> None:
+    """A signed payload hash must be the body's (the unsigned forms leave the body to the handler)."""
+    if _SHA256_HEX.match(payload_hash) and not hmac.compare_digest(payload_hash, hashlib.sha256(body).hexdigest()):
+        raise _denied("XAmzContentSHA256Mismatch", "x-amz-content-sha256 does not match the body")
+
 
 
 def error_xml(code: str, message: str, resource: str, request_id: str) -> str:
