@@ -116,6 +116,12 @@ class DualPathConfig:
     # How often the scheduler looks for `dualpath-kv gc` removal records, to
     # announce BlockRemoved for the chunks gc deleted; 0: never.
     kv_events_gc_poll_s: float = 10.0
+    # vLLM's events carry every stored block's token ids (and a salted prompt's salt): a publisher bound to every
+    # interface (vLLM's default endpoint tcp://*:5557) stops start-up unless this is true.
+    kv_events_public_bind: bool = False
+    # false: the store's BlockStored events carry no token ids (consumers that recompute block keys from them,
+    # llm-d's precise prefix-cache scorer, then cannot use them).
+    kv_events_token_ids: bool = True
     # PD roles: UCX settings for KV transfers between engines, e.g. {"ucx_ib_sl": 3} to keep them in
     # their own InfiniBand service level (docs/traffic-isolation.md); unset: UCX's defaults.
     transport: dict[str, Any] | None = None
@@ -246,13 +252,32 @@ def kv_events_enabled(vllm_config: Any, config: DualPathConfig) -> bool:
     events_config = vllm_config.kv_events_config
     vllm_publishes = bool(events_config is not None and events_config.enable_kv_cache_events)
     if config.kv_events is None:
-        return vllm_publishes
-    if config.kv_events and not vllm_publishes:
+        enabled = vllm_publishes
+    elif config.kv_events and not vllm_publishes:
         raise ConfigError(
             f"{_WHERE}kv_events is true but vLLM publishes no KV events: start the engine with "
             '--kv-events-config \'{"enable_kv_cache_events": true, "publisher": "zmq", ...}\''
         )
-    return config.kv_events
+    else:
+        enabled = config.kv_events
+    if enabled and events_config.publisher == "zmq" and not config.kv_events_public_bind:
+        for name in ("endpoint", "replay_endpoint"):
+            endpoint = getattr(events_config, name, None) or ""
+            if _binds_every_interface(endpoint):
+                raise ConfigError(
+                    f"--kv-events-config {name} {endpoint} binds every interface, and the events carry every "
+                    "stored block's token ids: bind one address (tcp://127.0.0.1:5557, or the pod's IP the "
+                    f"KV-event router subscribes at), or set {_WHERE}kv_events_public_bind: true"
+                )
+    return enabled
+
+
+def _binds_every_interface(endpoint: str) -> bool:
+    """A zmq endpoint this process binds on every interface (``tcp://*``, the unspecified addresses)."""
+    if not endpoint.startswith("tcp://"):
+        return False  # ipc:// or inproc://: local only; a connect-style endpoint binds nothing
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return host in ("*", "0.0.0.0", "::", "")
 
 
 def expected_kv_cache_layout(config: DualPathConfig) -> str:

@@ -84,12 +84,15 @@ class StorageEvents:
         max_queued: int,
         tracked_chunks: int,
         stats: StatsRecorder,
+        token_ids: bool = True,
     ) -> None:
         self.block_size = block_size
         self.blocks_per_chunk = blocks_per_chunk
         self.world_size = world_size
         self.max_queued = max_queued
         self.tracked_chunks = tracked_chunks
+        # False: BlockStored without token ids (kv_events_token_ids).
+        self.token_ids = token_ids
         self.stats = stats
         self._pending: OrderedDict[str, _PendingChunk] = OrderedDict()
         self._queue: deque[KVCacheEvent] = deque()
@@ -173,7 +176,7 @@ class StorageEvents:
                 BlockStored(
                     block_hashes=[block.block_hash],
                     parent_block_hash=block.parent_block_hash,
-                    token_ids=list(block.token_ids),
+                    token_ids=list(block.token_ids) if self.token_ids else [],
                     block_size=self.block_size,
                     lora_id=block.lora_id,
                     medium=MEDIUM_STORAGE,

@@ -143,6 +143,7 @@ class DualPathScheduler:
                 max_queued=config.kv_events_max_queued,
                 tracked_chunks=config.lookup_cache_chunks,
                 stats=self.stats,
+                token_ids=config.kv_events_token_ids,
             )
         self.removal_watcher: RemovalWatcher | None = None
         logger.info(

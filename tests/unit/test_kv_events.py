@@ -275,9 +275,34 @@ def test_a_record_round_trips_and_lives_apart_from_chunk_keys(tmp_path):
 # -- configuration ---------------------------------------------------------------
 
 
-def _vllm_config(enabled: bool | None) -> SimpleNamespace:
-    events = None if enabled is None else SimpleNamespace(enable_kv_cache_events=enabled)
+def _vllm_config(enabled: bool | None, endpoint: str = "tcp://127.0.0.1:5557", replay: str | None = None):
+    events = None if enabled is None else SimpleNamespace(enable_kv_cache_events=enabled, publisher="zmq",
+                                                          endpoint=endpoint, replay_endpoint=replay)
     return SimpleNamespace(kv_events_config=events)
+
+
+@pytest.mark.parametrize("endpoint, replay", [("tcp://*:5557", None), ("tcp://0.0.0.0:5557", None),
+                                              ("tcp://[::]:5557", None), ("tcp://127.0.0.1:5557", "tcp://*:5558")])
+def test_a_publisher_on_every_interface_stops_start_up_unless_allowed(tmp_path, endpoint, replay):
+    """vLLM's default endpoint (tcp://*) would hand every stored block's token ids to whoever connects."""
+    store = {"backend": "posix", "root": str(tmp_path)}
+    with pytest.raises(ConfigError, match=r"binds every interface.*kv_events_public_bind: true"):
+        kv_events_enabled(_vllm_config(True, endpoint, replay), parse_config({"store": store}))
+    allowed = parse_config({"store": store, "kv_events_public_bind": True})
+    assert kv_events_enabled(_vllm_config(True, endpoint, replay), allowed) is True
+    # Control: one address (or events off) starts.
+    assert kv_events_enabled(_vllm_config(True, "tcp://10.0.0.5:5557"), parse_config({"store": store})) is True
+    assert kv_events_enabled(_vllm_config(True, endpoint, replay), parse_config({"store": store, "kv_events": False})) is False
+
+
+def test_token_ids_can_be_left_out_of_the_stores_events(tmp_path):
+    scheduler, _ = events_scheduler(tmp_path, kv_events_token_ids=False)
+    request = vllm_request("r1", prompt_of(CHUNK + 3))
+    hashes = save_all(scheduler, request)
+    scheduler.saves_finished(SavedChunks(stored={h: 1 for h in hashes}))
+    events = scheduler.take_events()
+    assert len(events) == 2 and all(e.token_ids == [] for e in events)
+    assert [e.block_hashes[0] for e in events] == published(request.block_hashes[:2])
 
 
 @pytest.mark.parametrize("vllm_events", [None, False, True])
