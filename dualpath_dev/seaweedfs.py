@@ -10,8 +10,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from nixl_backends.layout import BlockLayout
 from nixl_backends.registry import make_store, parse_store_config
@@ -130,6 +133,7 @@ class SeaweedFS:
         taken: set[int] = set()
         self._ports = [_free_port_pair(taken) for _ in range(4)]
         master, volume, filer, self.s3_port = self._ports
+        self.metrics_port = free_port()
         args = [
             *self.launcher,
             _weed_binary(),
@@ -151,6 +155,8 @@ class SeaweedFS:
             "-s3.port.iceberg=0",
             "-s3.port.lance=0",
             "-master.telemetry=false",
+            # Prometheus metrics: what tests and benchmarks count store requests by (s3_requests).
+            f"-metricsPort={self.metrics_port}",
         ]
         log = open(self.data_dir / "weed.log", "wb")
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -162,6 +168,16 @@ class SeaweedFS:
             raise
         logger.info("SeaweedFS S3 on %s (pid %d)", self.endpoint, self.proc.pid)
         return self
+
+    def s3_requests(self, method: str = "GET", bucket: str | None = None) -> int:
+        """S3 requests of ``method`` (SeaweedFS counts a HEAD as a GET) the server answered so far, on ``bucket``
+        or all, from its Prometheus metrics."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as response:
+            text = response.read().decode()
+        return int(sum(sample.value for family in text_string_to_metric_families(text)
+                       for sample in family.samples
+                       if sample.name == "SeaweedFS_s3_request_total" and sample.labels.get("type") == method
+                       and bucket in (None, sample.labels.get("bucket"))))
 
     def _wait_ready(self, timeout_s: float) -> None:
         client = self.client(max_attempts=1)

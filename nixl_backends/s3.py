@@ -10,13 +10,12 @@ boto3 side live in :mod:`nixl_backends.s3_endpoint`, the OBJ plugin in
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
-from nixl_backends.layout import BlockLayout
+from nixl_backends.layout import DIGEST_BYTES, BlockLayout
 from nixl_backends.nixl_io import descriptors, run_nixl_transfers
 from nixl_backends.obj_backend import OBJ, add_obj_backend, obj_device_ids
 from nixl_backends.s3_endpoint import (
@@ -66,7 +65,7 @@ class S3Store(KVStore):
                     return start + offset
         return len(keys)
 
-    def _transfer(self, op: str, keys: Sequence[str], addrs: Sequence[int], split_tail: bool) -> list[bool]:
+    def _transfer(self, op: str, keys: Sequence[str], addrs: Sequence[int]) -> list[bool]:
         if self._agent is None:
             raise RuntimeError("S3Store was opened without a NIXL agent: lookup only")
         if not keys:
@@ -76,12 +75,8 @@ class S3Store(KVStore):
         registration = self._agent.register_memory(
             [(0, size, dev_id, key) for dev_id, key in zip(dev_ids, keys)], OBJ
         )
-        # Local ranges and object ranges per chunk: offsets and lengths.
-        offsets, lengths = (np.array([0, size - 1]), np.array([size - 1, 1])) if split_tail else (0, size)
-        transfers = [
-            (descriptors(addr + offsets, lengths), descriptors(offsets, lengths, dev_id))
-            for addr, dev_id in zip(addrs, dev_ids)
-        ]
+        # One request per object: the whole object, one range.
+        transfers = [(descriptors(addr, size), descriptors(0, size, dev_id)) for addr, dev_id in zip(addrs, dev_ids)]
         # As many requests in flight as the plugin has threads: a write (the save lane) then queues behind at
         # most one round of a read's GETs (the read lane), not behind the whole hit.
         results = run_nixl_transfers(self._agent, op, transfers, OBJ, self.config.io_timeout_s,
@@ -91,17 +86,24 @@ class S3Store(KVStore):
         return results
 
     def read(self, keys: Sequence[str], dst_addrs: Sequence[int]) -> list[bool]:
-        # A ranged GET past the end of a short object returns what exists and
-        # NIXL reports success, so the last byte is fetched as its own range:
-        # on a truncated object that range fails (416) and the chunk is
-        # reported instead of returned as data.
-        return self._transfer("READ", keys, dst_addrs, split_tail=True)
+        # One GET per object. A GET of a short object returns what exists and NIXL reports success, so each
+        # destination's trailer is zeroed first: what a short object does not overwrite stays zero. Short by
+        # 16 bytes or more, its last digest is all zero (a real one is, once in 2^128): reported here as a
+        # failed read. Shorter, its last digest is part zero and fails the reader's integrity check.
+        trailers = [addr + self.layout.full_block_bytes for addr in dst_addrs]
+        for addr in trailers:
+            ctypes.memset(addr, 0, self.layout.trailer_bytes)
+        results = self._transfer("READ", keys, dst_addrs)
+        last = self.layout.trailer_bytes - DIGEST_BYTES
+        zero = bytes(DIGEST_BYTES)
+        return [ok and (ctypes.c_char * DIGEST_BYTES).from_address(addr + last).raw != zero
+                for ok, addr in zip(results, trailers)]
 
     def write(self, keys: Sequence[str], src_addrs: Sequence[int]) -> list[bool]:
         # Objects are content-addressed, so re-putting an existing key stores
         # identical bytes; that is cheaper than a HEAD before every PUT. A PUT
         # is whole-object, hence one range.
-        results = self._transfer("WRITE", keys, src_addrs, split_tail=False)
+        results = self._transfer("WRITE", keys, src_addrs)
         for key, result in zip(keys, results):
             if not result:
                 logger.warning("s3 store: write of %s failed", key)
