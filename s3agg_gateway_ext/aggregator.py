@@ -11,13 +11,18 @@ trailer (one digest per layer, :mod:`nixl_backends.integrity`); every delivery
 carries the digests of the layers it delivers, so the reader can verify each
 layer as it arrives. The gateway moves digests, it never checks them.
 
-Layerwise mode reads windows of ``k`` consecutive layers of every chunk (``k = 1``
-unless ``min_read_bytes`` asks for larger GETs); with ``k = 1`` each read lands
+Layerwise mode reads windows of ``k`` consecutive layers of every chunk, ``k`` the
+fewest layers of at least ``min_read_bytes`` (a GET to an S3 store costs milliseconds
+whatever its size, so windows are sized in bytes); with ``k = 1`` each read lands
 at its assembled offset (chunk ``j`` of the layer at ``j*S``), so a layer is
 contiguous without any copy. The trailers are read once, one ranged GET per
 chunk alongside window 0's reads: layer 0 needs its digests, and the trailer
 sits after the last layer, so it is contiguous with a layer window only when
-one window covers every layer. Each window's digests are then placed right
+one window covers every layer: then each object is one GET (layers and trailer)
+and its layers leave one by one once all objects are in. No size is asked of
+the store (no HEAD): the descriptor's layout gives them, and staged trailers are
+zeroed before a whole-object read, so a short object reaches its reader with
+zero digests, a failed chunk there. Each window's digests are then placed right
 after its layers in staging (a copy of ``D`` bytes per chunk and layer), so a
 layer and its digests leave as one contiguous delivery. Two staging windows
 alternate: window ``w+1`` is read while window ``w``'s layers are delivered.
@@ -223,24 +228,53 @@ class Aggregator:
         if not all(ok):
             raise StorageError(f"ranged reads of {what} failed for {ok.count(False)} groups")
 
+    def _read_objects(self, job: Job, staging: np.ndarray, dev_column: np.ndarray) -> np.ndarray:
+        """Every chunk object in one GET (Full Block and trailer) into ``staging`` as ``(N, L*(S+D))``; the
+        staging addresses of the objects.
+
+        The trailers are zeroed first: the descriptor gives every size and nothing asks the store for it, so a
+        short object leaves (part of) its digests zero, which its reader's integrity check refuses.
+        """
+        desc = job.desc
+        n, size = desc.num_chunks, desc.object_bytes
+        staging.reshape(n, size)[:, desc.full_block_bytes :] = 0
+        starts = staging.ctypes.data + np.arange(n, dtype=np.int64) * size
+        started = time.monotonic()
+        self._read(job, descriptors(starts, size), descriptors(0, size, dev_column), "whole objects")
+        job.timings["read_wait_s"] += time.monotonic() - started
+        return starts
+
     def _whole_objects(self, job: Job) -> Iterator[Unit]:
         """Chunkwise: each stored object in one GET (Full Block and trailer), all delivered at once."""
         desc = job.desc
-        n, size = desc.num_chunks, desc.object_bytes
-        with self._staging(job, n * size) as (staging, dev_column):
-            starts = staging.ctypes.data + np.arange(n, dtype=np.int64) * size
-            started = time.monotonic()
-            self._read(job, descriptors(starts, size), descriptors(0, size, dev_column), "whole objects")
-            job.timings["read_wait_s"] += time.monotonic() - started
+        with self._staging(job, desc.num_chunks * desc.object_bytes) as (staging, dev_column):
+            starts = self._read_objects(job, staging, dev_column)
             layers = np.arange(desc.num_layers, dtype=np.int64)[None, :]
-            yield Unit("chunks", 0, [staging.reshape(n, size)], starts[:, None] + layers * desc.layer_bytes,
+            yield Unit("chunks", 0, [staging.reshape(desc.num_chunks, desc.object_bytes)],
+                       starts[:, None] + layers * desc.layer_bytes,
                        starts[:, None] + desc.full_block_bytes + layers * desc.digest_bytes, layers)
+
+    def _layers_of_whole_objects(self, job: Job) -> Iterator[Unit]:
+        """Layerwise with one window of every layer: one GET per object, then its layers one by one."""
+        desc = job.desc
+        s, d, full = desc.layer_bytes, desc.digest_bytes, desc.full_block_bytes
+        with self._staging(job, desc.num_chunks * desc.object_bytes) as (staging, dev_column):
+            starts = self._read_objects(job, staging, dev_column)
+            objects = staging.reshape(desc.num_chunks, desc.object_bytes)
+            for layer in range(desc.num_layers):
+                yield Unit("layer", layer, [objects[:, layer * s : (layer + 1) * s],
+                                            objects[:, full + layer * d : full + (layer + 1) * d]],
+                           starts + layer * s, starts + full + layer * d, np.array(layer))  # fmt: skip
 
     def _layer_windows(self, job: Job) -> Iterator[Unit]:
         """Layerwise: windows of k layers, window w+1 read while window w is delivered, layer by layer."""
         desc = job.desc
         n, num_layers, s, d = desc.num_chunks, desc.num_layers, desc.layer_bytes, desc.digest_bytes
         k = min(num_layers, max(1, math.ceil(self.config.min_read_bytes / s)))
+        if k == num_layers:
+            # The trailer follows the last layer: one window of every layer is the whole object, one GET.
+            yield from self._layers_of_whole_objects(job)
+            return
         windows = [(l0, min(k, num_layers - l0)) for l0 in range(0, num_layers, k)]
         nbuf = min(2, len(windows))
         # A window holds its layers (N, kw, S), then their digests (kw, N, D); the trailers

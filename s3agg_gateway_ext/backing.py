@@ -4,7 +4,8 @@ One narrow interface, one file per backing (as NIXL's plugins), chosen by the
 config's ``store.backend``:
 
 - ``s3`` (:mod:`~s3agg_gateway_ext.backing_s3`): an S3-compatible store the
-  gateway cannot sit next to; ranged GETs through NIXL OBJ, sizes by HEAD;
+  gateway cannot sit next to; ranged GETs through NIXL OBJ, no HEADs (a
+  request per object matters there: sizes come from the descriptor);
 - ``posix`` (:mod:`~s3agg_gateway_ext.backing_posix`): a store root as
   ``nixl_backends.posix`` writes it, on the node that holds the disks (or
   mounts the shared file system); reads of many chunk files in one NIXL POSIX
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable
 
 import numpy as np
 
@@ -47,21 +47,13 @@ class Backing(ABC):
         self.bucket = bucket
         self.agent = None
 
-    @abstractmethod
-    def object_size(self, key: str) -> int | None:
-        """Bytes of the object ``key``, None if absent."""
+    def check_objects(self, desc: Descriptor) -> None:
+        """Refuse the request before any read where a chunk object is missing or of another size than
+        L*(S+D) (:class:`DescriptorError`), where the backing can tell cheaply.
 
-    def check_objects(self, desc: Descriptor, map_: Callable = map) -> None:
-        """Every chunk must exist with exactly L*(S+D) bytes; raises :class:`DescriptorError` otherwise."""
-        for key, size in zip(desc.chunk_keys, map_(self.object_size, desc.chunk_keys)):
-            if size is None:
-                raise DescriptorError(404, "NoSuchKey", f"chunk object {key} does not exist")
-            if size != desc.object_bytes:
-                raise DescriptorError(
-                    400, "InvalidObjectSize",
-                    f"chunk object {key} has {size} bytes, descriptor says L*(S+D) = "
-                    f"{desc.num_layers}*({desc.layer_bytes}+{desc.digest_bytes}) = {desc.object_bytes}",
-                )
+        By default nothing is asked: the sizes are the descriptor's, and a short object is a failed chunk at
+        its reader (the aggregator zeroes staged trailers before each read, so it arrives with zero digests).
+        """
 
     @abstractmethod
     def objects(self, desc: Descriptor) -> RegisteredObjects:

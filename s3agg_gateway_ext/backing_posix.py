@@ -82,11 +82,19 @@ class PosixBacking(Backing):
     def path(self, key: str) -> str:
         return safe_path(self.root, key)
 
-    def object_size(self, key: str) -> int | None:
-        try:
-            return os.stat(self.path(key)).st_size
-        except FileNotFoundError:
-            return None
+    def check_objects(self, desc: Descriptor) -> None:
+        """A stat per chunk file (no request to anyone): a missing file is 404, another size 400, named."""
+        for key in desc.chunk_keys:
+            try:
+                size = os.stat(self.path(key)).st_size
+            except FileNotFoundError:
+                raise DescriptorError(404, "NoSuchKey", f"chunk object {key} does not exist") from None
+            if size != desc.object_bytes:
+                raise DescriptorError(
+                    400, "InvalidObjectSize",
+                    f"chunk object {key} has {size} bytes, descriptor says L*(S+D) = "
+                    f"{desc.num_layers}*({desc.layer_bytes}+{desc.digest_bytes}) = {desc.object_bytes}",
+                )
 
     def objects(self, desc: Descriptor) -> RegisteredObjects:
         return _OpenFiles(self.agent, [self.path(key) for key in desc.chunk_keys], desc.object_bytes)

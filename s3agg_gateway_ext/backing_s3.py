@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import collections
 import logging
-import threading
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
 from nixl_backends.obj_backend import OBJ, add_obj_backend, obj_device_ids
-from nixl_backends.s3_endpoint import object_size, s3_client, s3_session
+from nixl_backends.s3_endpoint import s3_session
 from s3agg_gateway_ext.backing import Backing, RegisteredObjects, make_agent
 from s3agg_gateway_ext.descriptor import Descriptor
 
 logger = logging.getLogger(__name__)
-
-_HEAD_THREADS = 16
-_SIZE_CACHE_ENTRIES = 1 << 17  # objects are immutable: a verified size stays true
 
 
 class _Registered(RegisteredObjects):
@@ -33,7 +27,8 @@ class _Registered(RegisteredObjects):
 
 
 class S3Backing(Backing):
-    """One bucket's NIXL agent (UCX + OBJ) and a boto3 client for HEADs, set up as the s3 store does."""
+    """One bucket's NIXL agent (UCX + OBJ), set up as the s3 store does. No HEAD per chunk: the descriptor's
+    layout gives every size (Backing.check_objects)."""
 
     mem_type = OBJ
 
@@ -41,34 +36,9 @@ class S3Backing(Backing):
         super().__init__(bucket)
         self.agent = make_agent(bucket)
         store = config.bucket_config(bucket)
-        session = s3_session(store)
-        self._client = s3_client(store, session, _HEAD_THREADS)
-        add_obj_backend(self.agent, store, session)
+        add_obj_backend(self.agent, store, s3_session(store))
         logger.info("bucket %s: NIXL agent %s, store endpoint %s, addressing %s", bucket, self.agent.name,
                     store.endpoint or "<aws default>", store.addressing_style)
-        self._sizes: collections.OrderedDict[str, int] = collections.OrderedDict()
-        self._sizes_lock = threading.Lock()
-        self._head_pool = ThreadPoolExecutor(_HEAD_THREADS, thread_name_prefix=f"head-{bucket}")
-
-    def object_size(self, key: str) -> int | None:
-        with self._sizes_lock:
-            if key in self._sizes:
-                self._sizes.move_to_end(key)
-                return self._sizes[key]
-        size = object_size(self._client, self.bucket, key)
-        if size is None:
-            return None
-        with self._sizes_lock:
-            self._sizes[key] = size
-            if len(self._sizes) > _SIZE_CACHE_ENTRIES:
-                self._sizes.popitem(last=False)
-        return size
-
-    def check_objects(self, desc: Descriptor, map_=None) -> None:
-        super().check_objects(desc, self._head_pool.map)  # HEADs in parallel
 
     def objects(self, desc: Descriptor) -> RegisteredObjects:
         return _Registered(self.agent, desc)
-
-    def close(self) -> None:
-        self._head_pool.shutdown(wait=False)

@@ -226,6 +226,24 @@ def test_chunk_major_delivery_into_pool_slots_and_corruption_is_caught_at_the_re
         pool.close()
 
 
+def test_a_short_file_is_refused_naming_it(gateway, root):
+    """The POSIX backing stats every chunk file first (no request to anyone): another size is a 400 naming it."""
+    keys, objects = sealed_objects(3, seed=6)
+    write_with_posix_store(root, keys, objects)
+    (root / keys[1]).write_bytes(objects[1][:-DIGEST_BYTES].tobytes())
+    agent = nixl_agent_for("agg-short")
+    store = s3agg_store(gateway, agent, "nixl")
+    buffers = LayerBuffers(agent, LAYOUT.num_layers, len(keys), LAYOUT.layer_block_bytes + DIGEST_BYTES)
+    try:
+        with pytest.raises(GatewayRefused) as refused:
+            store.read_layerwise(keys, buffers.addrs, lambda layer: None)
+        assert (refused.value.status, refused.value.code) == (400, "InvalidObjectSize")
+        assert f"chunk object {keys[1]} has {LAYOUT.object_bytes - DIGEST_BYTES} bytes" in str(refused.value)
+        assert buffers.untouched()
+    finally:
+        buffers.close()
+
+
 @pytest.mark.parametrize("delivery", ["nixl", "http"])
 def test_strided_delivery_lands_layer_major_in_pool_slots(gateway, root, delivery):
     """A layer-major pool's slots: each layer of the hit one host run, the trailers apart; no reshuffle on NIXL."""

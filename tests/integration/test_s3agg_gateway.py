@@ -118,9 +118,20 @@ def assert_delivered(layout: BlockLayout, keys, objects: np.ndarray, buffers: La
 # --- payloads ------------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def per_layer_gateway(start_gateway):
+    """The paper's schedule: one GET per chunk and layer (min_read_bytes 0)."""
+    return start_gateway(min_read_bytes=0)
+
+
+@pytest.mark.parametrize("reads", ["per-layer", "whole-objects"])
 @pytest.mark.parametrize("delivery", DELIVERIES)
 @pytest.mark.parametrize("seed", range(4))
-def test_assembled_layers_equal_the_chunks_layer_slices(seaweedfs, s3agg_bucket, gateway, agent, delivery, seed):
+def test_assembled_layers_equal_the_chunks_layer_slices(seaweedfs, s3agg_bucket, gateway, per_layer_gateway, agent,
+                                                        delivery, seed, reads):
+    """Random layouts, read a layer per GET or (the default min_read_bytes, larger than these objects) an object
+    per GET; the same layers arrive either way."""
+    gateway = per_layer_gateway if reads == "per-layer" else gateway
     rng = np.random.default_rng(seed)
     num_layers = int(rng.integers(1, 9))
     chunk_tokens = int(rng.choice([16, 32, 64]))
@@ -157,6 +168,33 @@ def test_layer_windows_larger_than_one_layer_assemble_the_same(seaweedfs, s3agg_
     assert result.mode == "layerwise" and handed == list(range(7))
     # Windows of 3, 3 and 1 layers: each layer's digests come from the trailers read up front.
     assert_delivered(layout, keys, objects, buffers)
+
+
+def test_each_object_is_one_get_when_a_window_covers_every_layer(seaweedfs, s3agg_bucket, gateway, agent):
+    """Layerwise over S3 with the default min_read_bytes: N chunk objects cost N GETs (no HEAD, no trailer
+    GET), layers still handed over one by one. Control: the per-layer schedule costs N*(L+1)."""
+    layout = BlockLayout(4, 4096)
+    keys, objects = put_objects(seaweedfs, s3agg_bucket, np.random.default_rng(21), 24, layout)
+    store = open_store(seaweedfs, s3agg_bucket, gateway.url, layout, agent)
+    buffers = layer_buffers(agent, layout, len(keys))
+    before = seaweedfs.s3_requests("GET", s3agg_bucket)
+    result, handed = read_all(store, keys, buffers)
+    assert result.mode == "layerwise" and handed == list(range(4))
+    assert seaweedfs.s3_requests("GET", s3agg_bucket) - before == len(keys)
+    assert_delivered(layout, keys, objects, buffers)
+
+
+def test_a_short_object_is_a_failed_chunk_at_the_reader(seaweedfs, s3agg_bucket, gateway, agent):
+    """Nobody asks the store for sizes: a truncated object arrives with zeroed digests and fails its check alone."""
+    layout = BlockLayout(4, 4096)
+    keys, objects = put_objects(seaweedfs, s3agg_bucket, np.random.default_rng(22), 4, layout)
+    seaweedfs.client().put_object(Bucket=s3agg_bucket, Key=keys[2], Body=objects[2][:-DIGEST_BYTES].tobytes())
+    store = open_store(seaweedfs, s3agg_bucket, gateway.url, layout, agent, delivery="http")
+    buffers = layer_buffers(agent, layout, len(keys))
+    result, _ = read_all(store, keys, buffers)
+    assert result.mode == "layerwise"
+    # Short by its last digest: the layers it holds verify, the last one fails from chunk 2 on.
+    assert intact_chunks(layout, keys, buffers) == [4, 4, 4, 2]
 
 
 def test_mode_switches_exactly_at_theta(seaweedfs, s3agg_bucket, gateway, agent):
@@ -286,10 +324,9 @@ def descriptor(keys, buffers: LayerBuffers, agent, **changes) -> dict:
 
 
 BAD = {
-    "unknown key": (lambda k, b: {"chunk_keys": k[:2] + ["kv/nope/00/" + "0" * 64] + k[3:]}, 404, "NoSuchKey",
-                    "does not exist"),
-    "size not L*(S+D)": (lambda k, b: {"per_layer_chunk_bytes": 4095}, 400, "InvalidObjectSize",
-                         "has 16448 bytes, descriptor says L*(S+D) = 4*(4095+16) = 16444"),
+    # No HEAD per chunk (sizes are the descriptor's): a missing object fails its GET, before any delivery.
+    "unknown key": (lambda k, b: {"chunk_keys": k[:2] + ["kv/nope/00/" + "0" * 64] + k[3:]}, 502,
+                    "StorageReadFailed", "reads of whole objects failed"),
     "digest size": (lambda k, b: {"digest_bytes": 8}, 400, "InvalidArgument",
                     f"digest_bytes=8: stored chunk objects carry {DIGEST_BYTES}-byte layer digests"),
     "no digest size": (lambda k, b: {"digest_bytes": None}, 400, "InvalidArgument", "digest_bytes=None"),
