@@ -78,55 +78,84 @@ def staging_rate(size: int, total: int) -> float:
     return count * size / (time.perf_counter() - start) / 1e9
 
 
-def measure(name: str, server, size: int, num_keys: int, reps: int, warmup: int, io_threads: int | None) -> dict:
-    import torch
-    from lmcache.cli.commands.bench.l2_adapter_bench import data, runner
+class AdapterRun:
+    """One adapter at one object size: its bucket, buffers and samples; rounds are run by the caller, so the
+    adapters' rounds interleave (A B, then B A, ...) and drift on the machine reaches both alike."""
 
-    bucket = f"bench-{name.split('-')[0]}-{uuid.uuid4().hex[:8]}"
-    adapter = make_adapter(name, server, bucket, io_threads)
-    quiet = lambda _line: None  # noqa: E731
-    rounds = warmup + reps
-    stored_buf = data.make_aligned_tensor(num_keys * size, 4096)
-    stored = data.make_memory_objects(stored_buf, num_keys, size, 0)
-    loaded_buf = data.make_aligned_tensor(num_keys * size, 4096)
-    loaded = data.make_memory_objects(loaded_buf, num_keys, size, 0)
-    samples: dict[str, list[float]] = {op: [] for op in OPS}
-    try:
-        for r in range(rounds):
-            # Fresh keys and fresh random bytes every round: every store is a real PUT of new data.
-            keys = data.make_object_keys(num_keys, model_name=f"{bucket}/bench", key_offset=r * num_keys)
-            stored_buf.copy_(torch.randint(0, 256, (num_keys * size,), dtype=torch.uint8))
-            results = {
-                "store": runner.bench_store(adapter, 1, num_keys, size, 1, lambda _: [keys], lambda _: [stored], quiet),
-                "lookup": runner.bench_lookup(adapter, 1, num_keys, 1, lambda _: [keys], quiet),
-                "load": runner.bench_load(adapter, 1, num_keys, size, 1, lambda _: [keys], lambda _: [loaded], quiet),
-            }
-            adapter.submit_unlock(keys)  # the lookup locked them
+    def __init__(self, name: str, server, size: int, num_keys: int, io_threads: int | None) -> None:
+        from lmcache.cli.commands.bench.l2_adapter_bench import data
+
+        self.name, self.server, self.size, self.num_keys = name, server, size, num_keys
+        self.bucket = f"bench-{name.split('-')[0]}-{uuid.uuid4().hex[:8]}"
+        self.adapter = make_adapter(name, server, self.bucket, io_threads)
+        self.stored_buf = data.make_aligned_tensor(num_keys * size, 4096)
+        self.stored = data.make_memory_objects(self.stored_buf, num_keys, size, 0)
+        self.loaded_buf = data.make_aligned_tensor(num_keys * size, 4096)
+        self.loaded = data.make_memory_objects(self.loaded_buf, num_keys, size, 0)
+        self.samples: dict[str, list[float]] = {op: [] for op in OPS}
+
+    def round(self, r: int, counted: bool) -> None:
+        import torch
+        from lmcache.cli.commands.bench.l2_adapter_bench import data, runner
+
+        quiet = lambda _line: None  # noqa: E731
+        name, size, num_keys, adapter = self.name, self.size, self.num_keys, self.adapter
+        # Fresh keys and fresh random bytes every round: every store is a real PUT of new data.
+        keys = data.make_object_keys(num_keys, model_name=f"{self.bucket}/bench", key_offset=r * num_keys)
+        self.stored_buf.copy_(torch.randint(0, 256, (num_keys * size,), dtype=torch.uint8))
+        self.loaded_buf.zero_()
+        results = {
+            "store": runner.bench_store(adapter, 1, num_keys, size, 1, lambda _: [keys], lambda _: [self.stored], quiet),
+            "lookup": runner.bench_lookup(adapter, 1, num_keys, 1, lambda _: [keys], quiet),
+            "load": runner.bench_load(adapter, 1, num_keys, size, 1, lambda _: [keys], lambda _: [self.loaded], quiet),
+        }
+        adapter.submit_unlock(keys)  # the lookup locked them
+        for op, result in results.items():
+            if result.timed_out_rounds or result.success_counts != [num_keys]:
+                raise RuntimeError(f"{name} {op} of {num_keys} x {human(size)}: {result.success_counts} succeeded")
+        if not torch.equal(self.stored_buf, self.loaded_buf):
+            raise RuntimeError(f"{name}: loaded bytes differ from the stored ones ({human(size)})")
+        if counted:
             for op, result in results.items():
-                if result.timed_out_rounds or result.success_counts != [num_keys]:
-                    raise RuntimeError(f"{name} {op} of {num_keys} x {human(size)}: {result.success_counts} succeeded")
-            if not torch.equal(stored_buf, loaded_buf):
-                raise RuntimeError(f"{name}: loaded bytes differ from the stored ones ({human(size)})")
-            if r >= warmup:
-                for op, result in results.items():
-                    samples[op].append(result.round_durations[0])
-        status = adapter.report_status()
+                self.samples[op].append(result.round_durations[0])
+
+    def finish(self) -> dict:
+        try:
+            status = self.adapter.report_status()
+        finally:
+            self.adapter.close()
+            with contextlib.suppress(Exception):
+                client = self.server.client()
+                for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket):
+                    objects = [{"Key": item["Key"]} for item in page.get("Contents", [])]
+                    if objects:
+                        client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects})
+        out: dict = {"adapter": self.name, "chunk_bytes": self.size, "num_keys": self.num_keys,
+                     "samples_s": self.samples,
+                     "adapter_status": {k: v for k, v in status.items() if isinstance(v, (int, float, str, bool))}}  # fmt: skip
+        for op in OPS:
+            seconds = median(self.samples[op])
+            out[f"{op}_chunks_per_s"] = self.num_keys / seconds
+            # Spread: the rates of the slowest and the fastest repetition.
+            out[f"{op}_chunks_per_s_range"] = [self.num_keys / max(self.samples[op]), self.num_keys / min(self.samples[op])]
+            if op != "lookup":
+                out[f"{op}_MBps"] = self.num_keys * self.size / seconds / MB
+                out[f"{op}_MBps_range"] = [self.num_keys * self.size / max(self.samples[op]) / MB,
+                                           self.num_keys * self.size / min(self.samples[op]) / MB]
+        return out
+
+
+def measure(names: list[str], server, size: int, num_keys: int, reps: int, warmup: int,
+            io_threads: int | None) -> list[dict]:
+    """Every adapter at one size, rounds interleaved: A B, B A, A B, ... (warm-up rounds first, discarded)."""
+    runs = [AdapterRun(name, server, size, num_keys, io_threads) for name in names]
+    try:
+        for r in range(warmup + reps):
+            for run in runs if r % 2 == 0 else runs[::-1]:
+                run.round(r, counted=r >= warmup)
     finally:
-        adapter.close()
-        with contextlib.suppress(Exception):
-            client = server.client()
-            for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket):
-                objects = [{"Key": item["Key"]} for item in page.get("Contents", [])]
-                if objects:
-                    client.delete_objects(Bucket=bucket, Delete={"Objects": objects})
-    out: dict = {"adapter": name, "chunk_bytes": size, "num_keys": num_keys, "samples_s": samples,
-                 "adapter_status": {k: v for k, v in status.items() if isinstance(v, (int, float, str, bool))}}  # fmt: skip
-    for op in OPS:
-        seconds = median(samples[op])
-        out[f"{op}_chunks_per_s"] = num_keys / seconds
-        if op != "lookup":
-            out[f"{op}_MBps"] = num_keys * size / seconds / MB
-    return out
+        results = [run.finish() for run in runs]
+    return results
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -144,9 +173,9 @@ def run(args: argparse.Namespace) -> dict:
         for size in sizes:
             num_keys = max(1, total // size)
             staging[size] = staging_rate(size, total)
-            for name in args.adapters:
-                print(f"{name}: {num_keys} x {human(size)}, {args.reps} repetitions ...", file=sys.stderr)
-                results.append(measure(name, server, size, num_keys, args.reps, args.warmup, args.io_threads))
+            print(f"{', '.join(args.adapters)} interleaved: {num_keys} x {human(size)}, {args.reps} repetitions ...",
+                  file=sys.stderr)
+            results += measure(args.adapters, server, size, num_keys, args.reps, args.warmup, args.io_threads)
     finally:
         server.stop()
     return {"config": vars(args) | {"chunk_bytes": sizes, "total_bytes": total}, "environment": environment(),
@@ -162,14 +191,18 @@ def table(payload: dict) -> str:
     for size in payload["config"]["chunk_bytes"]:
         for name in adapters:
             r = by_key[(name, size)]
-            rows.append([human(size), r["num_keys"], name, f"{r['store_MBps']:.0f}", f"{r['store_chunks_per_s']:.0f}",
-                         f"{r['load_MBps']:.0f}", f"{r['load_chunks_per_s']:.0f}", f"{r['lookup_chunks_per_s']:.0f}"])  # fmt: skip
+            spread = lambda key: "[{:.0f}-{:.0f}]".format(*r[key])  # noqa: E731
+            rows.append([human(size), r["num_keys"], name, f"{r['store_MBps']:.0f} {spread('store_MBps_range')}",
+                         f"{r['store_chunks_per_s']:.0f}", f"{r['load_MBps']:.0f} {spread('load_MBps_range')}",
+                         f"{r['load_chunks_per_s']:.0f}",
+                         f"{r['lookup_chunks_per_s']:.0f} {spread('lookup_chunks_per_s_range')}"])  # fmt: skip
     cfg = payload["config"]
     staging = ", ".join(f"{human(int(k))} {v:.1f}" for k, v in payload["staging_GBps"].items())
     caption = (
         f"LMCache L2 adapters on one SeaweedFS (127.0.0.1, {payload['environment']['cpu_count']}-core machine shared "
         f"with the client), driven by LMCache's `lmcache bench l2` runners: one task of all keys per operation, "
-        f"median of {cfg['reps']} repetitions after {cfg['warmup']} warm-up, {human(cfg['total_bytes'])} per task, "
+        f"median of {cfg['reps']} repetitions after {cfg['warmup']} warm-up, the adapters' rounds interleaved "
+        f"(A B, B A, ...), [slowest-fastest] repetition in brackets, {human(cfg['total_bytes'])} per task, "
         f"MB = 10^6 bytes, every load checked byte for byte. Our adapter's own host-memory work per object "
         f"(memcpy into a registered slot + XXH3 seal), GB/s: {staging}."
     )
