@@ -125,8 +125,6 @@ def add_server_args(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-@contextlib.contextmanager
-
 def start_side_by_side(servers: list, timeout_s: float) -> None:
     """Start servers at once (an engine's start-up is mostly single-threaded imports) and wait until all are
     healthy; the first failure raises at once (the caller's stopping of the others ends their waits)."""
@@ -140,6 +138,8 @@ def start_side_by_side(servers: list, timeout_s: float) -> None:
         future.result()
     print(f"vLLM healthy after {time.monotonic() - clock:.0f}s", file=sys.stderr)
 
+
+@contextlib.contextmanager
 def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None = None):
     """SeaweedFS and vLLM servers with the connector on it, all healthy; stopped on exit.
 
