@@ -430,9 +430,12 @@ class DualPathL2Adapter(L2AdapterInterface):
         try:
             sizes = [layout_bytes(descs.get(key.object_group_id))
                      or self._group_bytes.get((key.model_name, key.object_group_id), 0) for key in keys]  # fmt: skip
-            known = [i for i, size in enumerate(sizes) if size]
-            present = self._presence.map(lambda i: self._present(keys[i], sizes[i]), known)
-            hits = [i for i, found in zip(known, present) if found]
+            names = {i: store_key(self._prefix, keys[i], size, self._tag)[0] for i, size in enumerate(sizes) if size}
+            # Keys remembered as present are answered here; only the others cost a thread and a store request.
+            remembered = {i for i, name in names.items() if self._known.known_run([name])}
+            asked = [i for i in names if i not in remembered]
+            found = self._presence.map(lambda i: self._present(names[i], sizes[i]), asked)
+            hits = sorted(remembered.union(i for i, present in zip(asked, found) if present))
             with self._state:
                 for i in hits:
                     bitmap.set(i)
@@ -443,17 +446,15 @@ class DualPathL2Adapter(L2AdapterInterface):
             bitmap = Bitmap(len(keys))  # the failure is before the locking loop: nothing is locked
         self._finish(self._lookup_results, task_id, bitmap, self._lookup_efd)
 
-    def _present(self, key: ObjectKey, size: int) -> bool:
-        name = store_key(self._prefix, key, size, self._tag)[0]
-        if self._known.known_run([name]):
-            return True
+    def _present(self, name: str, size: int) -> bool:
+        """Whether the store holds the object ``name`` whole (asked of the store; remembered when it does)."""
         try:
             found = self._sized_store(size).store.lookup([name]) == 1
             if found:
                 self._known.remember([name])
             return found
         except Exception:
-            logger.exception("dualpath L2 adapter: lookup of %s failed", key)
+            logger.exception("dualpath L2 adapter: lookup of %s failed", name)
             return False
 
     def _run_load(self, task_id: L2TaskId, keys: list[ObjectKey], objects: list[MemoryObj]) -> None:
