@@ -15,8 +15,15 @@ from __future__ import annotations
 import statistics
 
 
-def link_use(records: list[dict], engine_nodes: dict[str, str], t0: float, t1: float, step_s: float = 0.25) -> dict:
-    """Per-instant outstanding reads and busy links over [t0, t1]; ``engine_nodes`` maps a record's engine to its node."""
+def link_use(records: list[dict], engine_nodes: dict[str, str], t0: float, t1: float, step_s: float = 0.25,
+             link_tokens_per_s: float | None = None) -> dict:
+    """Per-instant outstanding reads and busy links over [t0, t1]; ``engine_nodes`` maps a record's engine to its node.
+
+    Over the *read span* (the instants with any read outstanding): how often every link read at once, and, given
+    each link's rate ``link_tokens_per_s``, the share of the links' combined rate the reads moved, the figure a
+    DualPath run is held to (one outstanding read can keep one link busy: ``use_while_waiting`` calls that
+    full use, this one does not).
+    """
     nodes = sorted(set(engine_nodes.values()))
     reads = [r for r in records if r.get("outcome") != "declined" and r.get("engine") in engine_nodes]
     steps = max(0, int((t1 - t0) / step_s))
@@ -32,6 +39,11 @@ def link_use(records: list[dict], engine_nodes: dict[str, str], t0: float, t1: f
         if waiting
     ]
     both = [all(busy[node][i] for node in nodes) for i, waiting in enumerate(outstanding) if waiting >= len(nodes)]
+    spanned = [i for i, waiting in enumerate(outstanding) if waiting]
+    span_s = len(spanned) * step_s
+    all_busy = [all(busy[node][i] for node in nodes) for i in spanned]
+    moved = sum(r["tokens"] for r in reads)
+    combined = link_tokens_per_s * len(nodes) * span_s if link_tokens_per_s and span_s else None
     waits = {kind: [r["started"] - r["queued"] for r in reads if r.get("kind") == kind] for kind in ("own", "for_peer")}
     # What one read achieved on its link (the link's effective rate, below its nominal one).
     rates = {kind: [r["tokens"] / (r["finished"] - r["started"]) for r in reads
@@ -41,6 +53,10 @@ def link_use(records: list[dict], engine_nodes: dict[str, str], t0: float, t1: f
         "declined": sum(r.get("outcome") == "declined" for r in records if r.get("engine") in engine_nodes),
         "use_while_waiting": statistics.fmean(shares) if shares else None,
         "all_busy_while_enough_wait": statistics.fmean(both) if both else None,
+        "read_span_s": span_s,
+        "all_busy_over_read_span": statistics.fmean(all_busy) if all_busy else None,
+        "one_link_alone_s": sum(sum(busy[node][i] for node in nodes) == 1 for i in spanned) * step_s,
+        "combined_rate_fraction": moved / combined if combined else None,
         "queue_wait_s_median": {kind: statistics.median(w) if w else None for kind, w in waits.items()},
         "read_tokens_per_s_median": {kind: statistics.median(r) if r else None for kind, r in rates.items()},
         "series": {"t": [t - t0 for t in times], "outstanding": outstanding, "busy": busy},

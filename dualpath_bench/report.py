@@ -80,21 +80,24 @@ def markdown(payload: dict) -> str:
         f"replay {payload['config']['replay_mode']}.",
         "",
         "| topology | mode | JCT s | speedup vs Basic | bound (P+D)/P | NIC read max/avg | link use while reads wait "
+        "| read span s | links' combined rate moved over it | all links reading over it "
         "| TTFT mean s | queue s | read s | prefill s | other s | TTFT p90 s | TPOT p50 ms | read sides | failed requests |",
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|",
+        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|",
     ]
     for topology in payload["topologies"]:
         for mode, run in topology["runs"].items():
             if "error" in run:
-                lines.append(f"| {topology['topology']} | {mode} | failed: {run['error'][:120]} |" + " |" * 13)
+                lines.append(f"| {topology['topology']} | {mode} | failed: {run['error'][:120]} |" + " |" * 16)
                 continue
-            s, b = run["summary"], run["ttft_breakdown"]
+            s, b, use = run["summary"], run["ttft_breakdown"], run.get("link_use", {})
             speedup = _row_speedup(mode, topology["runs"], topology["comparison"])
             sides = ", ".join(f"{k or '?'}:{v}" for k, v in s["read_sides"].items())
             lines.append(
                 f"| {topology['topology']} | {mode} | {s['jct_s']:.1f} | {speedup} "
                 f"| {topology['bound']:.2f}x | {_fmt(run['nic']['max_over_avg'])} "
-                f"| {_fmt(run.get('link_use', {}).get('use_while_waiting'), '.0%')} | {_fmt(b.get('ttft_s'))} "
+                f"| {_fmt(use.get('use_while_waiting'), '.0%')} | {_fmt(use.get('read_span_s'), '.0f')} "
+                f"| {_fmt(use.get('combined_rate_fraction'), '.0%')} | {_fmt(use.get('all_busy_over_read_span'), '.0%')} "
+                f"| {_fmt(b.get('ttft_s'))} "
                 f"| {_fmt(b.get('queue_s'))} | {_fmt(b.get('read_s'))} | {_fmt(b.get('prefill_s'))} "
                 f"| {_fmt(b.get('other_s'))} | {_fmt(s['ttft_s'].get('p90'))} "
                 f"| {_fmt(s['tpot_s']['p50'] * 1000 if s['tpot_s'] else None, '.0f')} | {sides} "

@@ -258,6 +258,7 @@ def _run_mode(cluster: EmulatedCluster, mode: str, agents: list[Agent], config: 
         "link_use": link_use(
             load_timeline(cluster.workdir / TIMELINES, started, ended),
             {server.side_channel: name for name, server in cluster.engines.items()}, started, ended,
+            link_tokens_per_s=link_tokens_per_s,
         ),
         "engine_deltas": deltas,
         "records": [asdict(r) for r in result.records],
