@@ -136,13 +136,15 @@ def _grown(counters, before: dict[str, float]) -> set[str]:
 
 
 def _forge_rank_1_shard(de, seaweedfs, prompt: list[int]) -> None:
-    """Rank 1's shard of chunk 5 of ``prompt`` becomes its shard of chunk 4, under a valid checksum trailer."""
+    """Rank 1's shard of chunk 5 of ``prompt`` becomes its shard of chunk 4, under a trailer that verifies: sealed
+    with the deployment's integrity key (configs/ run integrity: keyed), as only a keyholder could."""
     shards = StoreKeySpace.from_metrics(de.metrics_text()).shards
     assert len(shards) == TP
     hashes = chunk_hashes(shards[1].chain_digest, prompt, CHUNK)
     s3 = seaweedfs.client()
     body = s3.get_object(Bucket=BUCKET, Key=shards[1].key(hashes[4]))["Body"].read()
-    s3.put_object(Bucket=BUCKET, Key=shards[1].key(hashes[5]), Body=resealed(body, shards[1].object_hash(hashes[5]), LAYERS))
+    s3.put_object(Bucket=BUCKET, Key=shards[1].key(hashes[5]),
+                  Body=resealed(body, shards[1].object_hash(hashes[5]), LAYERS, de.keys.integrity_key()))
 
 
 # Per turn: the counters that must grow (the reading side's, and the DE's pull of what it did not read).
