@@ -88,6 +88,7 @@ class Injector:
             if reads is not None and all(r.wait(self.transfer_timeout_s) for r in reads):
                 self.end_remote(hit)
                 return
+            cancel(reads)
             self.repair(hit)
         try:
             layers = list(range(self.layout.num_layers))
@@ -206,7 +207,8 @@ class LayerwiseInjection:
         for hit in list(self.remote):
             reads = self.reads[id(hit)]
             if reads is None or not reads[layer].wait(self.injector.transfer_timeout_s):
-                # Earlier layers are in; this one onwards come from the store here.
+                # Earlier layers are in; this one onwards come from the store here, once no READ can land on them.
+                cancel(reads)
                 self.injector.repair(hit)
                 self.remote.remove(hit)
                 self.local.append(hit)
@@ -259,3 +261,10 @@ class LayerwiseInjection:
         # The remote hits' buffers were handed back above; the pool-held ones wait for their copies
         # (and an arriving hit's slots also for its read to end).
         self.injector.retire(self.local + self.arriving, self.timing)
+
+
+def cancel(reads: list[PeerRead] | None) -> None:
+    """End every READ of a hit that still runs (its layers are about to be read from the store into the same
+    blocks); returns once none can write them."""
+    for read in reads or ():
+        read.cancel()

@@ -30,15 +30,12 @@ def free_port(count: int = 1) -> int:
     """A TCP port on 127.0.0.1 nobody listens on right now, the first of ``count`` in a row (a TP engine's side
     channels: one per rank at port + rank).
 
-    One port comes from the kernel (bind to port 0). A run of ports is drawn below the kernel's ephemeral
-    range instead: the kernel hands out ports from that range to every process that binds or connects
-    (vLLM's own sockets, UCX's listeners), so a port next to a free one could be taken before the engine
-    binds it; below the range only another explicit choice can take it.
+    Drawn below the kernel's ephemeral range, never from it (not by binding to port 0): the kernel hands
+    out ports from that range to every process that binds to port 0 or connects (vLLM's own sockets, UCX's
+    listeners, other tests' clients), so a port found free there can be taken before its user binds it
+    (CI saw a side channel's ``Address already in use`` so). Below the range only another explicit choice
+    can take it, and those are drawn at random from some 20,000 ports.
     """
-    if count == 1:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            return sock.getsockname()[1]
     low = _ephemeral_range_start()
     rng = random.SystemRandom()
     for _ in range(200):

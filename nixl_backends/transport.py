@@ -39,6 +39,10 @@ def mem_type(device_type: str) -> str:
     return "DRAM" if device_type == "cpu" else "VRAM"
 
 
+# How often a READ NIXL could not cancel yet is checked, and canceled again.
+CANCEL_RETRY_S = 1.0
+
+
 class PeerRead:
     """One posted READ from a peer's registered memory into local registered memory."""
 
@@ -48,7 +52,7 @@ class PeerRead:
         self._state = "PROC"
 
     def state(self) -> str:
-        """``"PROC"``, ``"DONE"`` or ``"ERR"``; a finished READ releases its handle."""
+        """``"PROC"``, ``"DONE"``, ``"ERR"`` or ``"CANCELED"``; a finished READ releases its handle."""
         if self._state != "PROC":
             return self._state
         try:
@@ -61,15 +65,40 @@ class PeerRead:
         return self._state
 
     def wait(self, timeout_s: float) -> bool:
-        """True once the bytes are here; False on error or at the deadline.
+        """True once the bytes are here; False on error, or once a READ still running at the deadline is canceled.
 
-        A READ still in flight at the deadline keeps its handle: NIXL may still
-        write the local memory, so the caller must treat it as not loaded.
+        Never False while the READ can still write the local memory: the caller
+        reuses that memory next (vLLM recomputes into the blocks, the store is
+        read into them), and a READ landing after that would overwrite it with
+        the peer's bytes, partial blocks and all: a wrong answer.
         """
-        if not wait_until(lambda: self.state() != "PROC", timeout_s):
-            logger.warning("NIXL READ from a peer still in flight after %.1fs", timeout_s)
-            return False
+        if not wait_until(self._ended, timeout_s):
+            logger.warning("NIXL READ from a peer still in flight after %.1fs; canceling it", timeout_s)
+            self.cancel()
         return self._state == "DONE"
+
+    def cancel(self) -> None:
+        """End the READ if it still runs; returns once it can no longer write the local memory.
+
+        NIXL cancels an active transfer when its handle is released, or refuses
+        (and keeps the handle) while it cannot; then the READ is waited for, and
+        canceled again, until one of the two ends it. With UCX's peer error
+        handling a vanished peer ends it with an error.
+        """
+        refused = 0
+        while not self._ended():
+            try:
+                self._agent.release_xfer_handle(self._handle)
+            except Exception as exc:
+                if not refused:
+                    logger.warning("NIXL cannot cancel a READ from a peer yet (%s); waiting for it to end", exc)
+                refused += 1
+                wait_until(self._ended, CANCEL_RETRY_S)
+                continue
+            self._state = "CANCELED"
+
+    def _ended(self) -> bool:
+        return self.state() != "PROC"
 
 
 def post_read(
