@@ -135,6 +135,15 @@ class ServiceProcess:
             return f" (log unreadable: {exc})"
         return "; its last lines:\n" + "\n".join(tail)
 
+    def warning_lines(self, limit: int = 20) -> str:
+        """The log's last ``limit`` warnings and errors, for a failed comparison's message (CI keeps no logs)."""
+        try:
+            lines = Path(self.log_path).read_text(errors="replace").splitlines()
+        except OSError as exc:
+            return f"(log unreadable: {exc})"
+        found = [line for line in lines if " WARNING " in line or " ERROR " in line]
+        return "\n".join(found[-limit:]) or "(none)"
+
     def stop(self) -> None:
         if self.proc is not None:
             stop_process_group(self.proc, grace_s=self.stop_grace_s)

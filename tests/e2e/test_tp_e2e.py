@@ -173,7 +173,8 @@ def test_pd_pair_at_tp2_hands_off_reads_on_either_side_and_splits(cluster, basel
         if turn == "forged":
             assert not same(out, expected), "rank 1's forged shard went unnoticed: the comparison cannot fail"
         else:
-            assert same(out, expected), f"turn {turn!r} differs from the engine without the connector"
+            assert same(out, expected), (f"turn {turn!r} differs from the engine without the connector; warnings:\n"
+                                         f"PE: {pe.warning_lines()}\nDE: {de.warning_lines()}")  # fmt: skip
             de.wait_stored(expected["prompt"] + out["tokens"][:-1])  # every rank's shard, for the next turn's hit
         if turn in READERS:
             wanted = READERS[turn]
