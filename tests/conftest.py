@@ -119,7 +119,8 @@ def plain_engine(tiny_model):
     output does not depend on what the engine served before once its prefix
     cache is reset (each ``generate`` resets it unless told otherwise).
     """
-    with Engine(tiny_model, max_num_batched_tokens=PLAIN_ENGINE_BATCH_TOKENS) as engine:
+    # LoRA enabled (adapters by request only): plain requests compute bit for bit as without it.
+    with Engine(tiny_model, max_num_batched_tokens=PLAIN_ENGINE_BATCH_TOKENS, max_loras=2) as engine:
         yield engine
 
 

@@ -4,7 +4,8 @@ Protocol, one JSON object per line:
   runner -> test: {"ready": true, "namespace": DIGEST|null, "namespaces": [DIGEST per TP rank]|null,
                    "key_prefix": STR|null}
   test -> runner: {"prompts": [[token ids]...], "max_tokens": N, "reset_prefix_cache": bool,
-                   "cache_salts": [salt or null per prompt] (optional)}
+                   "cache_salts": [salt or null per prompt] (optional),
+                   "loras": [[adapter name, adapter path] or null per prompt] (optional; needs --max-loras)}
   runner -> test: {"outputs": [{"tokens": [...], "logprobs": [...], "num_cached_tokens": N}...]}
 Closing stdin ends the engine. The runner's own log goes to stderr.
 """
@@ -26,6 +27,7 @@ def main() -> None:
     parser.add_argument("--kv-events-config", default=None, help="JSON, as for vllm serve")
     parser.add_argument("--attention-backend", default=None, help="vLLM's attention backend, e.g. CPU_MLA")
     parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--max-loras", type=int, default=0, help="LoRA adapters at once (rank up to 8); 0: no LoRA")
     args = parser.parse_args()
 
     # vLLM logs to stdout: keep the real stdout for the protocol and send
@@ -36,6 +38,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
     from vllm.config import KVEventsConfig, KVTransferConfig
+    from vllm.lora.request import LoRARequest
 
     kv_config = json.loads(args.kv_transfer_config) if args.kv_transfer_config else None
     llm = LLM(
@@ -52,7 +55,9 @@ def main() -> None:
         kv_transfer_config=KVTransferConfig(**kv_config) if kv_config else None,
         kv_events_config=KVEventsConfig(**json.loads(args.kv_events_config)) if args.kv_events_config else None,
         attention_config={"backend": args.attention_backend} if args.attention_backend else None,
+        **({"enable_lora": True, "max_lora_rank": 8, "max_loras": args.max_loras} if args.max_loras else {}),
     )
+    lora_ids: dict[str, int] = {}  # vLLM tells adapters apart by their int id: one per name
     namespace = None
     namespaces = None
     key_prefix = None
@@ -78,7 +83,9 @@ def main() -> None:
         params = SamplingParams(temperature=0.0, max_tokens=command["max_tokens"], logprobs=0, ignore_eos=True)
         salts = command.get("cache_salts") or [None] * len(command["prompts"])
         prompts = [{"prompt_token_ids": p, **({"cache_salt": s} if s else {})} for p, s in zip(command["prompts"], salts)]
-        results = llm.generate(prompts, params, use_tqdm=False)
+        loras = [LoRARequest(a[0], lora_ids.setdefault(a[0], len(lora_ids) + 1), a[1]) if a else None
+                 for a in command.get("loras") or [None] * len(prompts)]  # fmt: skip
+        results = llm.generate(prompts, params, use_tqdm=False, lora_request=loras)
         outputs = []
         for result in results:
             completion = result.outputs[0]

@@ -77,9 +77,10 @@ class Engine:
                 return json.loads(line)
 
     def generate(self, prompts: list[list[int]], max_tokens: int, reset_prefix_cache: bool = True,
-                 cache_salts: list[str | None] | None = None) -> list[dict]:
+                 cache_salts: list[str | None] | None = None, loras: list[tuple[str, str] | None] | None = None) -> list[dict]:
+        """Greedy outputs; ``loras``: an adapter's (name, path) or None per prompt (the engine needs max_loras)."""
         command = {"prompts": prompts, "max_tokens": max_tokens, "reset_prefix_cache": reset_prefix_cache,
-                   "cache_salts": cache_salts}
+                   "cache_salts": cache_salts, "loras": loras}
         self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
         return self._read(REQUEST_TIMEOUT_S)["outputs"]

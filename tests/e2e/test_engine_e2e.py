@@ -17,6 +17,7 @@ from nixl_backends.buffers import align_up
 from nixl_backends.dualblade.store import JOURNAL
 from nixl_backends.layout import chunk_hashes, chunk_key, isolated_chain
 from tests.conftest import poll, resealed, same
+from tests.lora_adapter import write_lora_adapter
 from tests.vllm_engine import Engine, start_engine_expecting_failure
 
 pytestmark = pytest.mark.engine
@@ -219,30 +220,41 @@ def test_fresh_engine_hits_stored_prefix_and_matches(tiny_model, seaweedfs, base
         assert not same(out, baseline["S1_after_S0"], BATCH_LOGPROB_TOLERANCE)
 
 
-def test_a_salt_hits_only_its_own_chunks(tiny_model, seaweedfs, plain_engine, s3):
-    """The same prompt under salts A, A, B and none, then none again: only the second A and the second plain
-    request hit, each output equal to the engine without the connector (cold, or after its own prefix cache)."""
+def test_a_salt_or_an_adapter_hits_only_its_own_chunks(tiny_model, seaweedfs, plain_engine, s3, tmp_path):
+    """The same prompt under salts A, A, B and none, then none again, then LoRA adapters a, a, b: only the
+    second of each hits, each output equal to the engine without the connector (cold, or after its own prefix
+    cache), under the same salt or adapter."""
     prompt = SALTED
-    cold = plain_engine.generate([prompt], MAX_TOKENS)[0]
-    after_itself = plain_engine.generate([prompt], MAX_TOKENS, reset_prefix_cache=False)[0]
+    adapters = {name: (name, str(write_lora_adapter(tiny_model, tmp_path / name, seed))) for seed, name in enumerate("ab")}
+    turns = [{"cache_salts": [salt]} for salt in ("A", "A", "B", None, None)]
+    turns += [{"loras": [adapters[name]]} for name in ("a", "a", "b")]
+    expected = []
+    for turn in turns:
+        cold = plain_engine.generate([prompt], MAX_TOKENS, **turn)[0]
+        after_itself = plain_engine.generate([prompt], MAX_TOKENS, reset_prefix_cache=False, **turn)[0]
+        expected.append((cold, after_itself))
     hit = (len(prompt) - 1) // CHUNK * CHUNK
-    assert after_itself["num_cached_tokens"] == hit
+    assert expected[5][1]["num_cached_tokens"] == hit
+    # Control: an adapter changes the output (its v_proj, the KV), so plain chunks served to it would show.
+    assert not same(expected[5][0], expected[3][0]) and not same(expected[5][0], expected[7][0])
     bucket = f"{BUCKET}-salts"
-    with Engine(tiny_model, kv_config(seaweedfs, bucket), s3=seaweedfs) as engine:
+    with Engine(tiny_model, kv_config(seaweedfs, bucket), s3=seaweedfs, max_loras=2) as engine:
         namespace, prefix = engine.ready["namespace"], engine.ready["key_prefix"]
-        outs = [engine.generate([prompt], MAX_TOKENS, cache_salts=[salt])[0] for salt in ("A", "A", "B", None, None)]
-    assert [out["num_cached_tokens"] for out in outs] == [0, hit, 0, 0, hit]
-    for out, expected in zip(outs, (cold, after_itself, cold, cold, after_itself)):
-        assert same(out, expected)
+        outs = [engine.generate([prompt], MAX_TOKENS, **turn)[0] for turn in turns]
+    assert [out["num_cached_tokens"] for out in outs] == [0, hit, 0, 0, hit, 0, hit, 0]
+    firsts = [i for i, turn in enumerate(turns) if turn not in turns[:i]]
+    for i, (out, (cold, after_itself)) in enumerate(zip(outs, expected)):
+        assert same(out, cold if i in firsts else after_itself), f"turn {i} ({turns[i]}) differs"
 
     def stored(chain: str) -> int:
         keys = [chunk_key(prefix, namespace, h) for h in chunk_hashes(chain, prompt, CHUNK)]
         return sum(_stored_or_none(s3, key, bucket) is not None for key in keys)
 
-    # Each chain holds the prompt's chunks once: A's and B's apart from each other and from the plain ones.
+    # Each chain holds the prompt's chunks once: the salts', the adapters' and the plain ones apart.
     chains = [isolated_chain(namespace, cache_salt=salt) for salt in ("A", "B", None)]
-    assert len(set(chains)) == 3
-    assert [stored(chain) for chain in chains] == [len(prompt) // CHUNK] * 3
+    chains += [isolated_chain(namespace, lora=adapters[name]) for name in "ab"]
+    assert len(set(chains)) == 5
+    assert [stored(chain) for chain in chains] == [len(prompt) // CHUNK] * 5
 
 
 def _stored_or_none(s3, key: str, bucket: str = BUCKET) -> bytes | None:
