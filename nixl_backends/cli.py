@@ -3,6 +3,7 @@
     dualpath-kv gc --store '{"backend": "posix", "root": "/mnt/kv"}' --all-namespaces --max-bytes 500GiB
     dualpath-kv gc --store-file store.json --namespace 3f2a... --max-age 7d --dry-run
     dualpath-kv doctor --config-file configs/pe.json      # or --kv-transfer-config JSON, --store JSON; --json
+    DUALPATH_CONFIG_PATCH='{"host": "0.0.0.0"}' dualpath-kv patch-config configs/router.yaml
 
 The store is named by the connector's ``store`` section (JSON). S3 credentials
 come from the AWS credential chain (``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import re
 import sys
 from datetime import datetime, timezone
@@ -23,6 +25,7 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from nixl_backends.config_patch import PATCH_ENV, patched_config_text
 from nixl_backends.configuration import ConfigError
 from nixl_backends.gc import GcError, GcPolicy, GcReport, StoredObject, Tally, open_chunks, run_gc
 from nixl_backends.registry import parse_store_config
@@ -121,7 +124,24 @@ def _parser() -> argparse.ArgumentParser:
                         help="with --store: the connector's key_prefix (default: dualpath)")  # fmt: skip
     doctor.add_argument("--json", action="store_true", help="print the results as JSON")
     doctor.set_defaults(run=cmd_doctor, parser=doctor)
+
+    patch = commands.add_parser(
+        "patch-config",
+        help=f"print a config file with the JSON merge patch in ${PATCH_ENV} applied",
+        description=f"Prints the config file (JSON for .json, else YAML) with the JSON merge patch (RFC 7396) "
+        f"held in ${PATCH_ENV} applied: what the image's entrypoint does before a service reads its config.",
+    )
+    patch.add_argument("path", metavar="PATH", help="the config file, e.g. configs/router.yaml")
+    patch.set_defaults(run=cmd_patch_config, parser=patch)
     return parser
+
+
+def cmd_patch_config(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    try:
+        print(patched_config_text(args.path, os.environ.get(PATCH_ENV, "{}")), end="")
+    except ConfigError as exc:
+        parser.error(str(exc))
+    return 0
 
 
 def _load_json(parser: argparse.ArgumentParser, option: str, text: str | None, path: str | None) -> Any:

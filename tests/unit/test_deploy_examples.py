@@ -1,6 +1,7 @@
 """examples/deploy/: the compose file and the Dockerfile cannot run here (no docker, no GPU), so they are read:
-every config they name exists in the repo, their ports and side-channel ports agree with configs/pe.json,
-de.json, router.yaml and gateway.yaml, and no secret is written in them. Each rule has a negative control
+every config they name exists in the repo, their ports, host names and side channels agree with configs/pe.json,
+de.json, router.yaml and gateway.yaml as each service's DUALPATH_CONFIG_PATCH changes them, only the router is
+published, and no secret is written in them. Each rule has a negative control
 (a broken copy is caught). The image's entrypoint is a shell script and does run here, on real processes.
 """
 
@@ -18,6 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from nixl_backends.config_patch import PATCH_ENV, merge_patch
 from tests.conftest import REPO_ROOT
 
 DEPLOY = REPO_ROOT / "examples" / "deploy"
@@ -53,9 +55,15 @@ def _mounted(compose: dict, service: str) -> dict[str, Path]:
     return {c["target"]: (DEPLOY / declared[c["source"]]["file"]).resolve() for c in compose["services"][service]["configs"]}
 
 
+def _config(compose: dict, service: str, target: str) -> dict:
+    """The config ``service`` reads at ``target``: the mounted file with the service's DUALPATH_CONFIG_PATCH."""
+    config = yaml.safe_load(_mounted(compose, service)[target].read_text())  # JSON is YAML
+    patch = (compose["services"][service].get("environment") or {}).get(PATCH_ENV)
+    return merge_patch(config, json.loads(_default(patch))) if patch else config
+
+
 def _engine_config(compose: dict, service: str) -> dict:
-    target = compose["services"][service]["environment"]["DUALPATH_KV_CONFIG"]
-    return json.loads(_mounted(compose, service)[target].read_text())
+    return _config(compose, service, compose["services"][service]["environment"]["DUALPATH_KV_CONFIG"])
 
 
 # -- the rules ------------------------------------------------------------------------------------------------
@@ -80,8 +88,8 @@ def missing_files(compose: dict) -> list[str]:
 
 def port_mismatches(compose: dict) -> list[str]:
     services = compose["services"]
-    router = yaml.safe_load(_mounted(compose, "router")["/etc/dualpath/router.yaml"].read_text())
-    gateway = yaml.safe_load(_mounted(compose, "s3agg-gateway")["/etc/dualpath/gateway.yaml"].read_text())
+    router = _config(compose, "router", "/etc/dualpath/router.yaml")
+    gateway = _config(compose, "s3agg-gateway", "/etc/dualpath/gateway.yaml")
     pe, de = _engine_config(compose, "pe"), _engine_config(compose, "de")
     pe_extra, de_extra = pe["kv_connector_extra_config"], de["kv_connector_extra_config"]
     pe_port, de_port = int(_option(services["pe"]["command"], "--port")), int(_option(services["de"]["command"], "--port"))
@@ -89,8 +97,9 @@ def port_mismatches(compose: dict) -> list[str]:
     checks = {
         "PE role": (pe["kv_role"], "kv_producer"),
         "DE role": (de["kv_role"], "kv_consumer"),
-        "router -> PE url port": (urlsplit(pe_entry["url"]).port, pe_port),
-        "router -> DE url port": (urlsplit(de_entry["url"]).port, de_port),
+        "router -> PE url": (urlsplit(pe_entry["url"])[1], f"pe:{pe_port}"),
+        "router -> DE url": (urlsplit(de_entry["url"])[1], f"de:{de_port}"),
+        "PE side channel host": (pe_extra["side_channel_host"], "pe"),
         "router -> DE side channel": (de_entry["side_channel"], f"{de_extra['side_channel_host']}:{de_extra['side_channel_port']}"),
         "PE healthcheck port": (_health_port(services["pe"]), pe_port),
         "DE healthcheck port": (_health_port(services["de"]), de_port),
@@ -102,11 +111,10 @@ def port_mismatches(compose: dict) -> list[str]:
                            gateway["store"]["endpoint"]}), 1),
     }  # fmt: skip
     problems = [f"{what}: {got!r} != {want!r}" for what, (got, want) in checks.items() if got != want]
-    # Host networking: every listening port on the node is distinct.
-    listening = [pe_port, de_port, pe_extra["side_channel_port"], de_extra["side_channel_port"], router["port"],
-                 gateway["port"], urlsplit(gateway["store"]["endpoint"]).port]  # fmt: skip
-    if len(set(listening)) != len(listening):
-        problems.append(f"ports collide on the host network: {listening}")
+    # Only the router is reachable from outside the host, at the port it listens on in its container.
+    published = {name: [_default(p) for p in body.get("ports", [])] for name, body in services.items()}
+    if published != {**{name: [] for name in services}, "router": [f"8000:{router['port']}"]}:
+        problems.append(f"published ports: {published}")
     return problems
 
 
@@ -147,9 +155,10 @@ def _items(document: object) -> list[tuple[str, object]]:
 # -- the repo's files pass ------------------------------------------------------------------------------------
 
 
-def test_the_stack_has_its_four_services(compose):
+def test_the_stack_has_its_four_services_on_its_own_network(compose):
     assert set(compose["services"]) == SERVICES
-    assert {s["network_mode"] for s in compose["services"].values()} == {"host"}
+    assert all("network_mode" not in s and "cluster" in s["networks"] for s in compose["services"].values())
+    assert [name for name, s in compose["services"].items() if "edge" in s["networks"]] == ["router"]
 
 
 def test_every_config_compose_names_is_in_the_repo(compose):
@@ -194,8 +203,8 @@ def test_a_missing_config_is_caught(compose):
 @pytest.mark.parametrize(
     "service, index, value, expected",
     [
-        ("pe", 4, "8101", "router -> PE url port: 8100 != 8101"),
-        ("de", 4, "8100", "router -> DE url port: 8200 != 8100"),
+        ("pe", 4, "8101", "router -> PE url: 'pe:8100' != 'pe:8101'"),
+        ("de", 4, "8100", "router -> DE url: 'de:8200' != 'de:8100'"),
     ],
 )
 def test_a_port_mismatch_is_caught(compose, service, index, value, expected):
@@ -211,9 +220,18 @@ def test_a_side_channel_mismatch_is_caught(compose, tmp_path):
     (tmp_path / "de.json").write_text(json.dumps(de))
     broken = copy.deepcopy(compose)
     broken["configs"]["de"]["file"] = str(tmp_path / "de.json")
-    problems = port_mismatches(broken)
-    assert "router -> DE side channel: '127.0.0.1:5700' != '127.0.0.1:5600'" in problems
-    assert any(p.startswith("ports collide on the host network") for p in problems)
+    assert port_mismatches(broken) == ["router -> DE side channel: 'de:5700' != 'de:5600'"]
+
+
+def test_a_wrong_host_name_or_a_published_engine_is_caught(compose):
+    broken = copy.deepcopy(compose)
+    broken["services"]["pe"]["environment"]["DUALPATH_CONFIG_PATCH"] = '{"kv_connector_extra_config": {}}'
+    broken["services"]["de"]["ports"] = ["8200:8200"]
+    assert port_mismatches(broken) == [
+        "PE side channel host: '127.0.0.1' != 'pe'",
+        "one store: 2 != 1",
+        "published ports: {'pe': [], 'de': ['8200:8200'], 'router': ['8000:8000'], 's3agg-gateway': []}",
+    ]
 
 
 def test_an_inline_secret_is_caught(compose, tmp_path):
@@ -280,3 +298,39 @@ def test_the_entrypoint_runs_the_doctor_first_and_stops_on_a_failure(tmp_path):
     assert proc.returncode == 1
     assert "[FAIL] config: missing required key kv_connector_extra_config.store.'root'" in proc.stdout
     assert not marker.exists()
+
+
+def test_the_entrypoint_patches_the_config_it_hands_on(tmp_path, compose):
+    """Each service's DUALPATH_CONFIG_PATCH, as compose gives it, reaches the config the service reads."""
+    env = {"DUALPATH_SECRETS_DIR": str(tmp_path), "DUALPATH_DOCTOR": "0", "TMPDIR": str(tmp_path)}  # patched copies
+    pe = compose["services"]["pe"]["environment"]
+    proc = entrypoint(sys.executable, "-c", "import sys; print(sys.argv[-1])", "serve",
+                      env={**env, "DUALPATH_KV_CONFIG": str(CONFIGS / "pe.json"), PATCH_ENV: _default(pe[PATCH_ENV])})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == _engine_config(compose, "pe")
+    assert json.loads(proc.stdout)["kv_connector_extra_config"]["side_channel_host"] == "pe"
+    # Router and gateway: the file after --config is replaced by its patched copy, the other arguments kept.
+    router = compose["services"]["router"]["environment"]
+    show = "import json, sys, yaml; print(json.dumps([sys.argv[1:], yaml.safe_load(open(sys.argv[2]))]))"
+    proc = entrypoint(sys.executable, "-c", show, "--config", str(CONFIGS / "router.yaml"), "--x y",
+                      env={**env, PATCH_ENV: _default(router[PATCH_ENV])})  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    (flag, path, other), config = json.loads(proc.stdout)
+    assert (flag, Path(path).name, other) == ("--config", "router.yaml", "--x y") and Path(path).parent != CONFIGS
+    assert config == _config(compose, "router", "/etc/dualpath/router.yaml") and config["host"] == "0.0.0.0"
+    # A patch that is not a JSON object, or one with no config to patch, stops the container before its command.
+    marker = tmp_path / "ran"
+    for patch, args in (("[1]", ["--config", str(CONFIGS / "router.yaml")]), ('{"host": "x"}', [])):
+        proc = entrypoint("touch", str(marker), *args, env={**env, PATCH_ENV: patch})
+        assert proc.returncode == 2 and PATCH_ENV in proc.stderr, proc.stderr
+        assert not marker.exists()
+
+
+def test_a_merge_patch_merges_objects_replaces_the_rest_and_null_removes():
+    # RFC 7396's examples, and the originals are left unchanged.
+    target = {"a": "b", "c": {"d": "e", "f": "g"}, "l": [1, 2]}
+    assert merge_patch(target, {"a": "z", "c": {"f": None, "h": 1}, "l": [3]}) == {"a": "z", "c": {"d": "e", "h": 1}, "l": [3]}
+    assert target == {"a": "b", "c": {"d": "e", "f": "g"}, "l": [1, 2]}
+    assert merge_patch({"a": [{"b": "c"}]}, {"a": [1]}) == {"a": [1]}
+    assert merge_patch({"a": "foo"}, {"a": {"b": "c"}}) == {"a": {"b": "c"}}
+    assert merge_patch({"e": None}, {"a": 1}) == {"e": None, "a": 1}
