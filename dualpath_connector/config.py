@@ -89,6 +89,10 @@ class DualPathConfig:
     # this many tokens is split so that the DE reads its tail while this engine
     # reads the head, both links at once (read_split.py); 0: never split.
     split_read_min_tokens: int = SPLIT_READ_MIN_TOKENS
+    # Store reads this engine runs at once (its own hits, and a DE's reads for PEs), each with the store's
+    # own window of requests in flight: while one read verifies its chunks or waits for its last object,
+    # the next keeps the storage link busy. 1: one read after another.
+    store_reads_in_flight: int = 2
     # A directory for per-read timestamps (queued, started, finished), one
     # JSON-lines file per engine process (read_timeline.py); unset: none.
     read_timeline_dir: str | None = None
@@ -140,7 +144,8 @@ class DualPathConfig:
         self.transport_config = parse_traffic(self.transport, TRANSPORT_WHERE)
         if self.chunk_tokens is not None and self.chunk_tokens <= 0:
             raise ConfigError(f"{_WHERE}chunk_tokens must be positive, got {self.chunk_tokens}")
-        for name in ("load_buffer_chunks", "save_buffer_chunks", "lookup_cache_chunks", "kv_events_max_queued"):
+        for name in ("load_buffer_chunks", "save_buffer_chunks", "lookup_cache_chunks", "kv_events_max_queued",
+                     "store_reads_in_flight"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{_WHERE}{name} must be positive, got {getattr(self, name)}")
         if self.split_read_min_tokens < 0:

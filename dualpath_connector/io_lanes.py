@@ -1,10 +1,12 @@
-"""I/O lanes: one thread per link, each running its NIXL jobs in order.
+"""I/O lanes: one per link, each running its NIXL jobs in order, on one thread or a few.
 
 A worker has three, because its jobs use three different links and must not
 wait for each other: store reads (the storage NIC's receive side), store
 writes (its send side) and pulls between engines (the compute network). On
 one thread a DE's reads for a PE held up its saves and its pulls of prefilled
-prompts, and the agents' next turns waited for them.
+prompts, and the agents' next turns waited for them. The read lane runs
+``store_reads_in_flight`` jobs at once, started in order: a read's gaps (its
+verification, its last object) no longer leave the link idle.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 from dualpath_connector.affinity import pin_current_thread
@@ -24,15 +27,17 @@ REPAIR_PRIORITY, JOB_PRIORITY, _STOP_PRIORITY = -1, 0, 1
 
 
 class IOLane:
-    """One thread that runs jobs in order (repairs first)."""
+    """``threads`` threads that start jobs in order (repairs first), up to ``threads`` at once."""
 
-    def __init__(self, name: str, cores: set[int] | None) -> None:
+    def __init__(self, name: str, cores: set[int] | None, threads: int = 1) -> None:
         self.name = name
         self._queue: queue.PriorityQueue = queue.PriorityQueue()
         self._order = itertools.count()
         self._cores = cores
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}" if threads > 1 else name, daemon=True)
+                         for i in range(threads)]  # fmt: skip
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, job: Callable[[], None], priority: int = JOB_PRIORITY) -> None:
         self._queue.put((priority, next(self._order), job))
@@ -62,8 +67,12 @@ class IOLane:
                 logger.exception("%s job failed", self.name)
 
     def stop(self, timeout_s: float) -> bool:
-        """Finish queued work and stop; False if the thread is still running after ``timeout_s``."""
-        # Queued after every pending job, so pending saves still reach the store.
-        self.submit(lambda: None, _STOP_PRIORITY)
-        self._thread.join(timeout_s)
-        return not self._thread.is_alive()
+        """Finish queued work and stop; False if a thread is still running after ``timeout_s``."""
+        # Queued after every pending job (one per thread: each takes one and ends), so pending saves still
+        # reach the store.
+        for _ in self._threads:
+            self.submit(lambda: None, _STOP_PRIORITY)
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return not any(thread.is_alive() for thread in self._threads)

@@ -276,7 +276,6 @@ class HitReader:
         arrivals = LayerArrivals(self.key_space.layout.num_layers)
         hit = LoadedHit(spec.req_id, list(spec.chunks), slots=slots, arrivals=arrivals)
         good = len(spec.chunks)
-        started = time.perf_counter()
 
         def on_layer(layer: int) -> None:
             nonlocal good
@@ -293,9 +292,12 @@ class HitReader:
                       "layer_stride": self.pool.layer_stride}  # fmt: skip
         else:
             target = {"layout": LAYOUT_CHUNK_MAJOR}
+        read_tokens = 0
+        self.read_queue.read_started()
         try:
             self.store.read_layerwise([self.key_space.key(h) for h in chunk_hashes], [self.pool.slot_addr(s) for s in slots],
                                       on_layer, compute_window_s=self.compute_window_s(), **target)  # fmt: skip
+            read_tokens = good * self.key_space.chunk_tokens
         except TransferAbandoned as exc:
             # NIXL may still write these slots: they never return to the pool.
             logger.error("request %s: store read abandoned; %d load slots retired", spec.req_id, len(slots))
@@ -312,8 +314,9 @@ class HitReader:
             else:
                 logger.warning("request %s: layerwise store read failed after layer 0: %s", spec.req_id, exc)
             return
+        finally:
+            self.read_queue.read_finished(read_tokens)
         arrivals.end()
-        self.read_queue.record_read(good * self.key_space.chunk_tokens, time.perf_counter() - started)
         self.stats.add(bytes_read=good * self.key_space.layout.full_block_bytes)
 
     def _verify_layer(self, chunk_hashes: list[str], slots: list[int], layer: int, limit: int) -> int:
@@ -341,13 +344,16 @@ class HitReader:
         A chunk whose bytes fail their digest is unreadable like a missing
         one (the hit ends before it), so no byte of it reaches a KV cache.
         """
-        started = time.perf_counter()
         keys = [self.key_space.key(h) for h in chunk_hashes]
-        if self.pool.layer_major:  # the worker chose it because the store reads into pieces
-            ok = self.store.read_segments(keys, [self.pool.slot_segments(s) for s in slots])
-        else:
-            ok = self.store.read(keys, [self.pool.slot_addr(s) for s in slots])
-        self.read_queue.record_read(sum(ok) * self.key_space.chunk_tokens, time.perf_counter() - started)
+        ok: list[bool] = []
+        self.read_queue.read_started()
+        try:
+            if self.pool.layer_major:  # the worker chose it because the store reads into pieces
+                ok = self.store.read_segments(keys, [self.pool.slot_segments(s) for s in slots])
+            else:
+                ok = self.store.read(keys, [self.pool.slot_addr(s) for s in slots])
+        finally:
+            self.read_queue.read_finished(sum(ok) * self.key_space.chunk_tokens)
         # Only the leading run is used, so verification stops at its end.
         started = time.perf_counter()
         for i in range(self._leading_ok(ok)):

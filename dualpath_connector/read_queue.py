@@ -10,6 +10,7 @@ both storage links.
 from __future__ import annotations
 
 import threading
+import time
 
 from nixl_backends.rates import RateEstimate
 
@@ -17,10 +18,13 @@ from nixl_backends.rates import RateEstimate
 class StoreReadQueue:
     """Tokens queued or in flight in this engine's store reads, and the measured read rate."""
 
-    def __init__(self, rate_weight: float = 0.3) -> None:
+    def __init__(self, rate_weight: float = 0.3, initial_tokens_per_s: float | None = None) -> None:
         self._lock = threading.Lock()
         self._queued_tokens = 0
-        self._read_rate = RateEstimate(None, rate_weight)
+        # Unseeded (an engine's), nothing is declined before the first read is measured.
+        self._read_rate = RateEstimate(initial_tokens_per_s, rate_weight)
+        self._reading = 0  # store reads running now
+        self._credited_until = 0.0  # while reads run: the end of the time already credited to finished reads
 
     @property
     def queued_tokens(self) -> int:
@@ -37,17 +41,34 @@ class StoreReadQueue:
             self._queued_tokens += tokens
             return self._queued_tokens
 
-    def record_read(self, tokens: int, seconds: float) -> None:
-        """One finished store read of ``tokens`` that took ``seconds``."""
+    def read_started(self) -> None:
+        """A store read begins; end it with :meth:`read_finished`, also when it fails."""
         with self._lock:
-            self._read_rate.add(tokens, seconds)
+            if self._reading == 0:
+                self._credited_until = time.perf_counter()
+            self._reading += 1
+
+    def read_finished(self, tokens: int) -> None:
+        """A store read ended, having read ``tokens``.
+
+        They are credited with the time since the last read ended (or since
+        reads began): time with no read running counts for nothing, and with
+        several reads at once the rate is what the link moves, not what one
+        read moves, so the queue drains at it. A failed read (no tokens)
+        teaches nothing and its time is not charged to the next one.
+        """
+        with self._lock:
+            now = time.perf_counter()
+            self._read_rate.add(tokens, now - self._credited_until)
+            self._credited_until = now
+            self._reading -= 1
 
     def decline_reason(self, tokens: int, time_left_s: float, tokens_ahead: int | None = None) -> str | None:
         """Why a read of ``tokens`` would end after ``time_left_s``; None if it should make it.
 
-        Reads are served one after another: the read waits for ``tokens_ahead``
-        (default: the whole queue now). Before the first read is measured
-        nothing is declined.
+        The read ends once ``tokens_ahead`` (default: the whole queue now) and
+        its own tokens are read at the measured rate. Before the first read
+        is measured nothing is declined.
         """
         rate = self.tokens_per_s
         if rate is None:

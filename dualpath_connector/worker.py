@@ -8,7 +8,7 @@ what vLLM asks back (``get_finished``, ``get_block_ids_with_load_errors``):
 - :mod:`~dualpath_connector.injection`: hit bytes into the KV cache, in bulk or layer by layer;
 - :mod:`~dualpath_connector.pulls`: a DE pulls a prefilled prompt from its PE;
 - :mod:`~dualpath_connector.saves`: completed chunks out of the cache and into the store;
-- :mod:`~dualpath_connector.io_lanes`: one thread per link (store reads, store writes, pulls);
+- :mod:`~dualpath_connector.io_lanes`: one lane per link (store reads, store writes, pulls);
 - :mod:`~dualpath_connector.peer`: the PD side channel, holds and leases.
 
 Loads are asynchronous in vLLM's sense. In ``bulk`` mode a hit is injected on
@@ -121,7 +121,8 @@ class DualPathWorker:
         if config.read_timeline_dir is not None:
             engine = f"{config.side_channel_host}:{config.side_channel_port}" if kv_role != "kv_both" else f"pid-{os.getpid()}"
             self.timeline = ReadTimeline(config.read_timeline_dir, engine)
-        self._lanes = {name: IOLane(f"dualpath-{name}", self._transfer_cores) for name in ("read", "save", "pull")}
+        self._lanes = {name: IOLane(f"dualpath-{name}", self._transfer_cores, threads) for name, threads in
+                       (("read", self.config.store_reads_in_flight), ("save", 1), ("pull", 1))}  # fmt: skip
         # Built with the KV cache (register_kv_caches).
         self.peers: PeerLink | None = None
         self.reader: HitReader | None = None

@@ -238,7 +238,8 @@ class DualBladeStore(KVStore):
         started = time.perf_counter()
         results = run_nixl_transfers(self._agent, op, [pair for *_, pair in flat], "FILE", self.config.io_timeout_s)
         if op == "READ" and both:
-            self._pipeline.record(strategy, sum(n for _, _, n, _ in flat), time.perf_counter() - started)
+            with self._lock:  # reads run on several threads at once (store_reads_in_flight)
+                self._pipeline.record(strategy, sum(n for _, _, n, _ in flat), time.perf_counter() - started)
         ok = [True] * len(chunks)
         for (i, *_), result in zip(flat, results):
             ok[i] = ok[i] and result

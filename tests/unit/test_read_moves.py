@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dualpath_connector.io_lanes import IOLane
+from dualpath_connector.read_queue import StoreReadQueue
 from dualpath_connector.metadata import LoadSpec
 from dualpath_connector.protocol import RELEASE
 from dualpath_connector.read_path import HitReader, LoadedHit
@@ -78,15 +79,14 @@ def made():
     store.delivers_layers = False
     readers = []
 
-    def make(answer, *, move=True, queued_tokens=2000, rate=(1000, 1.0), timeline=None, split_min_tokens=0):
+    def make(answer, *, move=True, queued_tokens=2000, rate=1000.0, timeline=None, split_min_tokens=0):
         lane = IOLane("test-read", None)
         reader = HitReader(store=store, pool=pool, block_size=BLOCK, key_space=KEY_SPACE,
                            integrity=ChunkIntegrity(LAYOUT), kv_dtype=torch.bfloat16, peers=FakePeers(answer),
                            lane=lane, stats=StatsRecorder(), de_read_timeout_s=10.0, cores=None,
                            move_queued_reads=move, split_read_min_tokens=split_min_tokens,
                            timeline=timeline)  # fmt: skip
-        if rate is not None:
-            reader.read_queue.record_read(*rate)
+        reader.read_queue = StoreReadQueue(initial_tokens_per_s=rate)  # as if measured (None: not yet)
         reader.read_queue.add(queued_tokens)  # reads of other requests, ahead of this one
         readers.append((reader, lane))
         return reader
