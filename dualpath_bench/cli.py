@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import signal
 import sys
 import urllib.request
@@ -135,7 +136,11 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     ).validate()  # fmt: skip
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = make_tiny_llama(args.workdir / "tiny-llama")
+    load_at_start = list(os.getloadavg())
     payload = run_comparison(agents, config, args.workdir.resolve(), model)
+    # What else ran on the machine (1-, 5-, 15-minute load averages), to judge the figures by.
+    payload["environment"] = {"cpus": os.cpu_count(), "load_avg_at_start": load_at_start,
+                              "load_avg_at_end": list(os.getloadavg())}  # fmt: skip
     if not args.trace:
         # What the simulator's calibration regenerates the same trace from.
         payload["trace_config"] = {f.name: getattr(args, f.name) for f in fields(TraceConfig)}

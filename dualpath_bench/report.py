@@ -67,6 +67,14 @@ def _row_speedup(mode: str, runs: dict[str, dict], comparison: dict) -> str:
     return _ratio(comparison.get(ROW_SPEEDUP[mode]), runs, ("basic", mode))
 
 
+def _load(payload: dict) -> str:
+    environment = payload.get("environment")
+    if not environment:
+        return ""
+    return (f" {environment['cpus']} CPUs; 1-minute load average {environment['load_avg_at_start'][0]:.1f} at the "
+            f"start, {environment['load_avg_at_end'][0]:.1f} at the end.")  # fmt: skip
+
+
 def markdown(payload: dict) -> str:
     trace = payload["trace"]
     cluster = payload["config"]["cluster"]
@@ -77,7 +85,7 @@ def markdown(payload: dict) -> str:
         f"gen {trace['gen']:.0f}, context {trace['context']:.0f} tokens/turn (hit ratio {trace['hit_ratio']:.1%}). "
         f"Storage NIC {cluster['storage_mbit']:g} Mbit/s per node, compute network "
         f"{'unshaped' if not cluster['compute_mbit'] else str(cluster['compute_mbit']) + ' Mbit/s'}; "
-        f"replay {payload['config']['replay_mode']}.",
+        f"replay {payload['config']['replay_mode']}.{_load(payload)}",
         "",
         "| topology | mode | JCT s | speedup vs Basic | bound (P+D)/P | NIC read max/avg | link use while reads wait "
         "| read span s | links' combined rate moved over it | all links reading over it "
