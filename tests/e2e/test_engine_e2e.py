@@ -241,15 +241,24 @@ def test_a_salt_or_an_adapter_hits_only_its_own_chunks(tiny_model, seaweedfs, pl
     bucket = f"{BUCKET}-salts"
     with Engine(tiny_model, kv_config(seaweedfs, bucket), s3=seaweedfs, max_loras=2) as engine:
         namespace, prefix = engine.ready["namespace"], engine.ready["key_prefix"]
-        outs = [engine.generate([prompt], MAX_TOKENS, **turn)[0] for turn in turns]
+
+        def stored(chain: str) -> int:
+            keys = [chunk_key(prefix, namespace, h) for h in chunk_hashes(chain, prompt, CHUNK)]
+            return sum(_stored_or_none(s3, key, bucket) is not None for key in keys)
+
+        def chain(turn: dict) -> str:
+            salt, lora = (turn.get("cache_salts") or [None])[0], (turn.get("loras") or [None])[0]
+            return isolated_chain(namespace, cache_salt=salt, lora=lora)
+
+        outs = []
+        for turn in turns:
+            outs.append(engine.generate([prompt], MAX_TOKENS, **turn)[0])
+            # Saves end after the answer: the next turn of this chain hits what is stored by then, so wait.
+            poll(lambda: stored(chain(turn)), lambda n: n == len(prompt) // CHUNK, 120, f"the chunks of {turn}")
     assert [out["num_cached_tokens"] for out in outs] == [0, hit, 0, 0, hit, 0, hit, 0]
     firsts = [i for i, turn in enumerate(turns) if turn not in turns[:i]]
     for i, (out, (cold, after_itself)) in enumerate(zip(outs, expected)):
         assert same(out, cold if i in firsts else after_itself), f"turn {i} ({turns[i]}) differs"
-
-    def stored(chain: str) -> int:
-        keys = [chunk_key(prefix, namespace, h) for h in chunk_hashes(chain, prompt, CHUNK)]
-        return sum(_stored_or_none(s3, key, bucket) is not None for key in keys)
 
     # Each chain holds the prompt's chunks once: the salts', the adapters' and the plain ones apart.
     chains = [isolated_chain(namespace, cache_salt=salt) for salt in ("A", "B", None)]
