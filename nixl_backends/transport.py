@@ -85,14 +85,14 @@ class PeerRead:
         canceled again, until one of the two ends it. With UCX's peer error
         handling a vanished peer ends it with an error.
         """
-        refused = 0
+        warned = False
         while not self._ended():
             try:
                 self._agent.release_xfer_handle(self._handle)
             except Exception as exc:
-                if not refused:
+                if not warned:
                     logger.warning("NIXL cannot cancel a READ from a peer yet (%s); waiting for it to end", exc)
-                refused += 1
+                    warned = True
                 wait_until(self._ended, CANCEL_RETRY_S)
                 continue
             self._state = "CANCELED"

@@ -6,6 +6,7 @@ tokens or their logprobs; the negative control proves the comparison can fail.
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import numpy as np
@@ -15,7 +16,8 @@ from dualpath_dev.tiny_model import TINY_LLAMA
 from nixl_backends.dualblade.bind_map import BindMap
 from nixl_backends.buffers import align_up
 from nixl_backends.dualblade.store import JOURNAL
-from nixl_backends.layout import chunk_hashes, chunk_key, isolated_chain
+from nixl_backends.layout import BlockLayout, chunk_hashes, chunk_key, isolated_chain
+from nixl_backends.lookup import wait_stored
 from tests.conftest import poll, resealed, same
 from tests.lora_adapter import write_lora_adapter
 from tests.vllm_engine import Engine, start_engine_expecting_failure
@@ -25,6 +27,9 @@ pytestmark = pytest.mark.engine
 CHUNK = 32  # chunk_tokens defaults to vLLM's block_size, 32 on CPU
 MAX_TOKENS = 40  # decoding crosses a chunk boundary, so decode chunks are saved too
 BUCKET = "dualpath-e2e"
+# A stored chunk of the tiny Llama: per layer, K and V of 32 tokens x 2 KV heads x 64, bf16.
+LAYOUT = BlockLayout(TINY_LLAMA["num_hidden_layers"],
+                     2 * CHUNK * TINY_LLAMA["num_key_value_heads"] * TINY_LLAMA["head_dim"] * 2)  # fmt: skip
 
 _rng = random.Random(1234)
 # Longer than max_num_batched_tokens (512): prefill is chunked over several steps.
@@ -239,12 +244,14 @@ def test_a_salt_or_an_adapter_hits_only_its_own_chunks(tiny_model, seaweedfs, pl
     # Control: an adapter changes the output (its v_proj, the KV), so plain chunks served to it would show.
     assert not same(expected[5][0], expected[3][0]) and not same(expected[5][0], expected[7][0])
     bucket = f"{BUCKET}-salts"
-    with Engine(tiny_model, kv_config(seaweedfs, bucket), s3=seaweedfs, max_loras=2) as engine:
+    with contextlib.ExitStack() as stack:
+        engine = stack.enter_context(Engine(tiny_model, kv_config(seaweedfs, bucket), s3=seaweedfs, max_loras=2))
         namespace, prefix = engine.ready["namespace"], engine.ready["key_prefix"]
+        # Size-checked HEADs on the bucket the engine made.
+        store = stack.enter_context(contextlib.closing(seaweedfs.lookup_store(seaweedfs.store_config(bucket), LAYOUT)))
 
-        def stored(chain: str) -> int:
-            keys = [chunk_key(prefix, namespace, h) for h in chunk_hashes(chain, prompt, CHUNK)]
-            return sum(_stored_or_none(s3, key, bucket) is not None for key in keys)
+        def keys(chain: str) -> list[str]:
+            return [chunk_key(prefix, namespace, h) for h in chunk_hashes(chain, prompt, CHUNK)]
 
         def chain(turn: dict) -> str:
             salt, lora = (turn.get("cache_salts") or [None])[0], (turn.get("loras") or [None])[0]
@@ -254,17 +261,16 @@ def test_a_salt_or_an_adapter_hits_only_its_own_chunks(tiny_model, seaweedfs, pl
         for turn in turns:
             outs.append(engine.generate([prompt], MAX_TOKENS, **turn)[0])
             # Saves end after the answer: the next turn of this chain hits what is stored by then, so wait.
-            poll(lambda: stored(chain(turn)), lambda n: n == len(prompt) // CHUNK, 120, f"the chunks of {turn}")
+            wait_stored(store, keys(chain(turn)), 120)
+        # Each chain holds the prompt's chunks once: the salts', the adapters' and the plain ones apart.
+        chains = [isolated_chain(namespace, cache_salt=salt) for salt in ("A", "B", None)]
+        chains += [isolated_chain(namespace, lora=adapters[name]) for name in "ab"]
+        assert len(set(chains)) == 5
+        assert [store.lookup(keys(chain)) for chain in chains] == [len(prompt) // CHUNK] * 5
     assert [out["num_cached_tokens"] for out in outs] == [0, hit, 0, 0, hit, 0, hit, 0]
     firsts = [i for i, turn in enumerate(turns) if turn not in turns[:i]]
     for i, (out, (cold, after_itself)) in enumerate(zip(outs, expected)):
         assert same(out, cold if i in firsts else after_itself), f"turn {i} ({turns[i]}) differs"
-
-    # Each chain holds the prompt's chunks once: the salts', the adapters' and the plain ones apart.
-    chains = [isolated_chain(namespace, cache_salt=salt) for salt in ("A", "B", None)]
-    chains += [isolated_chain(namespace, lora=adapters[name]) for name in "ab"]
-    assert len(set(chains)) == 5
-    assert [stored(chain) for chain in chains] == [len(prompt) // CHUNK] * 5
 
 
 def _stored_or_none(s3, key: str, bucket: str = BUCKET) -> bytes | None:
