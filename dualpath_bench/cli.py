@@ -132,7 +132,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         replay_mode=args.mode, rate=args.rate, rates=_rates(args.rates),
         slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_ms / 1000,
         slo_percentile=args.slo_percentile, nic_interval_s=args.nic_interval_s,
-        max_model_len=args.max_model_len, progress=args.progress,
+        max_model_len=args.max_model_len, progress=args.progress, repeats=args.repeats,
     ).validate()  # fmt: skip
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = make_tiny_llama(args.workdir / "tiny-llama")
@@ -148,7 +148,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     print(paths["md"].read_text())
     for kind, path in paths.items():
         print(f"{kind}: {path}")
-    failed = [f"{t['topology']}/{m}" for t in payload["topologies"] for m, r in t["runs"].items() if "error" in r]
+    failed = [f"{t['topology']}/{m}" for t in payload["topologies"] for runs in t["repetitions"]
+              for m, r in runs.items() if "error" in r]
     return 1 if failed else 0
 
 
@@ -290,6 +291,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compute-mbit", type=float, default=0.0, help="compute network per node; 0: unshaped")
     p.add_argument("--subnet", default="10.213", help="first two octets of the private /16 to use")
     p.add_argument("--nic-interval-s", type=float, default=1.0)
+    p.add_argument("--repeats", type=int, default=3,
+                   help="runs of every mode, interleaved (basic dualpath oracle basic ...); medians and spread")
     p.add_argument("--max-model-len", type=int, default=8192)
     p.add_argument("--workdir", type=Path, default=Path("dualpath-bench-work"),
                    help="model, logs, S3 data")

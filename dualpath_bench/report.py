@@ -67,6 +67,25 @@ def _row_speedup(mode: str, runs: dict[str, dict], comparison: dict) -> str:
     return _ratio(comparison.get(ROW_SPEEDUP[mode]), runs, ("basic", mode))
 
 
+def _spread(figure: dict | None, fallback: float | None, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    """A figure over the repetitions as ``median [min-max]``; one run's value where there was one repetition."""
+    values = (figure or {}).get("values") or []
+    if len(values) < 2:
+        return _fmt(None if fallback is None else fallback * scale, spec, suffix)
+    if figure["median"] is None:
+        return "n/a"
+    low, mid, high = (figure[k] * scale for k in ("min", "median", "max"))
+    return f"{mid:{spec}}{suffix} [{low:{spec}}-{high:{spec}}{suffix}]"
+
+
+def _ratio_spread(comparison: dict, key: str) -> str:
+    """`` [min-max]`` of a ratio over the repetitions, or nothing for one repetition."""
+    figure = comparison.get("spread", {}).get(key)
+    if not figure or len(figure["values"]) < 2 or figure["median"] is None:
+        return ""
+    return f" [{figure['min']:.2f}x-{figure['max']:.2f}x]"
+
+
 def _load(payload: dict) -> str:
     environment = payload.get("environment")
     if not environment:
@@ -98,13 +117,16 @@ def markdown(payload: dict) -> str:
                 lines.append(f"| {topology['topology']} | {mode} | failed: {run['error'][:120]} |" + " |" * 16)
                 continue
             s, b, use = run["summary"], run["ttft_breakdown"], run.get("link_use", {})
+            figures = topology.get("figures", {}).get(mode, {})
             speedup = _row_speedup(mode, topology["runs"], topology["comparison"])
             sides = ", ".join(f"{k or '?'}:{v}" for k, v in s["read_sides"].items())
             lines.append(
-                f"| {topology['topology']} | {mode} | {s['jct_s']:.1f} | {speedup} "
+                f"| {topology['topology']} | {mode} | {_spread(figures.get('jct_s'), s['jct_s'], '.1f')} | {speedup} "
                 f"| {topology['bound']:.2f}x | {_fmt(run['nic']['max_over_avg'])} "
-                f"| {_fmt(use.get('use_while_waiting'), '.0%')} | {_fmt(use.get('read_span_s'), '.0f')} "
-                f"| {_fmt(use.get('combined_rate_fraction'), '.0%')} | {_fmt(use.get('all_busy_over_read_span'), '.0%')} "
+                f"| {_fmt(use.get('use_while_waiting'), '.0%')} "
+                f"| {_spread(figures.get('read_span_s'), use.get('read_span_s'), '.0f')} "
+                f"| {_spread(figures.get('combined_rate_fraction'), use.get('combined_rate_fraction'), '.0f', 100, '%')} "
+                f"| {_fmt(use.get('all_busy_over_read_span'), '.0%')} "
                 f"| {_fmt(b.get('ttft_s'))} "
                 f"| {_fmt(b.get('queue_s'))} | {_fmt(b.get('read_s'))} | {_fmt(b.get('prefill_s'))} "
                 f"| {_fmt(b.get('other_s'))} | {_fmt(s['ttft_s'].get('p90'))} "
@@ -114,11 +136,17 @@ def markdown(payload: dict) -> str:
     lines += ["", "Comparison:", ""]
     for topology in payload["topologies"]:
         c, runs = topology["comparison"], topology["runs"]
-        speedup = _ratio(c["dualpath_speedup"], runs, ("basic", "dualpath"))
+        speedup = _ratio(c["dualpath_speedup"], runs, ("basic", "dualpath")) + _ratio_spread(c, "dualpath_speedup")
         if c["dualpath_speedup"] is None:
             of_bound = f"(bound {c['bound']:.2f}x)"
         else:
             of_bound = f"of a {c['bound']:.2f}x bound ({_fmt(c['fraction_of_bound'], '.0%')})"
+            if c.get("read_span_speedup") is not None:
+                of_bound += (f"; over the read span {c['read_span_speedup']:.2f}x"
+                             f"{_ratio_spread(c, 'read_span_speedup')} ({c['fraction_of_read_span_bound']:.0%} of the "
+                             f"bound)")  # fmt: skip
+            if c.get("repetitions", 1) > 1:
+                of_bound += f"; medians of {c['repetitions']} interleaved repetitions [min-max]"
         lines.append(
             f"- {topology['topology']}: DualPath speedup {speedup} {of_bound}; DualPath/Oracle JCT "
             f"{_ratio(c['dualpath_over_oracle'], runs, ('dualpath', 'oracle'))}."
@@ -154,7 +182,8 @@ def markdown(payload: dict) -> str:
         "capacity, the busiest node's read bytes over the mean of all nodes; traffic-weighted mean over windows. "
         "TTFT split: means from the PEs' /metrics (queue = vLLM queue time minus the connector's load time, "
         "read = load time, prefill = vLLM prefill time); other = client TTFT minus the three (router, PD pull, "
-        "DE first step). Link use while reads wait: from the engines' read timelines, at each 0.25 s instant with "
+        "DE first step). With repetitions, JCT, read span and combined rate are median [min-max] over them and "
+        "the other columns are the median-JCT repetition's. Link use while reads wait: from the engines' read timelines, at each 0.25 s instant with "
         "reads queued or running, busy storage links over the links those reads could keep busy (100%: no link "
         "idled while a read waited).",
     ]
@@ -181,8 +210,13 @@ def plot(payload: dict, path: Path) -> Path | None:
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
         xs = [j + i * width for j, t in enumerate(topologies) if (t["topology"], mode) in ok]
+        # Medians with their min-max over the repetitions, where there were several.
+        jct = [t.get("figures", {}).get(mode, {}).get("jct_s") or {} for t in topologies if (t["topology"], mode) in ok]
         ys = [ok[(t["topology"], mode)]["summary"]["jct_s"] for t in topologies if (t["topology"], mode) in ok]
-        ax.bar(xs, ys, width, label=mode)
+        ys = [f["median"] if f.get("median") is not None else y for f, y in zip(jct, ys)]
+        errors = [[y - f.get("min", y) if f.get("median") is not None else 0 for f, y in zip(jct, ys)],
+                  [f.get("max", y) - y if f.get("median") is not None else 0 for f, y in zip(jct, ys)]]  # fmt: skip
+        ax.bar(xs, ys, width, yerr=errors, capsize=3, label=mode)
     ax.set_xticks([j + width for j in range(len(topologies))], [t["topology"] for t in topologies])
     ax.set_ylabel("JCT (s)")
     ax.set_title("Job completion time")

@@ -4,7 +4,9 @@ Per topology (``1P1D``, ``1P2D``, ``2P1D``...) one :class:`EmulatedCluster` is
 built. Basic (router policy ``basic``: PE-side reads only) and DualPath (policy
 ``dualpath``) share its engines and differ only in the router; every run adds
 its own ``token_salt`` to the trace, so no run finds another's chunks in the
-store and each starts from the same (empty) state of its prefix space. Oracle
+store and each starts from the same (empty) state of its prefix space. With
+``repeats`` the modes run interleaved (A B C A B C ...), and the comparison
+gives each ratio's median over the repetitions with its spread. Oracle
 restarts the engines with the connector's benchmark-only switch
 (``benchmark_oracle: true``, accepted only with ``DUALPATH_BENCHMARK=1``),
 which reports hits as loaded without reading or moving bytes; its outputs are
@@ -24,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import statistics
 import time
 import urllib.request
 from dataclasses import asdict, dataclass, field, replace
@@ -100,6 +103,8 @@ class BenchConfig:
     max_model_len: int = 8192
     start_timeout_s: float = 900.0
     progress: bool = True
+    # Runs of every mode, interleaved (A B C A B C ...): medians and spread, not one run of each after the other.
+    repeats: int = 1
 
     def validate(self) -> BenchConfig:
         for topology in self.topologies:
@@ -114,6 +119,8 @@ class BenchConfig:
         if self.rates and (self.replay_mode != "online" or min(self.rates) <= 0):
             raise BenchError(f"bench.rates (APS at SLO) needs the online replay and positive rates, got "
                              f"{list(self.rates)} with replay {self.replay_mode!r}")  # fmt: skip
+        if self.repeats < 1:
+            raise BenchError(f"bench.repeats must be at least 1, got {self.repeats}")
         self.cluster.validate()
         return self
 
@@ -297,38 +304,57 @@ def _watcher(cluster: EmulatedCluster) -> tuple[StoreWatcher, float]:
 
 
 def run_topology(topology: str, agents: list[Agent], config: BenchConfig, workdir: Path, model: Path) -> dict:
+    """Every mode of ``config`` on one cluster, ``config.repeats`` times, the modes interleaved (A B C A B C ...).
+
+    Basic and DualPath share their engines; the Oracle's engines take their place for its run, so with the Oracle
+    every repetition starts the plain engines again. Every run has a prefix space (token salt) of its own.
+    """
     prefill, decode = parse_topology(topology)
+    bound = (prefill + decode) / prefill
     cluster_config = replace(config.cluster, prefill=prefill, decode=decode)
-    runs: dict[str, dict] = {}
-    with EmulatedCluster(cluster_config, workdir, model, config.max_model_len, config.start_timeout_s) as cluster:
+    repetitions: list[dict[str, dict]] = [{} for _ in range(config.repeats)]
+    plain = [m for m in config.modes if m != "oracle"]
+    timelines = {"read_timeline_dir": str(workdir / TIMELINES)}
+    with EmulatedCluster(cluster_config, workdir, model, config.max_model_len, config.start_timeout_s) as cluster, \
+            contextlib.ExitStack() as watchers:  # fmt: skip
         logger.info("%s: network %s, S3 %s", topology, cluster.network.prefix, cluster.s3.endpoint)
-        plain = [m for m in config.modes if m != "oracle"]
-        timelines = {"read_timeline_dir": str(workdir / TIMELINES)}
-        if plain:
-            cluster.start_engines(EngineSpec(extra={**ENGINE_SETTINGS, **timelines}))
+
+        def engines(spec: EngineSpec) -> tuple[StoreWatcher, float]:
+            cluster.start_engines(spec)
             watcher, bytes_per_token = _watcher(cluster)
-            with contextlib.closing(watcher):
+            watchers.callback(watcher.close)
+            return watcher, bytes_per_token
+
+        plain_engines = None
+        for repetition, runs in enumerate(repetitions):
+            logger.info("%s: repetition %d of %d", topology, repetition + 1, config.repeats)
+            salt = 1000 * repetition  # sweeps add 10 per rate: far below the next repetition's
+            if plain:
+                plain_engines = plain_engines or engines(EngineSpec(extra={**ENGINE_SETTINGS, **timelines}))
                 for mode in plain:
                     runs[mode] = _guarded(mode, lambda m=mode: _run_or_sweep(
-                        cluster, m, agents, config, MODES.index(m) + 1, watcher, bytes_per_token))  # fmt: skip
-        if "oracle" in config.modes:
-            def oracle() -> dict:
-                cluster.start_engines(EngineSpec(extra={**ENGINE_SETTINGS, **ORACLE_SETTINGS, **timelines},
-                                                 env=ORACLE_ENV, name="oracle"))  # fmt: skip
-                watcher, bytes_per_token = _watcher(cluster)
-                with contextlib.closing(watcher):
-                    return _run_or_sweep(cluster, "oracle", agents, config, MODES.index("oracle") + 1, watcher,
-                                     bytes_per_token)  # fmt: skip
+                        cluster, m, agents, config, salt + MODES.index(m) + 1, *plain_engines))  # fmt: skip
+            if "oracle" in config.modes:
+                plain_engines = None
 
-            runs["oracle"] = _guarded("oracle", oracle)
+                def oracle() -> dict:
+                    spec = EngineSpec(extra={**ENGINE_SETTINGS, **ORACLE_SETTINGS, **timelines}, env=ORACLE_ENV,
+                                      name="oracle")  # fmt: skip
+                    return _run_or_sweep(cluster, "oracle", agents, config, salt + MODES.index("oracle") + 1,
+                                         *engines(spec))  # fmt: skip
+
+                runs["oracle"] = _guarded("oracle", oracle)
     return {
         "topology": topology,
         "prefill": prefill,
         "decode": decode,
-        "bound": (prefill + decode) / prefill,
+        "bound": bound,
         "cluster": asdict(cluster_config),
-        "runs": runs,
-        "comparison": compare_runs(runs, (prefill + decode) / prefill),
+        # Per mode, the repetition with the median JCT (or the first that failed): the table's row.
+        "runs": {mode: representative([runs[mode] for runs in repetitions]) for mode in config.modes},
+        "repetitions": repetitions,
+        "figures": mode_figures(repetitions),
+        "comparison": compare_repetitions(repetitions, bound),
     }
 
 
@@ -340,16 +366,51 @@ def _guarded(mode: str, run) -> dict:
         return {"mode": mode, "error": f"{type(exc).__name__}: {exc}"}
 
 
-def compare_runs(runs: dict[str, dict], bound: float) -> dict:
-    def jct(mode: str) -> float | None:
-        run = runs.get(mode, {})
-        summary = run.get("summary")
-        if not summary or summary["agents_failed"]:
-            return None
-        return summary["jct_s"]
+def _finished_jct(run: dict) -> float | None:
+    """A run's JCT, or None where it failed or left agents unfinished (its JCT compares with nothing)."""
+    summary = run.get("summary")
+    if not summary or summary["agents_failed"]:
+        return None
+    return summary["jct_s"]
 
-    basic, dual, oracle = jct("basic"), jct("dualpath"), jct("oracle")
+
+def representative(runs: list[dict]) -> dict:
+    """The run that stands for a mode's repetitions: the first that did not finish, else the median JCT's
+    (the lower middle one of an even count)."""
+    unfinished = [run for run in runs if _finished_jct(run) is None]
+    if unfinished:
+        return unfinished[0]
+    return sorted(runs, key=_finished_jct)[(len(runs) - 1) // 2]
+
+
+# Each mode's figures, per repetition, that the report gives with their spread.
+RUN_FIGURES = {
+    "jct_s": _finished_jct,
+    "read_span_s": lambda run: (run.get("link_use") or {}).get("read_span_s"),
+    "combined_rate_fraction": lambda run: (run.get("link_use") or {}).get("combined_rate_fraction"),
+}
+
+
+def spread(values: list[float | None]) -> dict:
+    """Median, min and max of one figure over the repetitions; all None where any repetition lacks it."""
+    if not values or any(v is None for v in values):
+        return {"median": None, "min": None, "max": None, "values": values}
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "values": values}
+
+
+def mode_figures(repetitions: list[dict[str, dict]]) -> dict[str, dict[str, dict]]:
+    modes = list(dict.fromkeys(m for runs in repetitions for m in runs))
+    return {mode: {name: spread([figure(runs.get(mode, {})) for runs in repetitions])
+                   for name, figure in RUN_FIGURES.items()} for mode in modes}  # fmt: skip
+
+
+def compare_runs(runs: dict[str, dict], bound: float) -> dict:
+    """One repetition's ratios; the read-span ratio holds DualPath to the bound over the seconds reads were
+    outstanding (a job also spends time reading nothing: first prompts, decode, the tail)."""
+    basic, dual, oracle = (_finished_jct(runs.get(mode, {})) for mode in ("basic", "dualpath", "oracle"))
     speedup = basic / dual if basic and dual else None
+    span = {mode: RUN_FIGURES["read_span_s"](runs.get(mode, {})) for mode in ("basic", "dualpath")}
+    span_speedup = span["basic"] / span["dualpath"] if speedup and span["basic"] and span["dualpath"] else None
     aps = {mode: run.get("aps_at_slo") for mode, run in runs.items() if "sweep" in run}
     return {
         "aps_at_slo": aps,
@@ -357,8 +418,30 @@ def compare_runs(runs: dict[str, dict], bound: float) -> dict:
         "dualpath_speedup": speedup,
         "bound": bound,
         "fraction_of_bound": speedup / bound if speedup else None,
+        "read_span_speedup": span_speedup,
+        "fraction_of_read_span_bound": span_speedup / bound if span_speedup else None,
         "dualpath_over_oracle": dual / oracle if dual and oracle else None,
         "basic_over_oracle": basic / oracle if basic and oracle else None,
+    }
+
+
+# The comparison's ratios, each a median over the repetitions' (every repetition pairs modes run back to back).
+RATIOS = ("dualpath_aps_speedup", "dualpath_speedup", "fraction_of_bound", "read_span_speedup",
+          "fraction_of_read_span_bound", "dualpath_over_oracle", "basic_over_oracle")  # fmt: skip
+
+
+def compare_repetitions(repetitions: list[dict[str, dict]], bound: float) -> dict:
+    """Medians of the repetitions' ratios; ``spread`` has each one's median, min and max. A ratio that any
+    repetition could not give (a mode failed there) is None: a median of the others would hide the failure."""
+    per = [compare_runs(runs, bound) for runs in repetitions]
+    spreads = {key: spread([c[key] for c in per]) for key in RATIOS}
+    aps_modes = list(dict.fromkeys(m for c in per for m in c["aps_at_slo"]))
+    return {
+        **{key: spreads[key]["median"] for key in RATIOS},
+        "aps_at_slo": {m: spread([c["aps_at_slo"].get(m) for c in per])["median"] for m in aps_modes},
+        "bound": bound,
+        "repetitions": len(per),
+        "spread": spreads,
     }
 
 

@@ -105,3 +105,111 @@ def test_a_recorded_speedup_is_printed():
     assert "- 2P1D: DualPath speedup 1.23x of a 1.50x bound" in text
     assert f"| 2P1D | oracle | 576.2 | {comparison['basic_over_oracle']:.2f}x |" in text
     assert "n/a: Basic" not in text
+
+
+# --- repetitions ---------------------------------------------------------------------------------
+
+
+def _run(jct_s: float, read_span_s: float, combined: float, agents_failed: int = 0) -> dict:
+    return {
+        "summary": {"jct_s": jct_s, "ttft_s": {"p90": 2.0}, "tpot_s": {"p50": 0.03}, "read_sides": {"pe": 3},
+                    "failed_requests": 0, "agents_done": 16 - agents_failed, "agents_failed": agents_failed},
+        "ttft_breakdown": {}, "nic": {"max_over_avg": 1.0, "series": {"t": [0.0, 1.0], "read_bytes": {"pe0": [0, 9]}}},
+        "link_use": {"read_span_s": read_span_s, "combined_rate_fraction": combined},
+    }  # fmt: skip
+
+
+class _FakeCluster:
+    """What run_topology touches of an EmulatedCluster: engine starts are recorded, nothing is started."""
+
+    def __init__(self, events: list) -> None:
+        self.events = events
+        self.network = type("Network", (), {"prefix": "t"})()
+        self.s3 = type("S3", (), {"endpoint": "http://s3"})()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def start_engines(self, spec) -> None:
+        self.events.append(("engines", spec.name))
+
+
+def _fake_topology(monkeypatch, jct: dict[str, list[float]]) -> list:
+    """run_topology over a fake cluster; each mode's runs take the next JCT of ``jct[mode]``."""
+    events: list = []
+    left = {mode: list(values) for mode, values in jct.items()}
+
+    def run_mode(cluster, mode, agents, config, salt, watcher, bytes_per_token):
+        events.append((mode, salt))
+        jct_s = left[mode].pop(0)
+        return {**_run(jct_s, jct_s / 2, 0.8), "mode": mode}
+
+    watcher = type("Watcher", (), {"close": lambda self: events.append(("watcher closed",))})
+    monkeypatch.setattr(compare, "EmulatedCluster", lambda *a, **k: _FakeCluster(events))
+    monkeypatch.setattr(compare, "_watcher", lambda cluster: (watcher(), 2048.0))
+    monkeypatch.setattr(compare, "_run_mode", run_mode)
+    return events
+
+
+def test_repetitions_interleave_the_modes_each_in_a_prefix_space_of_its_own(monkeypatch, tmp_path):
+    events = _fake_topology(monkeypatch, {"basic": [300, 330, 310], "dualpath": [200, 180, 220]})
+    config = BenchConfig(modes=("basic", "dualpath"), repeats=3).validate()
+    result = compare.run_topology("1P1D", [], config, tmp_path, tmp_path)
+
+    runs = [e for e in events if e[0] in ("basic", "dualpath")]
+    assert [mode for mode, _ in runs] == ["basic", "dualpath"] * 3  # A B A B A B, not A A A B B B
+    assert len({salt for _, salt in runs}) == 6
+    assert events.count(("engines", "io")) == 1  # Basic and DualPath share their engines
+    # Paired per repetition: 300/200, 330/180, 310/220; the median ratio, not the ratio of the medians (310/200).
+    comparison = result["comparison"]
+    assert comparison["dualpath_speedup"] == pytest.approx(1.5)
+    assert comparison["spread"]["dualpath_speedup"]["min"] == pytest.approx(310 / 220)
+    assert comparison["spread"]["dualpath_speedup"]["max"] == pytest.approx(330 / 180)
+    assert comparison["repetitions"] == 3
+    assert result["figures"]["dualpath"]["jct_s"] == {"median": 200, "min": 180, "max": 220, "values": [200, 180, 220]}
+    assert result["runs"]["basic"]["summary"]["jct_s"] == 310  # the median-JCT repetition is the table's row
+
+
+def test_with_the_oracle_every_repetition_starts_the_plain_engines_again(monkeypatch, tmp_path):
+    events = _fake_topology(monkeypatch, {"basic": [3, 3], "dualpath": [2, 2], "oracle": [1, 1]})
+    compare.run_topology("1P1D", [], BenchConfig(repeats=2).validate(), tmp_path, tmp_path)
+    steps = [e[0] if e[0] != "engines" else f"engines:{e[1]}" for e in events if e[0] != "watcher closed"]
+    assert steps == ["engines:io", "basic", "dualpath", "engines:oracle", "oracle"] * 2
+
+
+def test_a_failed_repetition_leaves_the_ratio_unset_and_its_run_in_the_table():
+    good = [{"basic": _run(300, 250, 0.5), "dualpath": _run(200, 150, 0.8)} for _ in range(2)]
+    failed = {"basic": _run(300, 250, 0.5), "dualpath": _run(900, 150, 0.8, agents_failed=2)}
+    comparison = compare.compare_repetitions([*good, failed], 2.0)
+    # Two good repetitions say 1.5x; the third could not say anything, and a median of two would hide that.
+    assert comparison["dualpath_speedup"] is None and comparison["read_span_speedup"] is None
+    assert compare.representative([r["dualpath"] for r in (*good, failed)]) is failed["dualpath"]
+    control = compare.compare_repetitions(good, 2.0)
+    assert control["dualpath_speedup"] == pytest.approx(1.5)
+    assert control["read_span_speedup"] == pytest.approx(250 / 150)
+    assert control["fraction_of_read_span_bound"] == pytest.approx(250 / 150 / 2)
+
+
+def test_the_report_gives_medians_and_spread_over_repetitions(monkeypatch, tmp_path):
+    _fake_topology(monkeypatch, {"basic": [300, 330, 310], "dualpath": [200, 180, 220]})
+    topology = compare.run_topology("1P1D", [], BenchConfig(modes=("basic", "dualpath"), repeats=3).validate(),
+                                    tmp_path, tmp_path)  # fmt: skip
+    payload = {
+        "config": {"cluster": {"storage_mbit": 16.0, "compute_mbit": 0.0}, "replay_mode": "offline"},
+        "trace": {"agents": 16, "turns": 8.0, "append": 10.0, "gen": 5.0, "context": 100.0, "hit_ratio": 0.9},
+        "topologies": [topology],
+    }
+    text = report.markdown(payload)
+    assert "| 1P1D | dualpath | 200.0 [180.0-220.0] | 1.50x | 2.00x |" in text
+    assert "| 100 [90-110] | 80% [80-80%] |" in text
+    assert "DualPath speedup 1.50x [1.41x-1.83x] of a 2.00x bound (75%); over the read span 1.50x [1.41x-1.83x] (75% of" in text
+    assert "medians of 3 interleaved repetitions" in text
+    assert report.plot(payload, tmp_path / "plot.png") is not None
+
+
+def test_repeats_must_be_positive():
+    with pytest.raises(BenchError, match="bench.repeats"):
+        BenchConfig(repeats=0).validate()
