@@ -14,7 +14,7 @@ from dualpath_bench.simulate.cluster import Simulation, Turn
 from dualpath_bench.simulate.events import EventLoop
 from dualpath_bench.simulate.hardware import preset
 from dualpath_bench.simulate.prefill_steps import NodeStepper, PrefillSteps, _Prefill
-from dualpath_bench.trace import TraceConfig, turn_lengths
+from dualpath_bench.trace import TraceConfig, generate, turn_lengths
 from dualpath_router.dispatcher import Dispatcher
 from dualpath_router.policies import BasicPolicy, DualPathPolicy
 
@@ -97,12 +97,12 @@ def test_oracle_reads_nothing():
 @pytest.mark.parametrize("pe_busy_until, de_busy_until, decode_may_read, moved", [
     (5.0, 0.0, True, True),     # the PE's link is busy, the DE's idle: the read moves
     (5.0, 6.0, True, False),    # the DE would finish it later: it stays
-    (0.0, 0.0, True, False),    # the PE's link is idle: it stays
+    (0.0, 0.0, True, False),    # the PE's link is idle: it stays (too short to split: under 2 x 1024 tokens)
     (5.0, 0.0, False, False),   # Basic: DEs never read
 ])  # fmt: skip
 def test_a_pe_side_read_moves_to_the_de_when_that_finishes_it_sooner(pe_busy_until, de_busy_until, decode_may_read,
                                                                    moved):
-    sim = Simulation(HW, 1, 1, "dualpath")
+    sim = Simulation(HW, 1, 1, "dualpath", split_read_min_tokens=1024)
     placement = sim.dispatcher.try_place(sim._pes, 1000, 960, None)
     placement.read_side, placement.decode_may_read = "pe", decode_may_read
     sim.nodes["pe0"].storage.free_at, sim.nodes["de0"].storage.free_at = pe_busy_until, de_busy_until
@@ -265,7 +265,8 @@ def test_calibration_fits_the_oracle_then_predicts_the_others(tmp_path):
 
 def test_calibration_also_predicts_each_mode_at_its_own_measured_read_rate(tmp_path):
     trace = {"agents": 4, "turns": 4, "first_append_tokens": 1024, "sigma": 0.3}
-    agents = turn_lengths(TraceConfig.from_dict(trace))
+    # The trace the calibration replays (generate's turns: turn_lengths draws other counts for the same seed).
+    agents = [[(len(t.append), t.output_tokens) for t in a.turns] for a in generate(TraceConfig.from_dict(trace))]
     rate = HW.storage_bytes_per_s / HW.kv_bytes_per_token
     # DualPath's reads ran at half the link's rate (both sides' medians average to it); Basic reported none.
     slower = replace(HW, storage_bytes_per_s=HW.storage_bytes_per_s / 2)
