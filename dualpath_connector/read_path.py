@@ -1,5 +1,10 @@
 """The store read path of a worker: hits read here, through the DE, and (on a DE) for a PE.
 
+A load goes through four places, each once: :mod:`read_split` plans where it
+is read (here, by the DE, or split across both), this module fetches it,
+:mod:`hit_verifier` checks what landed, :mod:`injection` copies it into the KV
+cache.
+
 A hit is read into a NIXL-registered host buffer, never straight into the KV
 cache, so that a failed or partial read never leaves wrong bytes where
 attention reads them. Where the bytes sit is a :class:`LoadedHit`: slots of
@@ -21,7 +26,6 @@ makes this engine read the hit itself.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -33,12 +37,12 @@ import torch
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.integrity import ChunkIntegrity
-from nixl_backends.layout import DIGEST_BYTES
 from nixl_backends.s3agg_protocol import LAYOUT_CHUNK_MAJOR, LAYOUT_STRIDED
 from nixl_backends.store import KVStore, TransferAbandoned
 
 from dualpath_connector.affinity import pin_current_thread
 from dualpath_connector.arrivals import LayerArrivals
+from dualpath_connector.hit_verifier import HitVerifier, leading_run
 from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.kv_regions import KVRegions
 from dualpath_connector.metadata import ChunkLoad, LoadSpec
@@ -54,8 +58,6 @@ logger = logging.getLogger(__name__)
 
 # PE: DE-side reads waited for at once (one thread each).
 _DE_READ_THREADS = 8
-# KV dtypes whose values are checked for NaN/inf after the digest (on CPU, see HitReader._check).
-_FINITE_CHECKED = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass
@@ -111,8 +113,8 @@ class HitReader:
         self.pool = pool
         self.block_size = block_size
         self.key_space = key_space
-        self.integrity = integrity
-        self.kv_dtype = kv_dtype if kv_dtype in _FINITE_CHECKED else None
+        self.verifier = HitVerifier(store=store, pool=pool, key_space=key_space, integrity=integrity, kv_dtype=kv_dtype,
+                                    stats=stats)  # fmt: skip
         self.peers = peers
         self.lane = lane
         self.stats = stats
@@ -253,7 +255,7 @@ class HitReader:
         except BaseException:
             self.pool.release(slots)
             raise
-        readable = self._leading_ok(ok)
+        readable = leading_run(ok)
         self.pool.release(slots[readable:])
         self.stats.add(bytes_read=readable * self.key_space.layout.full_block_bytes)
         return LoadedHit(spec.req_id, spec.chunks[:readable], slots=slots[:readable])
@@ -279,7 +281,7 @@ class HitReader:
 
         def on_layer(layer: int) -> None:
             nonlocal good
-            good = self._verify_layer(chunk_hashes, slots, layer, good)
+            good = self.verifier.layer(chunk_hashes, slots, layer, good)
             arrivals.land(layer, good)
             if layer == 0:
                 hit.chunks = spec.chunks[:good]
@@ -319,29 +321,10 @@ class HitReader:
         arrivals.end()
         self.stats.add(bytes_read=good * self.key_space.layout.full_block_bytes)
 
-    def _verify_layer(self, chunk_hashes: list[str], slots: list[int], layer: int, limit: int) -> int:
-        """How many of the first ``limit`` chunks' ``layer`` verify; a bad one is dropped from the store."""
-        started = time.perf_counter()
-        good = limit
-        for i in range(limit):
-            problem = self._check(chunk_hashes[i], slots[i], layer)
-            if problem is not None:
-                self._drop_corrupt(self.key_space.key(chunk_hashes[i]), problem)
-                good = i
-                break
-        self.stats.sample("verify_seconds", time.perf_counter() - started)
-        return good
-
-    @staticmethod
-    def _leading_ok(ok: list[bool]) -> int:
-        # The hit ends at the first bad chunk; later chunks are not used even
-        # if they arrived, so the loaded prefix stays contiguous.
-        return next((i for i, flag in enumerate(ok) if not flag), len(ok))
-
     def _store_read(self, chunk_hashes: list[str], slots: list[int]) -> list[bool]:
         """Read chunks into load-pool slots and verify them; the read time feeds the read-rate estimate.
 
-        A chunk whose bytes fail their digest is unreadable like a missing
+        A chunk whose bytes fail their checks is unreadable like a missing
         one (the hit ends before it), so no byte of it reaches a KV cache.
         """
         keys = [self.key_space.key(h) for h in chunk_hashes]
@@ -354,64 +337,7 @@ class HitReader:
                 ok = self.store.read(keys, [self.pool.slot_addr(s) for s in slots])
         finally:
             self.read_queue.read_finished(sum(ok) * self.key_space.chunk_tokens)
-        # Only the leading run is used, so verification stops at its end.
-        started = time.perf_counter()
-        for i in range(self._leading_ok(ok)):
-            problem = self._check(chunk_hashes[i], slots[i])
-            if problem is not None:
-                self._drop_corrupt(self.key_space.key(chunk_hashes[i]), problem)
-                ok[i] = False
-                break
-        self.stats.sample("verify_seconds", time.perf_counter() - started)
-        return ok
-
-    def _object_parts(self, slot: int) -> tuple[list[np.ndarray], np.ndarray]:
-        """The Layer Blocks and the trailer of the object in a load-pool slot (in one run, or layer-major)."""
-        layout = self.key_space.layout
-        if self.pool.layer_major:
-            return [self.pool.layer_view(slot, layer) for layer in range(layout.num_layers)], self.pool.trailer_view(slot)
-        obj = self.pool.slot_view(slot)
-        return [obj[slice(*layout.layer_range(layer))] for layer in range(layout.num_layers)], obj[layout.full_block_bytes :]
-
-    def _check(self, chunk_hash: str, slot: int, layer: int | None = None) -> str | None:
-        """Why the object in ``slot`` (or its layer ``layer`` alone) must not reach a KV cache, or None."""
-        chunk_hash = self.key_space.object_hash(chunk_hash)
-        layers, trailer = self._object_parts(slot)
-        if layer is None:
-            intact = self.integrity.verify_parts(chunk_hash, layers, trailer)
-        else:
-            digest = trailer[layer * DIGEST_BYTES : (layer + 1) * DIGEST_BYTES]
-            intact = self.integrity.verify_layer(chunk_hash, layer, layers[layer], digest)
-        if layer is not None:
-            layers = [layers[layer]]
-        elif not self.pool.layer_major:
-            # A chunk-major Full Block is one run: one scan for NaN/inf, not one per layer.
-            layers = [self.pool.slot_view(slot)[: self.key_space.layout.full_block_bytes]]
-        if not intact:
-            return f"failed its integrity check ({self.integrity.algorithm})"
-        if self.kv_dtype is not None:
-            # A writer who can compute the digest (checksum mode) could store
-            # NaN/inf; in a KV cache they spread to whichever request reuses
-            # the blocks, so they are refused too.
-            for data in layers:
-                values = torch.from_numpy(data).view(self.kv_dtype)
-                # aminmax propagates NaN and returns an inf it meets: one pass, two
-                # scalars. isfinite(...).all() makes several tensors the size of
-                # the chunk (abs, compares, a bool mask) and is ~20x slower.
-                low, high = torch.aminmax(values)
-                if not (math.isfinite(low.item()) and math.isfinite(high.item())):
-                    return "holds non-finite values"
-        return None
-
-    def _drop_corrupt(self, key: str, problem: str) -> None:
-        # Deleted, so the next lookup misses it and the next save stores it
-        # again; left in place it would stay "present" and fail every load.
-        logger.warning("store chunk %s %s: treated as a miss and deleted", key, problem)
-        self.stats.add(corrupt_chunks=1)
-        try:
-            self.store.delete([key])
-        except Exception as exc:
-            logger.warning("could not delete corrupt chunk %s: %s", key, exc)
+        return self.verifier.whole(chunk_hashes, slots, ok)
 
     def read_through_de(self, spec: LoadSpec, deadline_s: float | None = None) -> LoadedHit | None:
         """Ask the DE to read the hit into its buffer within ``deadline_s``; None if it cannot (then this engine reads)."""
@@ -531,7 +457,7 @@ class HitReader:
         except Exception as exc:
             self.pool.release(slots)
             return {"error": f"store read failed: {exc}"}
-        readable = self._leading_ok(ok)
+        readable = leading_run(ok)
         self.pool.release(slots[readable:])
         nbytes = readable * self.key_space.layout.full_block_bytes
         self.stats.add(bytes_read=nbytes, bytes_read_for_peer=nbytes)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dualpath_connector.io_lanes import IOLane
+from dualpath_connector.hit_verifier import leading_run
 from dualpath_connector.protocol import StoreKeySpace
 from dualpath_connector.read_path import HitReader
 from dualpath_connector.stats_recorder import StatsRecorder
@@ -102,7 +103,7 @@ def test_a_flipped_byte_ends_the_hit_counts_and_deletes_the_chunk(reader):
     hit_reader, store, _ = reader
     store.objects[KEY_SPACE.key(HASHES[2])][5] ^= 0x10
     ok = hit_reader._store_read(HASHES, list(range(len(HASHES))))
-    assert HitReader._leading_ok(ok) == 2
+    assert leading_run(ok) == 2
     assert store.deleted == [KEY_SPACE.key(HASHES[2])]
     assert hit_reader.stats.take()["corrupt_chunks"] == 1
 
@@ -116,7 +117,7 @@ def test_non_finite_kv_under_valid_digests_is_refused(reader, bad, position):
     values[position] = bad
     _forge(store, integrity, 1, values)
     ok = hit_reader._store_read(HASHES, list(range(len(HASHES))))
-    assert HitReader._leading_ok(ok) == 1 and store.deleted == [KEY_SPACE.key(HASHES[1])]
+    assert leading_run(ok) == 1 and store.deleted == [KEY_SPACE.key(HASHES[1])]
     # Negative control: finite forged values pass every check (only the keyed mode stops those).
     _forge(store, integrity, 1, _kv_values(9))
     assert hit_reader._store_read(HASHES, list(range(len(HASHES)))) == [True] * len(HASHES)
