@@ -228,25 +228,29 @@ def paths_of(args, backing: str, section: dict, gateways: dict[str, GatewayProce
         client = Client(section, layout, n)
         keys, objects = write_chunks(client, rng, n, f"{context}-{chunk}")
         payload = n * layout.object_bytes
-        for path in PATHS:
-            client.use(gateways.get(path, gateways["aggregated"]))
-            seconds, firsts = [], []
-            for rep in range(args.reps + 1):
+        seconds, firsts, modes = ({path: [] for path in PATHS} for _ in range(3))
+        # The paths interleaved (A B C D A B C D ...): a drift in the machine's load falls on every path alike.
+        for rep in range(args.reps + 1):
+            for path in PATHS:
+                client.use(gateways.get(path, gateways["aggregated"]))
                 started = time.monotonic()
                 arrivals, result = client.read(keys, plain=path == "per-chunk")
-                mode = result.mode if result else path
+                modes[path] = result.mode if result else path
                 client.check(objects)
-                if rep:
-                    seconds.append(arrivals[-1] - started)
-                    firsts.append(arrivals[0] - started)
+                if rep:  # the first round warms UCX connections and the gateways
+                    seconds[path].append(arrivals[-1] - started)
+                    firsts[path].append(arrivals[0] - started)
+        for path in PATHS:
+            mode = modes[path]
             k = 1 if path != "aggregated-win" else min(args.layers, -(-args.min_read // layout.layer_block_bytes))
             # Layerwise paths read each chunk's trailer once more; chunkwise reads whole objects.
             gets = n if path == "chunkwise" else n * -(-args.layers // k) + n
             rows.append({
                 "backing": backing, "context": context, "chunk_tokens": chunk, "chunks": n, "path": path,
                 "mode": mode, "payload_bytes": payload, "client_requests": gets if path == "per-chunk" else 1,
-                "store_gets": gets, "seconds": seconds, "first_layer_seconds": firsts,
-                "mb_s": payload / median(seconds) / MB, "first_layer_ms": median(firsts) * 1e3,
+                "store_gets": gets, "seconds": seconds[path], "first_layer_seconds": firsts[path],
+                "mb_s": payload / median(seconds[path]) / MB, "first_layer_ms": median(firsts[path]) * 1e3,
+                "mb_s_range": [payload / max(seconds[path]) / MB, payload / min(seconds[path]) / MB],
             })
             logging.info("%s", {k: v for k, v in rows[-1].items() if k not in ("seconds", "first_layer_seconds")})
         client.store.close()
@@ -381,18 +385,30 @@ def table(payload: dict) -> str:
         rows = paths["rows"]
         per_chunk = {(r["backing"], r["context"], r["chunk_tokens"]): r["mb_s"] for r in rows
                      if r["path"] == "per-chunk"}
+
+        def vs_seaweedfs(r: dict) -> str:
+            # The per-chunk baseline is SeaweedFS's own ranged GETs (the posix gateway's S3 GET is slower).
+            base = per_chunk.get(("s3", r["context"], r["chunk_tokens"]))
+            return f"{r['mb_s'] / base:.2f}x" if base else "n/a"
+
+        def spread(r: dict) -> str:
+            low, high = r.get("mb_s_range") or (r["mb_s"], r["mb_s"])
+            return f"{r['mb_s']:.0f} [{low:.0f}-{high:.0f}]"
+
         body = [[r["backing"], f"{r['context'] // 1024}K", r["chunk_tokens"], r["chunks"], r["path"], r["mode"],
-                 r["client_requests"], r["store_gets"], f"{r['mb_s']:.0f}", f"{r['first_layer_ms']:.0f}",
+                 r["client_requests"], r["store_gets"], spread(r), f"{r['first_layer_ms']:.0f}",
                  f"{r['mb_s'] / per_chunk[(r['backing'], r['context'], r['chunk_tokens'])]:.2f}x",
-                 f"{100 * r['mb_s'] / large[r['backing']]:.0f}"]
+                 vs_seaweedfs(r), f"{100 * r['mb_s'] / large[r['backing']]:.0f}"]
                 for r in rows]
         rates = ", ".join(f"{backing} {rate:.0f} MB/s" for backing, rate in large.items())
         if paths.get("local_file_read_mb_s"):
             rates += f"; the same files read locally by NIXL POSIX: {median(paths['local_file_read_mb_s']):.0f} MB/s"
         out.append(markdown_table(
-            ["gateway backing", "context", "G", "chunks", "path", "mode", "client req", "store reads", "MB/s",
-             "1st layer ms", "vs per-chunk", "% of large GET"], body,
-            f"Read paths, median of {payload['args']['reps']} after a warm-up; L={payload['args']['layers']}, "
+            ["gateway backing", "context", "G", "chunks", "path", "mode", "client req", "store reads",
+             "MB/s [min-max]", "1st layer ms", "vs per-chunk (same backing)", "vs SeaweedFS per-chunk",
+             "% of large GET"], body,
+            f"Read paths, interleaved, median of {payload['args']['reps']} after a warm-up round; "
+            f"L={payload['args']['layers']}, "
             f"S = G x {payload['args']['bytes_per_token']} B; every read checked byte for byte. Backing s3: the "
             f"gateway in front of SeaweedFS (per-chunk = ranged GETs to SeaweedFS); posix: the gateway next to a "
             f"posix store root (per-chunk = ranged GETs to the gateway's own S3 API; aggregated = NIXL POSIX "
@@ -454,6 +470,16 @@ def plot(payload: dict, name: str) -> None:
     fig.savefig(RESULTS_DIR / f"{name}.png", dpi=110)
 
 
+def _grid(text: str) -> list[tuple[int, int]]:
+    try:
+        pairs = [tuple(int(x) for x in item.split(":")) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--grid takes context:chunk_tokens pairs, got {text!r}") from None
+    if not pairs or any(len(p) != 2 or p[1] <= 0 or p[0] % p[1] for p in pairs):
+        raise argparse.ArgumentTypeError(f"--grid: each context a positive multiple of its chunk size, got {text!r}")
+    return pairs
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="4K context only, one repetition")
@@ -469,16 +495,19 @@ def main() -> None:
     parser.add_argument("--sched-chunk", type=int, default=2048, help="part 2: tokens per chunk")
     parser.add_argument("--sched-min-read", type=int, default=MIB,
                         help="part 2: min_read_bytes (default: whole objects, the fewest GETs)")
+    parser.add_argument("--grid", type=_grid, default=None,
+                        help="part 1: context:chunk_tokens pairs instead of the default grid, e.g. 16384:32,32768:32")
+    parser.add_argument("--name", default=None, help="results file stem (default: s3agg, with the parts run)")
     args = parser.parse_args()
     if args.quick:
         args.reps = 1
-        args.grid = [(4096, 32), (4096, 256)]
-    else:
+        args.grid = args.grid or [(4096, 32), (4096, 256)]
+    elif args.grid is None:
         # Every chunk size at 16K; 64K at G = 32 would be 8192 ranged GETs per read (about
         # 4 minutes for its 16 reads on this shared 2-core box), so 64K is measured at G = 256.
         args.grid = [(4096, 32), (16384, 32), (16384, 64), (16384, 128), (16384, 256), (65536, 256)]
     # Results of a partial run do not overwrite the full run's.
-    args.name = "s3agg" + ("-quick" if args.quick else "") + ("" if len(args.parts) == 2 else f"-{args.parts[0]}")
+    args.name = args.name or "s3agg" + ("-quick" if args.quick else "") + ("" if len(args.parts) == 2 else f"-{args.parts[0]}")
     run_and_report(run, table, args, f"{args.name}.json")
 
 
