@@ -44,6 +44,19 @@ def link_use(records: list[dict], engine_nodes: dict[str, str], t0: float, t1: f
     all_busy = [all(busy[node][i] for node in nodes) for i in spanned]
     moved = sum(r["tokens"] for r in reads)
     combined = link_tokens_per_s * len(nodes) * span_s if link_tokens_per_s and span_s else None
+    # Per link: what it moved over the read span, and over its own busy instants (below 1 there, the link read
+    # slower than its rate while it read: CPU or per-request costs, not scheduling, held it back).
+    node_tokens = {node: sum(r["tokens"] for r in reads if engine_nodes[r["engine"]] == node) for node in nodes}
+    node_busy_s = {node: sum(busy[node]) * step_s for node in nodes}
+    per_link = {
+        node: {
+            "busy_s": node_busy_s[node],
+            "rate_over_read_span": node_tokens[node] / (link_tokens_per_s * span_s) if combined else None,
+            "rate_while_busy": (node_tokens[node] / (link_tokens_per_s * node_busy_s[node])
+                                if link_tokens_per_s and node_busy_s[node] else None),
+        }
+        for node in nodes
+    }  # fmt: skip
     waits = {kind: [r["started"] - r["queued"] for r in reads if r.get("kind") == kind] for kind in ("own", "for_peer")}
     # What one read achieved on its link (the link's effective rate, below its nominal one).
     rates = {kind: [r["tokens"] / (r["finished"] - r["started"]) for r in reads
@@ -57,6 +70,7 @@ def link_use(records: list[dict], engine_nodes: dict[str, str], t0: float, t1: f
         "all_busy_over_read_span": statistics.fmean(all_busy) if all_busy else None,
         "one_link_alone_s": sum(sum(busy[node][i] for node in nodes) == 1 for i in spanned) * step_s,
         "combined_rate_fraction": moved / combined if combined else None,
+        "per_link": per_link,
         "queue_wait_s_median": {kind: statistics.median(w) if w else None for kind, w in waits.items()},
         "read_tokens_per_s_median": {kind: statistics.median(r) if r else None for kind, r in rates.items()},
         "series": {"t": [t - t0 for t in times], "outstanding": outstanding, "busy": busy},

@@ -169,6 +169,12 @@ def markdown(payload: dict) -> str:
                       if any(series in engine for engine in deltas)}  # fmt: skip
             if any(events.values()):
                 lines.append(f"- {topology['topology']} {mode}: " + ", ".join(f"{k} {v:.0f}" for k, v in events.items()) + ".")
+            per_link = (run.get("link_use") or {}).get("per_link")
+            if per_link:
+                lines.append(f"- {topology['topology']} {mode}: each link's rate moved over the read span (while it "
+                             f"read): " + ", ".join(f"{node} {_fmt(f['rate_over_read_span'], '.0%')} "
+                                                     f"({_fmt(f['rate_while_busy'], '.0%')})"
+                                                     for node, f in per_link.items()) + ".")  # fmt: skip
             slo = run.get("summary", {}).get("slo")
             if slo:
                 lines.append(

@@ -213,3 +213,12 @@ def test_the_report_gives_medians_and_spread_over_repetitions(monkeypatch, tmp_p
 def test_repeats_must_be_positive():
     with pytest.raises(BenchError, match="bench.repeats"):
         BenchConfig(repeats=0).validate()
+
+
+def test_the_report_gives_each_links_rate_over_the_read_span_and_while_it_read():
+    payload = _offline_payload(basic_agents_failed=0)
+    payload["topologies"][0]["runs"]["dualpath"]["link_use"] = {"per_link": {
+        "pe0": {"busy_s": 10.0, "rate_over_read_span": 0.81, "rate_while_busy": 0.9},
+        "de0": {"busy_s": 8.0, "rate_over_read_span": 0.7, "rate_while_busy": None}}}  # fmt: skip
+    text = report.markdown(payload)
+    assert "- 2P1D dualpath: each link's rate moved over the read span (while it read): pe0 81% (90%), de0 70% (n/a)." in text
