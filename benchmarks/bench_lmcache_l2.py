@@ -85,7 +85,9 @@ class AdapterRun:
     def __init__(self, name: str, server, size: int, num_keys: int, io_threads: int | None) -> None:
         from lmcache.cli.commands.bench.l2_adapter_bench import data
 
-        self.name, self.server, self.size, self.num_keys = name, server, size, num_keys
+        self.server, self.size, self.num_keys = server, size, num_keys
+        # Our adapter at each io_threads asked for is an adapter of its own in the table.
+        self.name = name if io_threads is None or name != "dualpath-s3" else f"{name} io_threads={io_threads}"
         self.bucket = f"bench-{name.split('-')[0]}-{uuid.uuid4().hex[:8]}"
         self.adapter = make_adapter(name, server, self.bucket, io_threads)
         self.stored_buf = data.make_aligned_tensor(num_keys * size, 4096)
@@ -146,9 +148,11 @@ class AdapterRun:
 
 
 def measure(names: list[str], server, size: int, num_keys: int, reps: int, warmup: int,
-            io_threads: int | None) -> list[dict]:
-    """Every adapter at one size, rounds interleaved: A B, B A, A B, ... (warm-up rounds first, discarded)."""
-    runs = [AdapterRun(name, server, size, num_keys, io_threads) for name in names]
+            io_threads: list[int] | None) -> list[dict]:
+    """Every adapter at one size (ours once per ``io_threads``), rounds interleaved: A B C, C B A, A B C, ...
+    (warm-up rounds first, discarded)."""
+    runs = [AdapterRun(name, server, size, num_keys, threads) for name in names
+            for threads in (io_threads or [None] if name == "dualpath-s3" else [None])]  # fmt: skip
     try:
         for r in range(warmup + reps):
             for run in runs if r % 2 == 0 else runs[::-1]:
@@ -184,7 +188,7 @@ def run(args: argparse.Namespace) -> dict:
 
 def table(payload: dict) -> str:
     by_key = {(r["adapter"], r["chunk_bytes"]): r for r in payload["results"]}
-    adapters = [a for a in ADAPTERS if any(k[0] == a for k in by_key)]
+    adapters = list(dict.fromkeys(r["adapter"] for r in payload["results"]))
     headers = ["chunk", "keys/task", "adapter", "store MB/s", "store chunks/s", "load MB/s", "load chunks/s",
                "lookup keys/s"]  # fmt: skip
     rows = []
@@ -212,7 +216,7 @@ def table(payload: dict) -> str:
 def chart(payload: dict, path: Path) -> Path | None:
     sizes = payload["config"]["chunk_bytes"]
     by_key = {(r["adapter"], r["chunk_bytes"]): r for r in payload["results"]}
-    adapters = [a for a in ADAPTERS if any(k[0] == a for k in by_key)]
+    adapters = list(dict.fromkeys(r["adapter"] for r in payload["results"]))
     series = {f"{a} {op}": [by_key[(a, s)][f"{op}_MBps"] for s in sizes] for op in ("store", "load") for a in adapters}
     return bar_chart(path, [human(s) for s in sizes], series, "object (chunk) size",
                      "LMCache L2 adapters on SeaweedFS: store and load", ylabel="MB/s")  # fmt: skip
@@ -227,8 +231,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="repetitions (the median is reported)")
     parser.add_argument("--warmup", type=int, default=1, help="discarded repetitions first")
     parser.add_argument("--adapters", nargs="+", choices=ADAPTERS, default=list(ADAPTERS))
-    parser.add_argument("--io-threads", type=int, default=None,
-                        help="our s3 store's io_threads (NIXL OBJ's transfer threads; default: the store's, 8)")
+    parser.add_argument("--io-threads", type=int, nargs="+", default=None,
+                        help="our s3 store's io_threads (requests in flight); several values: one adapter of ours "
+                             "per value, all interleaved (default: the store's default)")
     parser.add_argument("--output", default="lmcache_l2.json", help="file name under benchmarks/results/")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 sizes, 8 MiB, 2 repetitions")
     args = parser.parse_args()
