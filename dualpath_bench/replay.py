@@ -35,6 +35,7 @@ from nixl_backends.lookup import PresentChunks, wait_stored
 from nixl_backends.store import KVStore
 
 from dualpath_connector.protocol import StoreKeySpace
+from dualpath_router.sse import sse_lines
 
 from dualpath_bench.errors import BenchUsageError
 from dualpath_bench.trace import Agent
@@ -229,7 +230,8 @@ async def _complete(client, prompt: list[int], max_tokens: int, config: ReplayCo
         record.hit_tokens = int(headers.get("x-dualpath-hit-tokens", 0))
         record.prefill_engine = headers.get("x-dualpath-prefill-engine", "")
         record.decode_engine = headers.get("x-dualpath-decode-engine", "")
-        async for line in response.aiter_lines():
+        # Not aiter_lines: it also splits at U+2028 and U+0085, which a generated text may hold raw.
+        async for line in sse_lines(response.aiter_bytes()):
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[len("data: ") :])

@@ -37,6 +37,7 @@ from dualpath_router.holds import HoldReleaser
 from dualpath_router.lookup import HitLookup
 from dualpath_router.policies import make_policy
 from dualpath_router.prompts import BadRequest, PromptBuilder, RoutedRequest
+from dualpath_router.sse import sse_lines
 
 logger = logging.getLogger(__name__)
 
@@ -359,7 +360,7 @@ class Router:
             if form == "raw":
                 chunks = upstream.aiter_raw()
             else:
-                chunks = self.prompts.answer_stream(upstream.aiter_lines(), form)
+                chunks = self.prompts.answer_stream(sse_lines(upstream.aiter_bytes()), form)
             ended = {"whole": False}
 
             async def close_stream() -> None:

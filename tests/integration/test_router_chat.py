@@ -77,6 +77,30 @@ def test_text_prompt_streaming_gets_text(stack):
     assert text.split() == ANSWER.split()
 
 
+def test_an_engine_text_holding_line_separators_streams_whole(stack):
+    """vLLM writes U+2028 and U+0085 raw in its JSON: the router must not read them as line ends (httpx's
+    aiter_lines does), or the event reaches json.loads in pieces and the client's stream breaks off."""
+    _, de, router = stack
+    plain = de.decode_events
+
+    def raw_separators(body: dict) -> list[str]:
+        events = [json.loads(event) for event in plain(body)[:-1]]
+        for event in events:
+            event["choices"][0]["text"] = "x\u2028y\u0085z"
+        return [json.dumps(event, ensure_ascii=False) for event in events] + ["[DONE]"]
+
+    de.decode_events = raw_separators
+    try:
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 2, "stream": True}
+        with httpx.stream("POST", f"{router.url}/v1/completions", json=body, timeout=30.0) as response:
+            events = [line.removeprefix("data: ") for line in response.iter_lines() if line.startswith("data: ")]
+    finally:
+        del de.decode_events
+    assert events[-1] == "[DONE]"
+    # The router writes the text from the token ids, as for any stream.
+    assert "".join(json.loads(event)["choices"][0]["text"] for event in events[:-1]).split() == ANSWER.split()
+
+
 def test_chat_completion(stack):
     pe, de, router = stack
     messages = [{"role": "user", "content": "how are you"}]
