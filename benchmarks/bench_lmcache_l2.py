@@ -42,7 +42,7 @@ def human(size: int) -> str:
     return f"{size // MIB} MiB" if size % MIB == 0 else f"{size // KIB} KiB"
 
 
-def make_adapter(name: str, server, bucket: str, io_threads: int | None):
+def make_adapter(name: str, server, bucket: str, variant: dict):
     from lmcache.v1.distributed.l2_adapters import create_l2_adapter
     from lmcache.v1.distributed.l2_adapters.s3_l2_adapter import S3L2AdapterConfig
 
@@ -50,9 +50,7 @@ def make_adapter(name: str, server, bucket: str, io_threads: int | None):
 
     if name == "dualpath-s3":
         # Credentials come from AWS_* in the environment (run() sets them): adapter_params refuse a secret.
-        section = {"backend": "s3", "endpoint": server.endpoint, "bucket": bucket}
-        if io_threads is not None:
-            section["io_threads"] = io_threads
+        section = {"backend": "s3", "endpoint": server.endpoint, "bucket": bucket, **variant}
         return DualPathL2Adapter(DualPathL2AdapterConfig.from_dict({"store": section}))
     server.client().create_bucket(Bucket=bucket)
     return create_l2_adapter(S3L2AdapterConfig.from_dict({
@@ -82,14 +80,14 @@ class AdapterRun:
     """One adapter at one object size: its bucket, buffers and samples; rounds are run by the caller, so the
     adapters' rounds interleave (A B, then B A, ...) and drift on the machine reaches both alike."""
 
-    def __init__(self, name: str, server, size: int, num_keys: int, io_threads: int | None) -> None:
+    def __init__(self, name: str, server, size: int, num_keys: int, variant: dict) -> None:
         from lmcache.cli.commands.bench.l2_adapter_bench import data
 
         self.server, self.size, self.num_keys = server, size, num_keys
-        # Our adapter at each io_threads asked for is an adapter of its own in the table.
-        self.name = name if io_threads is None or name != "dualpath-s3" else f"{name} io_threads={io_threads}"
+        # Each variant of our adapter's store section is an adapter of its own in the table.
+        self.name = " ".join([name, *(f"{k}={v}" for k, v in variant.items())])
         self.bucket = f"bench-{name.split('-')[0]}-{uuid.uuid4().hex[:8]}"
-        self.adapter = make_adapter(name, server, self.bucket, io_threads)
+        self.adapter = make_adapter(name, server, self.bucket, variant)
         self.stored_buf = data.make_aligned_tensor(num_keys * size, 4096)
         self.stored = data.make_memory_objects(self.stored_buf, num_keys, size, 0)
         self.loaded_buf = data.make_aligned_tensor(num_keys * size, 4096)
@@ -148,11 +146,11 @@ class AdapterRun:
 
 
 def measure(names: list[str], server, size: int, num_keys: int, reps: int, warmup: int,
-            io_threads: list[int] | None) -> list[dict]:
-    """Every adapter at one size (ours once per ``io_threads``), rounds interleaved: A B C, C B A, A B C, ...
+            variants: list[dict]) -> list[dict]:
+    """Every adapter at one size (ours once per store-section variant), rounds interleaved: A B C, C B A, ...
     (warm-up rounds first, discarded)."""
-    runs = [AdapterRun(name, server, size, num_keys, threads) for name in names
-            for threads in (io_threads or [None] if name == "dualpath-s3" else [None])]  # fmt: skip
+    runs = [AdapterRun(name, server, size, num_keys, variant) for name in names
+            for variant in (variants if name == "dualpath-s3" else [{}])]  # fmt: skip
     try:
         for r in range(warmup + reps):
             for run in runs if r % 2 == 0 else runs[::-1]:
@@ -179,7 +177,7 @@ def run(args: argparse.Namespace) -> dict:
             staging[size] = staging_rate(size, total)
             print(f"{', '.join(args.adapters)} interleaved: {num_keys} x {human(size)}, {args.reps} repetitions ...",
                   file=sys.stderr)
-            results += measure(args.adapters, server, size, num_keys, args.reps, args.warmup, args.io_threads)
+            results += measure(args.adapters, server, size, num_keys, args.reps, args.warmup, args.variants)
     finally:
         server.stop()
     return {"config": vars(args) | {"chunk_bytes": sizes, "total_bytes": total}, "environment": environment(),
@@ -222,6 +220,22 @@ def chart(payload: dict, path: Path) -> Path | None:
                      "LMCache L2 adapters on SeaweedFS: store and load", ylabel="MB/s")  # fmt: skip
 
 
+def _variant(text: str) -> dict:
+    """``key=value[,key=value]``: values parsed as JSON where they are (numbers, booleans), else strings."""
+    import json
+
+    variant = {}
+    for item in filter(None, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"--variants takes key=value settings, got {item!r}")
+        try:
+            variant[key] = json.loads(value)
+        except ValueError:
+            variant[key] = value
+    return variant
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--chunk-sizes", nargs="+", default=["512KiB", "2MiB", "8MiB"],
@@ -231,9 +245,10 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=5, help="repetitions (the median is reported)")
     parser.add_argument("--warmup", type=int, default=1, help="discarded repetitions first")
     parser.add_argument("--adapters", nargs="+", choices=ADAPTERS, default=list(ADAPTERS))
-    parser.add_argument("--io-threads", type=int, nargs="+", default=None,
-                        help="our s3 store's io_threads (requests in flight); several values: one adapter of ours "
-                             "per value, all interleaved (default: the store's default)")
+    parser.add_argument("--variants", type=_variant, nargs="+", default=[{}],
+                        help="settings of our adapter's s3 store section, one adapter of ours per variant, all "
+                             "interleaved, e.g. io_threads=16 request_checksum_calculation=when_required "
+                             "(join several settings of one variant with commas; default: the store's defaults)")
     parser.add_argument("--output", default="lmcache_l2.json", help="file name under benchmarks/results/")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 sizes, 8 MiB, 2 repetitions")
     args = parser.parse_args()

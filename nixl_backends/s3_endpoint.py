@@ -43,6 +43,12 @@ class S3StoreConfig:
     create_bucket: bool = True
     io_threads: int = 8
     io_timeout_s: float = 30.0
+    # The AWS SDK's own CRC checksums on the payload requests (botocore's names and values): "when_supported"
+    # computes one for every PUT and checks one on every GET; "when_required" only where an operation demands
+    # it. Every object carries our integrity trailer, checked before any byte is used, so the default skips
+    # the SDK's (lmcache_l2-checksums.json: loads 1.3x, stores 1.1x at 2 and 8 MiB objects).
+    request_checksum_calculation: Literal["when_supported", "when_required"] = "when_required"
+    response_checksum_validation: Literal["when_supported", "when_required"] = "when_required"
 
     def validate(self) -> None:
         if not 3 <= len(self.bucket) <= 63:
@@ -55,6 +61,9 @@ class S3StoreConfig:
             raise ConfigError(f"store.ca_bundle: no such file {self.ca_bundle!r}")
         if self.io_threads <= 0 or self.io_timeout_s <= 0:
             raise ConfigError("store.io_threads and store.io_timeout_s must be positive")
+        for name in ("request_checksum_calculation", "response_checksum_validation"):
+            if getattr(self, name) not in ("when_supported", "when_required"):
+                raise ConfigError(f"store.{name} must be when_supported or when_required, got {getattr(self, name)!r}")
 
 
 def s3_session(config: S3StoreConfig) -> boto3.session.Session:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from types import SimpleNamespace
 
 import pytest
 
@@ -180,6 +181,8 @@ def test_s3_secret_key_without_access_key_does_not_leak_secret():
         ({"io_threads": 0}, "io_threads"),
         ({"io_timeout_s": 0}, "io_timeout_s"),
         ({"io_timeout_s": -1.5}, "io_timeout_s"),
+        ({"request_checksum_calculation": "always"}, "request_checksum_calculation"),
+        ({"response_checksum_validation": "WHEN_REQUIRED"}, "response_checksum_validation"),
     ],
 )
 def test_s3_invalid_values_are_named(overrides, named):
@@ -239,3 +242,18 @@ def test_repr_of_parsed_s3_config_hides_secret():
 def test_secret_key_field_is_excluded_from_repr():
     (secret_field,) = [f for f in dataclasses.fields(S3StoreConfig) if f.name == "secret_key"]
     assert secret_field.repr is False
+
+
+@pytest.mark.parametrize("value", ["when_required", "when_supported"])
+def test_the_sdk_checksum_settings_reach_nixl_obj(monkeypatch, value):
+    """NIXL OBJ's names for the SDK's settings: req_checksum / resp_checksum, "required" or "supported"."""
+    from nixl_backends import obj_backend
+
+    config = parse_store_config(_s3(request_checksum_calculation=value, response_checksum_validation=value))
+    created = {}
+    agent = SimpleNamespace(create_backend=lambda name, params: created.update(params))
+    frozen = SimpleNamespace(access_key="a", secret_key="s", token=None)
+    session = SimpleNamespace(get_credentials=lambda: SimpleNamespace(get_frozen_credentials=lambda: frozen))
+    monkeypatch.setattr(obj_backend, "ensure_obj_plugin_loadable", lambda: None)
+    obj_backend.add_obj_backend(agent, config, session)
+    assert (created["req_checksum"], created["resp_checksum"]) == (value.removeprefix("when_"),) * 2
