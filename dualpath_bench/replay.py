@@ -34,8 +34,7 @@ import numpy as np
 from nixl_backends.lookup import PresentChunks, wait_stored
 from nixl_backends.store import KVStore
 
-from dualpath_connector.protocol import StoreKeySpace
-from dualpath_router.sse import sse_lines
+from dualpath_connector.protocol import StoreKeySpace, sse_lines
 
 from dualpath_bench.errors import BenchUsageError
 from dualpath_bench.trace import Agent

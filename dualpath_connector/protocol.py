@@ -10,7 +10,8 @@ here and nowhere else:
   messages and the NIXL notification prefixes (``pulled:``, ``release:``);
 - metric names (``dualpath_kv:*``) and the store key space an engine exports as
   the labels of ``dualpath_kv:store_namespace_info`` (:class:`StoreKeySpace`);
-- one parser of Prometheus text (:func:`metric_samples`, :func:`metric_total`).
+- one parser of Prometheus text (:func:`metric_samples`, :func:`metric_total`), and one reader of
+  an engine's SSE stream's lines (:func:`sse_lines`).
 
 Every message carries :data:`PROTOCOL_VERSION`; a peer speaking another
 version is refused with a message naming both. Parsers validate types before
@@ -19,11 +20,13 @@ anything reaches an engine: hostile input raises :class:`ProtocolError`.
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
+import re
 import secrets
 import uuid
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
@@ -609,3 +612,34 @@ class ShardedKeySpace(StoreKeySpace):
 
     def object_keys(self, hashes: Sequence[str]) -> list[str]:
         return [shard.key(h) for h in hashes for shard in self.shards]
+
+
+# -- an engine's SSE stream -----------------------------------------------------------------------
+
+_SSE_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
+async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of an SSE stream given as byte chunks cut anywhere (inside a character, between CR and LF).
+
+    Split only where the SSE format ends a line (CRLF, LF, CR). httpx's ``aiter_lines`` splits as
+    ``str.splitlines`` does, also at U+0085, U+2028, U+2029: an engine writes those raw inside its JSON
+    strings (JSON escapes only characters below U+0020, and vLLM does not escape non-ASCII), so a generated
+    text holding one would reach a reader as two lines, neither of them valid JSON.
+    """
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    pending = ""
+    async for chunk in chunks:
+        text = pending + decoder.decode(chunk)
+        # A CR at the end may be the first half of a CRLF whose LF is in the next chunk.
+        held = text.endswith("\r")
+        *lines, pending = _SSE_LINE_END.split(text[:-1] if held else text)
+        if held:
+            pending += "\r"
+        for line in lines:
+            yield line
+    lines = _SSE_LINE_END.split(pending + decoder.decode(b"", final=True))
+    if lines[-1] == "":
+        lines.pop()
+    for line in lines:
+        yield line

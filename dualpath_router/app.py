@@ -27,7 +27,7 @@ from prometheus_client.core import GaugeMetricFamily
 
 from nixl_backends.configuration import ConfigError
 
-from dualpath_connector.protocol import PrefillHandoff, PrefillRequest, ProtocolError
+from dualpath_connector.protocol import PrefillHandoff, PrefillRequest, ProtocolError, sse_lines
 
 from dualpath_router.accounting import Accounting
 from dualpath_router.config import RouterConfig, load_router_config
@@ -37,7 +37,6 @@ from dualpath_router.holds import HoldReleaser
 from dualpath_router.lookup import HitLookup
 from dualpath_router.policies import make_policy
 from dualpath_router.prompts import BadRequest, PromptBuilder, RoutedRequest
-from dualpath_router.sse import sse_lines
 
 logger = logging.getLogger(__name__)
 

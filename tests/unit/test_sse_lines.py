@@ -8,7 +8,7 @@ import json
 import pytest
 from httpx._decoders import LineDecoder
 
-from dualpath_router.sse import sse_lines
+from dualpath_connector.protocol import sse_lines
 
 # What vLLM streams for a token whose text holds a line separator: JSON leaves U+2028 and U+0085 raw.
 EVENT = json.dumps({"choices": [{"text": "a\u2028b\u0085c\u2029d", "token_ids": [7]}]}, ensure_ascii=False)
