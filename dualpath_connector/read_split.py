@@ -28,8 +28,8 @@ if TYPE_CHECKING:
 
 # The connector's defaults for the settings that shape a plan (config.py's), here so that the simulator,
 # which may import this module but not the config, plans with them too.
-# A part this long is worth its own request: 32 MiB of Llama-3-8B's KV, milliseconds of a storage link against a
-# side-channel round trip well under one; a typical agent turn's hit (2k tokens in the emulation) is then halved.
+# A part this long is worth its own request (32 MiB of Llama-3-8B's KV, 128 KiB per token); a typical agent turn's
+# hit (2k tokens in the emulation) is then halved. Not measured against the side channel's round trip.
 SPLIT_READ_MIN_TOKENS = 256
 DE_READ_TIMEOUT_S = 10.0
 
