@@ -77,10 +77,20 @@ class S3Store(KVStore):
         )
         # One request per object: the whole object, one range.
         transfers = [(descriptors(addr, size), descriptors(0, size, dev_id)) for addr, dev_id in zip(addrs, dev_ids)]
-        # As many requests in flight as the plugin has threads: a write (the save lane) then queues behind at
-        # most one round of a read's GETs (the read lane), not behind the whole hit.
-        results = run_nixl_transfers(self._agent, op, transfers, OBJ, self.config.io_timeout_s,
-                                     window=self.config.io_threads)  # fmt: skip
+        results = [False] * len(keys)
+        failed = list(range(len(keys)))
+        for attempt in range(1 + self.config.io_retries):
+            if attempt:
+                logger.info("s3 store: %d of %d %s requests failed; sending them again", len(failed), len(keys), op)
+            # As many requests in flight as the plugin has threads: a write (the save lane) then queues behind
+            # at most one round of a read's GETs (the read lane), not behind the whole hit.
+            outcome = run_nixl_transfers(self._agent, op, [transfers[i] for i in failed], OBJ,
+                                         self.config.io_timeout_s, window=self.config.io_threads)  # fmt: skip
+            for i, ok in zip(failed, outcome):
+                results[i] = ok
+            failed = [i for i in failed if not results[i]]
+            if not failed:
+                break
         # Deregistered only after every transfer ended (TransferAbandoned skips this).
         self._agent.deregister_memory(registration)
         return results

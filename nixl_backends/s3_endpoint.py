@@ -43,6 +43,9 @@ class S3StoreConfig:
     create_bucket: bool = True
     io_threads: int = 8
     io_timeout_s: float = 30.0
+    # Requests of one read or write that failed (a dropped connection, a 5xx the SDK gave up on) are sent again
+    # this many times before their chunk counts as failed: one lost GET would otherwise cost a hit its tail.
+    io_retries: int = 1
     # The AWS SDK's own CRC checksums on the payload requests (botocore's names and values): "when_supported"
     # computes one for every PUT and checks one on every GET; "when_required" only where an operation demands
     # it. Every object carries our integrity trailer, checked before any byte is used, so the default skips
@@ -61,6 +64,8 @@ class S3StoreConfig:
             raise ConfigError(f"store.ca_bundle: no such file {self.ca_bundle!r}")
         if self.io_threads <= 0 or self.io_timeout_s <= 0:
             raise ConfigError("store.io_threads and store.io_timeout_s must be positive")
+        if isinstance(self.io_retries, bool) or not isinstance(self.io_retries, int) or self.io_retries < 0:
+            raise ConfigError(f"store.io_retries must be a whole number >= 0, got {self.io_retries!r}")
         for name in ("request_checksum_calculation", "response_checksum_validation"):
             if getattr(self, name) not in ("when_supported", "when_required"):
                 raise ConfigError(f"store.{name} must be when_supported or when_required, got {getattr(self, name)!r}")

@@ -313,6 +313,48 @@ def test_s3_reads_each_object_in_one_request(store, pool, seaweedfs):
     assert not pool.slot_view(5)[FULL - DIGEST_BYTES:].any()
 
 
+@pytest.mark.parametrize("retries", [1, 0])
+def test_s3_sends_a_failed_request_again(seaweedfs, bucket, nixl_agent, monkeypatch, retries):
+    """A request that failed (a dropped connection, a 5xx the SDK gave up on) is sent again ``io_retries``
+    times before its chunk counts as failed; without retries (the control) it fails the read.
+
+    The failure is injected at the NIXL boundary (the first round's request for chunk 1 is never posted and
+    reports failure): a connection dropped at a chosen request cannot be had from a real server on demand.
+    """
+    import nixl_backends.s3 as s3_module
+
+    store = make_store(parse_store_config({**seaweedfs.store_config(bucket), "io_retries": retries}), LAYOUT,
+                       nixl_agent)  # fmt: skip
+    pool = HostBufferPool(nixl_agent, FULL, POOL_SLOTS)
+    try:
+        rng = np.random.default_rng(91)
+        keys = make_keys(rng, 4)
+        fill_random(pool, [0, 1, 2, 3], rng)
+        write_all(store, pool, keys, [0, 1, 2, 3])
+        real, rounds = s3_module.run_nixl_transfers, []
+
+        def first_round_loses_chunk_1(agent, op, transfers, *args, **kwargs):
+            rounds.append(len(transfers))
+            if len(rounds) > 1:
+                return real(agent, op, transfers, *args, **kwargs)
+            sent = real(agent, op, transfers[:1] + transfers[2:], *args, **kwargs)
+            return sent[:1] + [False] + sent[1:]
+
+        monkeypatch.setattr(s3_module, "run_nixl_transfers", first_round_loses_chunk_1)
+        poison(pool, [4, 5, 6, 7])
+        before = seaweedfs.s3_requests("GET", bucket)
+        got = store.read(keys, addrs(pool, [4, 5, 6, 7]))
+        sent = seaweedfs.s3_requests("GET", bucket) - before
+        if retries:
+            assert got == [True] * 4 and rounds == [4, 1] and sent == 4  # only the failed request went again
+            assert_slots_equal(pool, [0, 1, 2, 3], [4, 5, 6, 7])
+        else:
+            assert got == [True, False, True, True] and rounds == [4] and sent == 3
+    finally:
+        pool.close()
+        store.close()
+
+
 def test_deleted_chunks_are_misses_and_deleting_again_is_fine(store_config, store, pool):
     rng = np.random.default_rng(55)
     keys = make_keys(rng, 4)

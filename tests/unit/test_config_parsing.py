@@ -181,6 +181,8 @@ def test_s3_secret_key_without_access_key_does_not_leak_secret():
         ({"io_threads": 0}, "io_threads"),
         ({"io_timeout_s": 0}, "io_timeout_s"),
         ({"io_timeout_s": -1.5}, "io_timeout_s"),
+        ({"io_retries": -1}, "io_retries"),
+        ({"io_retries": 1.5}, "io_retries"),
         ({"request_checksum_calculation": "always"}, "request_checksum_calculation"),
         ({"response_checksum_validation": "WHEN_REQUIRED"}, "response_checksum_validation"),
     ],
