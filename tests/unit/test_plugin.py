@@ -9,6 +9,7 @@ nothing leaks into other tests in the same process.
 from __future__ import annotations
 
 import importlib.metadata
+import logging
 
 import msgspec
 import pytest
@@ -237,3 +238,49 @@ def test_without_registration_multiconnector_fails_as_before_the_plugin(registry
         MultiConnector._get_connector_classes_and_configs(vllm_config)
     with pytest.raises(ValueError, match=rf"Unsupported connector type: {NAME}"):
         MultiConnector.get_required_kvcache_layout(vllm_config)
+
+
+# -- logging in engine processes --------------------------------------------------------------------
+
+
+def bare_logging(monkeypatch) -> None:
+    """Logging as an engine process has it: no root handler, our package loggers untouched (restored after).
+
+    Called in the test body: pytest adds its capturing handler to the root logger as each phase starts.
+    """
+    monkeypatch.setattr(logging.getLogger(), "handlers", [])
+    for name in plugin.ENGINE_PACKAGES:
+        package_logger = logging.getLogger(name)
+        monkeypatch.setattr(package_logger, "handlers", [])
+        monkeypatch.setattr(package_logger, "level", logging.NOTSET)
+
+
+def _log_one_of_each() -> None:
+    logging.getLogger("dualpath_connector.worker").warning("chunk unreadable; hit shortened")
+    logging.getLogger("nixl_backends.s3").info("requests failed; sending them again")
+
+
+def test_engine_side_records_print_in_vllms_format_at_vllms_level(monkeypatch, capsys):
+    bare_logging(monkeypatch)
+    monkeypatch.setenv("VLLM_LOGGING_LEVEL", "INFO")
+    plugin.configure_logging()
+    _log_one_of_each()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("WARNING ") and lines[0].endswith("] chunk unreadable; hit shortened")
+    assert lines[1].startswith("INFO ") and "[test_plugin.py:" in lines[1]
+    plugin.configure_logging()  # a second plugin load adds no second handler
+    _log_one_of_each()
+    assert len(capsys.readouterr().out.splitlines()) == 2
+
+
+@pytest.mark.parametrize("setup", ["VLLM_CONFIGURE_LOGGING=0", "a root handler"])
+def test_logging_the_user_configured_is_left_alone(monkeypatch, setup):
+    """The control: the same calls add no handler where the user configured logging."""
+    bare_logging(monkeypatch)
+    if setup == "a root handler":
+        monkeypatch.setattr(logging.getLogger(), "handlers", [logging.NullHandler()])
+    else:
+        monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
+    plugin.configure_logging()
+    assert all(not logging.getLogger(name).handlers for name in plugin.ENGINE_PACKAGES)
