@@ -129,7 +129,9 @@ def run_nixl_transfers(
                 handles[index] = handle
                 pending.add(index)
 
-    def all_ended() -> bool:
+    def reap() -> int:
+        """Collect the transfers that ended and post more in their place; how many ended."""
+        ended = 0
         for i in list(pending):
             try:
                 state = agent.check_xfer_state(handles[i])
@@ -141,16 +143,24 @@ def run_nixl_transfers(
             pending.discard(i)
             ok[i] = state == "DONE"
             agent.release_xfer_handle(handles[i])
+            ended += 1
         post_more()
-        return not pending and posted == len(transfers)
+        return ended
 
+    polling = Polling(timeout_s)
     post_more()
-    if not wait_until(all_ended, timeout_s):
-        # A handle still in flight cannot be released safely: NIXL may still
-        # write its memory, so it is left to NIXL, and so is the memory (the
-        # caller must not reuse it).
-        raise TransferAbandoned(op, len(pending), timeout_s)
-    return ok
+    while True:
+        ended = reap()
+        if not pending and posted == len(transfers):
+            return ok
+        if polling.expired:
+            # A handle still in flight cannot be released safely: NIXL may still
+            # write its memory, so it is left to NIXL, and so is the memory (the
+            # caller must not reuse it).
+            raise TransferAbandoned(op, len(pending), timeout_s)
+        # Back to the shortest sleep after a completion: with a window, the
+        # next request waits on this poll to be posted.
+        polling.sleep(progressed=ended > 0)
 
 
 def _post(agent, op: str, local: np.ndarray, remote: np.ndarray, local_mem_type: str, remote_mem_type: str) -> Any:

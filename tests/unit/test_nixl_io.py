@@ -159,3 +159,21 @@ def test_obj_device_ids_are_never_shared_on_one_agent():
     assert min(ids) == 1
     # Another agent has its own ids.
     assert list(obj_device_ids(other, 2)) == [1, 2]
+
+
+def test_a_completion_brings_the_poll_back_to_its_shortest_sleep(monkeypatch):
+    """With a window of one, each transfer is posted by the poll that saw the one before it end: sleeps stay
+    at their shortest while transfers keep ending; the control, a wait where nothing ends, backs off."""
+    import nixl_backends.nixl_io as nixl_io
+
+    sleeps: list[float] = []
+    monkeypatch.setattr(nixl_io.time, "sleep", sleeps.append)
+    transfers = [(descriptors(4096 * i, 64), descriptors(0, 64, i)) for i in range(1, 11)]
+    assert run_nixl_transfers(_CountingAgent(), "READ", transfers, "OBJ", timeout_s=10.0, window=1) == [True] * 10
+    assert len(sleeps) == 19 and max(sleeps) <= 2 * nixl_io._MIN_SLEEP_S
+
+    sleeps.clear()
+    one = (descriptors(4096, 64), descriptors(0, 64, 1))
+    with pytest.raises(TransferAbandoned):
+        run_nixl_transfers(_NeverDoneAgent(), "READ", [one], "OBJ", timeout_s=0.005)
+    assert max(sleeps) == nixl_io._MAX_SLEEP_S
