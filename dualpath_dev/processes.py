@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -15,6 +16,8 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+_WARNING = re.compile(r"(^|\s)(WARNING|ERROR) ")
 
 
 def _port_is_free(port: int) -> bool:
@@ -141,7 +144,8 @@ class ServiceProcess:
             lines = Path(self.log_path).read_text(errors="replace").splitlines()
         except OSError as exc:
             return f"(log unreadable: {exc})"
-        found = [line for line in lines if " WARNING " in line or " ERROR " in line]
+        # vLLM's lines carry a "(Worker_TP0 pid=...) " prefix before the level; ours may start with it.
+        found = [line for line in lines if _WARNING.search(line)]
         return "\n".join(found[-limit:]) or "(none)"
 
     def stop(self) -> None:
