@@ -37,6 +37,8 @@ _GATEWAY_OWNED_STORE_KEYS = {
     "create_bucket": "the gateway never creates buckets",
     "io_threads": "the gateway's is the top-level io_threads",
     "io_timeout_s": "the gateway's is the top-level io_timeout_s",
+    "io_retries": "the gateway reads each range once; a failed read fails the request, and the s3agg client, "
+                  "on its own store.s3.io_retries, reads the chunks from the bucket",
 }
 
 
@@ -124,7 +126,8 @@ class GatewayConfig:
         for key, reason in _GATEWAY_OWNED_STORE_KEYS.items():
             if key in self.store:
                 raise ConfigError(f"store.{key} is not accepted here: {reason}")
-        gateway_owned = {"create_bucket": False, "io_threads": self.io_threads, "io_timeout_s": self.io_timeout_s}
+        gateway_owned = {"create_bucket": False, "io_threads": self.io_threads, "io_timeout_s": self.io_timeout_s,
+                         "io_retries": 0}  # fmt: skip
         return parse_store_config({**self.store, **gateway_owned}, "store.")
 
     def bucket_config(self, bucket: str) -> S3StoreConfig:

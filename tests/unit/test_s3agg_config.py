@@ -87,6 +87,7 @@ def test_buckets_default_to_the_store_sections_bucket():
     ({"store": {**STORE, "access_key": "ak"}}, "store.access_key and store.secret_key must be given together"),
     ({"store": {**STORE, "create_bucket": True}}, "store.create_bucket is not accepted here"),
     ({"store": {**STORE, "io_threads": 4}}, "store.io_threads is not accepted here: .* top-level io_threads"),
+    ({"store": {**STORE, "io_retries": 2}}, "store.io_retries is not accepted here: the gateway reads each range once"),
     ({"store": "http://127.0.0.1:8333"}, "bad value for 'store'"),
     ({"theta_bytes": 0}, "theta_bytes must be positive"),
     ({"bandwidth_cap_bytes_s": -1.0}, "bandwidth_cap_bytes_s must not be negative"),
