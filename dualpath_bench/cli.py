@@ -128,7 +128,8 @@ def cmd_cluster(args: argparse.Namespace) -> int:
     config = BenchConfig(
         topologies=tuple(t.strip() for t in args.topologies.split(",") if t.strip()),
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
-        cluster=ClusterConfig(storage_mbit=args.storage_mbit, compute_mbit=args.compute_mbit, subnet=args.subnet),
+        cluster=ClusterConfig(storage_mbit=args.storage_mbit, compute_mbit=args.compute_mbit, subnet=args.subnet,
+                              store_cpus=args.store_cpus),
         replay_mode=args.mode, rate=args.rate, rates=_rates(args.rates),
         slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_ms / 1000,
         slo_percentile=args.slo_percentile, nic_interval_s=args.nic_interval_s,
@@ -289,6 +290,7 @@ def parser() -> argparse.ArgumentParser:
                    "(APS at SLO), e.g. 0.05,0.1,0.2")
     p.add_argument("--storage-mbit", type=float, default=16.0, help="each node's storage NIC, both directions")
     p.add_argument("--compute-mbit", type=float, default=0.0, help="compute network per node; 0: unshaped")
+    p.add_argument("--store-cpus", default="", help="cores SeaweedFS runs on, e.g. 0 (taskset's list); default: unpinned")
     p.add_argument("--subnet", default="10.213", help="first two octets of the private /16 to use")
     p.add_argument("--nic-interval-s", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=3,

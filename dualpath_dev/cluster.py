@@ -65,6 +65,9 @@ class ClusterConfig:
     compute_mbit: float = 0.0  # 0: the compute network is not shaped
     subnet: str = "10.213"  # first two octets of the private /16 the harness owns for the run
     prefix: str = ""  # namespace/link name prefix; empty: a fresh random one
+    # The cores SeaweedFS runs on ("1", "0,2-3": taskset's list); empty: wherever Linux puts it. The engines'
+    # forwards run on all cores but the last, their transfer threads on the last (processes.omp_threads_bind).
+    store_cpus: str = ""
 
     def validate(self) -> ClusterConfig:
         if self.prefill < 1 or self.decode < 1:
@@ -83,11 +86,33 @@ class ClusterConfig:
             raise ClusterError(f"cluster.subnet {net} is not a private range")
         if self.prefix and not PREFIX_RE.match(self.prefix):
             raise ClusterError(f"cluster.prefix must match {PREFIX_RE.pattern} (interface names), got {self.prefix!r}")
+        if self.store_cpus:
+            allowed = sorted(os.sched_getaffinity(0))
+            cpus = cpu_list(self.store_cpus)
+            if cpus is None or not cpus <= set(allowed):
+                raise ClusterError(f"cluster.store_cpus must list cores of {allowed} like '1' or '0,2-3', "
+                                   f"got {self.store_cpus!r}")  # fmt: skip
         return self
+
+    @property
+    def store_launcher(self) -> list[str]:
+        """The command prefix that keeps the store server on ``store_cpus`` (none when unpinned)."""
+        return ["taskset", "-c", self.store_cpus] if self.store_cpus else []
 
     @property
     def network(self) -> ipaddress.IPv4Network:
         return ipaddress.IPv4Network(f"{self.subnet}.0.0/16")
+
+
+def cpu_list(text: str) -> set[int] | None:
+    """The cores a list like ``"0,2-3"`` names; None if it is not one."""
+    cores: set[int] = set()
+    for part in text.split(","):
+        low, dash, high = part.partition("-")
+        if not low.isdigit() or (dash and not high.isdigit()) or (dash and int(high) < int(low)):
+            return None
+        cores.update(range(int(low), int(high if dash else low) + 1))
+    return cores
 
 
 @dataclass(frozen=True)
@@ -433,7 +458,7 @@ class EmulatedCluster:
                 self.workdir / f"{self.network.prefix}-s3",
                 host=self.network.s3_control_addr,
                 bind="0.0.0.0",
-                launcher=["ip", "netns", "exec", self.network.s3_namespace],
+                launcher=["ip", "netns", "exec", self.network.s3_namespace, *self.network.config.store_launcher],
             ).start()
             self.s3.client().create_bucket(Bucket=BUCKET)
         except BaseException:
