@@ -67,8 +67,9 @@ from dualpath_connector.side_channel import request as side_channel_request
 
 logger = logging.getLogger(__name__)
 
-# Pull notifications kept for a hold not registered yet: a flood of forged ones cannot grow memory past this.
-_MAX_EARLY_PULLS = 4096
+# Pull notifications and router releases kept (each) for a hold not registered yet: a flood of forged ones
+# cannot grow memory past this.
+_MAX_EARLY = 4096
 
 
 class PeerLink:
@@ -102,6 +103,11 @@ class PeerLink:
         self._holds: dict[str, _Hold] = {}
         self._pulled: dict[str, tuple[str, float]] = {}  # request id -> (hold token, time.monotonic())
         self._released_holds: set[str] = set()
+        # Releases from the router (maybe before their hold registered: the hold reaches this worker with the
+        # engine's next step, and a DE can refuse the request sooner) and holds that ended, each with its time
+        # (time.monotonic()); both kept a lease, so a release can tell "not yet held" from "ended already".
+        self._early_releases: dict[str, tuple[str, float]] = {}  # request id -> (hold token, time)
+        self._ended_holds: dict[str, float] = {}
         self.forged_notifications = 0  # pulled: notifications that named no hold or carried the wrong token
         # DE: buffer slots lent to a PE, by lease; kept for this engine's decode after the release, by token.
         self._leases: dict[str, _Lease] = {}
@@ -146,16 +152,27 @@ class PeerLink:
         self._serve_read(read, reply)
 
     def _release_hold(self, message: dict[str, Any], reply: Callable[[dict[str, Any]], None]) -> None:
+        """``released``: the hold ended here; ``pending``: it has not registered yet and ends the moment it does."""
         release = ReleaseHold.from_message(message)
+        req_id = release.remote_request_id
         with self._lock:
-            hold = self._holds.get(release.remote_request_id)
+            hold = self._holds.get(req_id)
             released = hold is not None and hmac.compare_digest(hold.token, release.hold_token)
+            pending = (hold is None and req_id not in self._ended_holds
+                       and len(self._early_releases) < _MAX_EARLY)  # fmt: skip
             if released:
-                del self._holds[release.remote_request_id]
-                self._released_holds.add(release.remote_request_id)
+                self._end_hold(req_id)
+            elif pending:
+                self._early_releases[req_id] = (release.hold_token, time.monotonic())
         if released:
-            logger.info("request %s: its DE will not pull it; blocks released", release.remote_request_id)
-        reply({"released": released})
+            logger.info("request %s: its DE will not pull it; blocks released", req_id)
+        reply({"released": released, "pending": pending})
+
+    def _end_hold(self, req_id: str) -> None:
+        """Under the lock: the hold is over; vLLM frees its blocks after this engine's next step."""
+        self._holds.pop(req_id, None)
+        self._released_holds.add(req_id)
+        self._ended_holds[req_id] = time.monotonic()
 
     def lease(
         self, pool: HostBufferPool, slots: list[int], keep_token: str | None = None, chunk_hashes: list[str] = ()
@@ -196,6 +213,14 @@ class PeerLink:
     def hold(self, req_id: str, expires_at: float, token: str, num_blocks: int) -> None:
         """Keep a finished prefill's blocks for its DE until pulled (with ``token``) or ``expires_at`` (time.time())."""
         with self._lock:
+            early = self._early_releases.pop(req_id, None)
+            if early is not None and hmac.compare_digest(early[0], token):
+                self._end_hold(req_id)
+                logger.info("request %s: released before its hold registered; blocks released", req_id)
+                return
+            if early is not None:
+                self.forged_notifications += 1
+                logger.warning("request %s: a release with the wrong hold token; ignored", req_id)
             self._holds[req_id] = _Hold(expires_at, token, num_blocks)
 
     @property
@@ -228,12 +253,17 @@ class PeerLink:
                     continue
                 if pulled is None:
                     logger.warning("request %s: no DE pulled its KV within the lease; blocks released", req_id)
-                del self._holds[req_id]
-                self._released_holds.add(req_id)
-            # A pull for no hold registers next step at the latest; one older than a lease names none.
-            for req_id in [r for r, (_, at) in self._pulled.items() if now - at > self._lease_s]:
-                del self._pulled[req_id]
-                self.forged_notifications += 1
+                self._end_hold(req_id)
+            # A pull or a release for no hold registers next step at the latest; one older than a lease names none.
+            for early in (self._pulled, self._early_releases):
+                for req_id in [r for r, (_, at) in early.items() if now - at > self._lease_s]:
+                    del early[req_id]
+                    self.forged_notifications += 1
+            while self._ended_holds:  # in the order they ended: the oldest first
+                req_id, at = next(iter(self._ended_holds.items()))
+                if now - at <= self._lease_s:
+                    break
+                del self._ended_holds[req_id]
             expired = {k: self._leases.pop(k) for k in [k for k, v in self._leases.items() if v.expires_at < now]}
             expired_kept = {k: self._kept.pop(k) for k in [k for k, v in self._kept.items() if v.expires_at < now]}
         for lease, held in expired.items():
@@ -246,7 +276,7 @@ class PeerLink:
     def _on_pulled(self, message: bytes) -> None:
         parsed = parse_pulled(message)
         with self._lock:
-            if parsed is None or len(self._pulled) >= _MAX_EARLY_PULLS:
+            if parsed is None or len(self._pulled) >= _MAX_EARLY:
                 self.forged_notifications += 1
                 return
             # A pull may finish before this engine's next step registers the hold.

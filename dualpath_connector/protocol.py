@@ -367,8 +367,8 @@ COUNTERS = {
     "the PE read those hits itself",
     "corrupt_chunks": "Chunks read from the store that failed their integrity digest or held NaN/inf (treated as "
     "misses and deleted)",
-    "forged_notifications": "pulled: notifications ignored: malformed, for no hold of this engine's within a lease, "
-    "or with the wrong hold token",
+    "forged_notifications": "pulled: notifications and router releases ignored: malformed, for no hold of this "
+    "engine's within a lease, or with the wrong hold token",
     "side_channel_rejected_messages": "Side-channel messages dropped unanswered: unsigned, wrong key, stale, "
     "replayed or malformed",
     "kv_events_stored_blocks": "vLLM blocks announced in BlockStored KV events (medium STORAGE) once their chunk "

@@ -43,7 +43,11 @@ class HoldReleaser:
         return cls(key, timeout_s)
 
     async def release(self, handoff: PrefillHandoff, why: str) -> int:
-        """Tell every rank of the PE to release the hold; how many ranks released one (0: pulled already, or gone)."""
+        """Tell every rank of the PE to release the hold; how many ranks released one (0: pulled already, or gone).
+
+        A rank whose hold has not registered yet (the PE's next step brings it) answers ``pending``: it ends
+        the hold as it registers, so it counts as released.
+        """
         if self.key is None:
             return 0
         message = ReleaseHold(handoff.remote_request_id, handoff.hold_token).to_message()
@@ -56,7 +60,7 @@ class HoldReleaser:
                 logger.warning("request %s: could not release its hold on PE %s (%s); it ends at its lease",
                                handoff.remote_request_id, address, exc)  # fmt: skip
                 continue
-            released += answer.get("released") is True
+            released += answer.get("released") is True or answer.get("pending") is True
         logger.info("request %s: %s; PE hold released on %d of %d ranks", handoff.remote_request_id, why, released,
                     handoff.tp_size)  # fmt: skip
         return released

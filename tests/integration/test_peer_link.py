@@ -194,11 +194,28 @@ def test_a_router_releases_a_hold_with_its_token_only(pair):
     pe.link.hold("refused-by-de", time.time() + 60, TOKEN, 4)
     key = KEY
     wrong = request(pe.address, ReleaseHold("refused-by-de", "00" * 16).to_message(), 5, key)
-    unknown = request(pe.address, ReleaseHold("no-such-request", TOKEN).to_message(), 5, key)
-    assert wrong == {"released": False} and unknown == {"released": False} and pe.link.held_blocks == 4
+    assert wrong == {"released": False, "pending": False} and pe.link.held_blocks == 4
     right = request(pe.address, ReleaseHold("refused-by-de", TOKEN).to_message(), 5, key)
-    assert right == {"released": True} and pe.link.held_blocks == 0
+    assert right == {"released": True, "pending": False} and pe.link.held_blocks == 0
     assert pe.link.take_released_holds() == {"refused-by-de"}
+    again = request(pe.address, ReleaseHold("refused-by-de", TOKEN).to_message(), 5, key)
+    assert again == {"released": False, "pending": False}  # ended already: nothing is waited for
+
+
+def test_a_release_before_its_hold_registers_ends_it_as_it_registers(pair):
+    """A DE can refuse a request, and the router release its hold, before the PE's next step registers it."""
+    pe, _ = pair
+    key = KEY
+    early = request(pe.address, ReleaseHold("refused-early", TOKEN).to_message(), 5, key)
+    forged = request(pe.address, ReleaseHold("other-request", "00" * 16).to_message(), 5, key)
+    assert early == {"released": False, "pending": True} and forged["pending"] is True
+    pe.link.hold("refused-early", time.time() + 60, TOKEN, 4)
+    assert pe.link.held_blocks == 0 and pe.link.take_released_holds() == {"refused-early"}
+    # The control: a release with another token ends nothing; the hold stays until its own token comes.
+    forgeries = pe.link.forged_notifications
+    pe.link.hold("other-request", time.time() + 60, TOKEN, 3)
+    assert pe.link.held_blocks == 3 and pe.link.forged_notifications == forgeries + 1
+    assert pe.link.take_released_holds() == set()
 
 
 def test_a_hold_nobody_pulls_expires(pair):
