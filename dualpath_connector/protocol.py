@@ -356,6 +356,7 @@ COUNTERS = {
     "bytes_read_for_peer": "Bytes read from the store into this engine's buffer for a PE (DE-side reads)",
     "bytes_pulled_from_peer": "Bytes pulled from another engine: DE-read hits on a PE, prefilled prompts on a DE",
     "pulled_tokens": "Prompt tokens whose KV a DE pulled from its PE",
+    "pull_failed_tokens": "Prompt tokens whose KV a DE could not pull from its PE (recomputed there)",
     "kept_tokens": "Prompt tokens a DE copied in from the hit it had read for its PE and kept, instead of pulling "
     "them back from the PE (DE-read flow)",
     "reads_moved_to_de": "PE-side reads this PE moved to the request's DE because its own storage link was busy "

@@ -78,6 +78,7 @@ class PromptPuller:
             self.stats.sample("compute_network_bytes_per_request", nbytes)
         else:
             self.peers.forget(address)
+            self.stats.add(pull_failed_tokens=len(spec.block_ids) * self.block_size)
             logger.warning("request %s: prompt KV not pulled from PE %s; recomputing it", spec.req_id, address)
         self.stats.sample("pull_seconds", time.perf_counter() - started)
         return ok
