@@ -28,9 +28,10 @@ $(STAMP): pyproject.toml setup.py overrides.txt nixl_backends/csrc/cuobj_compat.
 test: setup
 	$(PY) -m pytest tests -v -n 2 --dist loadfile --durations=25
 
-# Two workers, whole files each: the tier is CPU-bound (vLLM's import alone is ~13 s of it) and has no servers.
+# Two workers stealing each other's queued tests: the tier is CPU-bound (vLLM's import alone is ~13 s of it) and
+# has no servers; whole files per worker left one worker on test_gpu_scripts' subprocesses at the end (45 s vs 37 s).
 test-unit: setup
-	$(PY) -m pytest tests/unit -v -n 2 --dist loadfile
+	$(PY) -m pytest tests/unit -v -n 2 --dist worksteal
 
 test-integration: setup
 	$(PY) -m pytest tests/integration -v
