@@ -175,6 +175,12 @@ def markdown(payload: dict) -> str:
                              f"read): " + ", ".join(f"{node} {_fmt(f['rate_over_read_span'], '.0%')} "
                                                      f"({_fmt(f['rate_while_busy'], '.0%')})"
                                                      for node, f in per_link.items()) + ".")  # fmt: skip
+            cpu = (run.get("nic") or {}).get("cpu_busy_while_links_busy")
+            if cpu:
+                whole = run["nic"].get("cpu_busy") or {}
+                lines.append(f"- {topology['topology']} {mode}: each core busy while the storage links moved data "
+                             f"(over the whole run): " + ", ".join(f"{core} {share:.0%} ({_fmt(whole.get(core), '.0%')})"
+                                                                  for core, share in cpu.items()) + ".")  # fmt: skip
             slo = run.get("summary", {}).get("slo")
             if slo:
                 lines.append(

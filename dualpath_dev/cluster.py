@@ -354,10 +354,25 @@ class NicSample:
     t: float  # monotonic seconds
     read_bytes: list[int]  # per node: S3 -> node on its storage link
     write_bytes: list[int]  # per node: node -> S3
+    # Per core of this machine: (busy, all) clock ticks since boot. On a box this small the engines, the store and
+    # the router share the cores, and a link that moves less than its rate may be waiting for one of them.
+    cpu_ticks: list[tuple[int, int]] = field(default_factory=list)
+
+
+def cpu_ticks(stat: str = "/proc/stat") -> list[tuple[int, int]]:
+    """Each core's (busy, all) ticks from ``/proc/stat``; idle and iowait are not busy."""
+    ticks = []
+    with open(stat) as f:
+        for line in f:
+            name, *values = line.split()
+            if name.startswith("cpu") and name != "cpu":
+                counts = [int(v) for v in values[:8]]  # user nice system idle iowait irq softirq steal
+                ticks.append((sum(counts) - counts[3] - counts[4], sum(counts)))
+    return ticks
 
 
 class NicSampler:
-    """Storage-link byte counters of every node, sampled every ``interval_s`` on a thread.
+    """Storage-link byte counters of every node (and this machine's cores' ticks), sampled every ``interval_s``.
 
     The counters are read inside the S3 namespace (the S3 ends of all storage
     links live there) by one long-lived shell whose builtin ``read`` opens each
@@ -384,7 +399,7 @@ class NicSampler:
         self._shell.stdin.write("\n")
         self._shell.stdin.flush()
         values = [int(self._shell.stdout.readline()) for _ in self._files]
-        return NicSample(time.monotonic(), values[0::2], values[1::2])
+        return NicSample(time.monotonic(), values[0::2], values[1::2], cpu_ticks())
 
     def start(self) -> NicSampler:
         self._shell = subprocess.Popen(self._command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)

@@ -148,16 +148,43 @@ def _delta(before: dict[str, dict[str, float]], after: dict[str, dict[str, float
     return {e: {k: after[e][k] - before[e].get(k, 0.0) for k in after[e]} for e in after}
 
 
-def nic_balance(samples: list[NicSample], nodes: list[str], mbit: float, busy_fraction: float) -> dict:
-    """Storage-read balance across all nodes' links: max/avg per busy window, traffic-weighted mean."""
+def _busy_windows(samples: list[NicSample], mbit: float, busy_fraction: float) -> list[int]:
+    """Indices ``i`` of the windows (sample i to i + 1) in which the storage links together moved at least
+    ``busy_fraction`` of one link's capacity."""
     capacity = mbit * 1e6 / 8  # bytes per second of one link
-    windows = []
-    for a, b in zip(samples, samples[1:]):
+    busy = []
+    for i, (a, b) in enumerate(zip(samples, samples[1:])):
         dt = b.t - a.t
-        moved = [y - x for x, y in zip(a.read_bytes, b.read_bytes)]
+        if dt > 0 and sum(y - x for x, y in zip(a.read_bytes, b.read_bytes)) >= busy_fraction * capacity * dt:
+            busy.append(i)
+    return busy
+
+
+def _cpu_busy(samples: list[NicSample], windows: list[int]) -> dict[str, float] | None:
+    """Each core's busy share of its ticks over ``windows`` (None: no samples carry ticks)."""
+    if not windows or not all(samples[i].cpu_ticks and samples[i + 1].cpu_ticks for i in windows):
+        return None
+    cores = len(samples[windows[0]].cpu_ticks)
+    shares = {}
+    for core in range(cores):
+        busy = sum(samples[i + 1].cpu_ticks[core][0] - samples[i].cpu_ticks[core][0] for i in windows)
+        ticks = sum(samples[i + 1].cpu_ticks[core][1] - samples[i].cpu_ticks[core][1] for i in windows)
+        shares[f"cpu{core}"] = busy / ticks if ticks else 0.0
+    return shares
+
+
+def nic_balance(samples: list[NicSample], nodes: list[str], mbit: float, busy_fraction: float) -> dict:
+    """Storage-read balance across all nodes' links: max/avg per busy window, traffic-weighted mean.
+
+    Also each core's busy share over the same windows and over the whole run: whether the box's CPUs, not the
+    links, set the pace while the links moved data.
+    """
+    windows = []
+    busy = _busy_windows(samples, mbit, busy_fraction)
+    for i in busy:
+        moved = [y - x for x, y in zip(samples[i].read_bytes, samples[i + 1].read_bytes)]
         total = sum(moved)
-        if dt > 0 and total >= busy_fraction * capacity * dt:
-            windows.append((total, max(moved) / (total / len(moved))))
+        windows.append((total, max(moved) / (total / len(moved))))
     totals = [b - a for a, b in zip(samples[0].read_bytes, samples[-1].read_bytes)] if samples else []
     writes = [b - a for a, b in zip(samples[0].write_bytes, samples[-1].write_bytes)] if samples else []
     weight = sum(w for w, _ in windows)
@@ -166,6 +193,8 @@ def nic_balance(samples: list[NicSample], nodes: list[str], mbit: float, busy_fr
         "max_over_avg": sum(w * r for w, r in windows) / weight if weight else None,
         "read_bytes": dict(zip(nodes, totals)),
         "write_bytes": dict(zip(nodes, writes)),
+        "cpu_busy_while_links_busy": _cpu_busy(samples, busy),
+        "cpu_busy": _cpu_busy(samples, list(range(len(samples) - 1))),
         "series": {
             "t": [s.t - samples[0].t for s in samples],
             "read_bytes": {n: [s.read_bytes[i] - samples[0].read_bytes[i] for s in samples] for i, n in enumerate(nodes)},
