@@ -134,7 +134,8 @@ def calibration(hw: SimHardware, measured_paths: list[Path], trace: dict) -> lis
 
     Each run is simulated on its own trace (``trace_config`` in its JSON; ``trace`` for runs that predate
     it) and its own storage NIC rate. Online runs (agents arriving at a rate) are left out: the simulator
-    replays offline (§7.3), all agents at once, so their JCT is not comparable.
+    replays offline (§7.3), all agents at once, so their JCT is not comparable; so are runs without an Oracle,
+    on which the per-turn overhead is fitted.
     """
     rows = []
     for path in measured_paths:
@@ -146,15 +147,19 @@ def calibration(hw: SimHardware, measured_paths: list[Path], trace: dict) -> lis
         agents = [[(len(t.append), t.output_tokens) for t in a.turns] for a in generate(run_trace)]
         run_hw = replace(hw, storage_bytes_per_s=payload["config"]["cluster"]["storage_mbit"] * 1e6 / 8)
         for topo in payload["topologies"]:
-            # A read's measured rate on the Basic run's PE link (TCP and S3 below the link's nominal rate).
-            measured_rate = (topo["runs"].get("basic", {}).get("link_use") or {}).get("read_tokens_per_s_median", {})
+            # The rate the Basic run's PE link achieved (TCP and S3 below the link's nominal rate).
+            measured_rate = _read_rate(topo["runs"].get("basic", {}), run_hw.storage_bytes_per_s / hw.kv_bytes_per_token)
             topo_hw = run_hw
-            if measured_rate.get("own"):
-                topo_hw = replace(run_hw, storage_bytes_per_s=measured_rate["own"] * hw.kv_bytes_per_token)
+            if measured_rate is not None:
+                topo_hw = replace(run_hw, storage_bytes_per_s=measured_rate * hw.kv_bytes_per_token)
             oracle = topo["runs"].get("oracle", {}).get("summary")
+            if oracle is None:
+                # Without it the shared CPU's cost per turn is unknown, and a prediction would compare the preset's.
+                logger.info("calibration: %s %s has no Oracle run to fit the per-turn overhead on, left out",
+                            path.name, topo["topology"])  # fmt: skip
+                continue
             # The shared CPU's cost per turn, from the run without KV I/O; then Basic and DualPath are predicted.
-            if oracle:
-                topo_hw = _fit_overhead(topo_hw, topo["topology"], agents, oracle["jct_s"])
+            topo_hw = _fit_overhead(topo_hw, topo["topology"], agents, oracle["jct_s"])
             for mode, run in topo["runs"].items():
                 if "summary" not in run or mode not in MODES:
                     continue
@@ -163,10 +168,10 @@ def calibration(hw: SimHardware, measured_paths: list[Path], trace: dict) -> lis
                 row = {"source": path.name, "topology": topo["topology"], "mode": mode, "measured_jct_s": measured,
                        "storage_bytes_per_s": topo_hw.storage_bytes_per_s,
                        "predicted_jct_s": predicted.jct_s, "error": predicted.jct_s / measured - 1,
-                       "overhead_s": topo_hw.request_overhead_s, "fitted": mode == "oracle" and oracle is not None,
+                       "overhead_s": topo_hw.request_overhead_s, "fitted": mode == "oracle",
                        "measured_hit_tokens": run["summary"]["hit_tokens"],
                        "predicted_hit_tokens": predicted.hit_bytes / hw.kv_bytes_per_token if mode != "oracle" else None}  # fmt: skip
-                own_rate = _own_read_rate(run)
+                own_rate = _read_rate(run, run_hw.storage_bytes_per_s / hw.kv_bytes_per_token)
                 if own_rate is not None:
                     # On the shared CPU a read is slower while both links read: the same prediction at the rate
                     # this run's reads achieved (a measured figure of the run, so not an independent prediction).
@@ -178,10 +183,18 @@ def calibration(hw: SimHardware, measured_paths: list[Path], trace: dict) -> lis
     return rows
 
 
-def _own_read_rate(run: dict) -> float | None:
-    """A run's read rate: the mean of its sides' median per-read rates (PE reads, DE reads for a PE); None if none."""
-    medians = (run.get("link_use") or {}).get("read_tokens_per_s_median", {})
-    rates = [rate for rate in medians.values() if rate]
+def _read_rate(run: dict, link_tokens_per_s: float) -> float | None:
+    """The tokens/s a run's storage links moved while they read (mean over the links that read); None if unknown.
+
+    From each link's measured rate while it read (``link_use.per_link``) where the run has it: with several
+    reads in flight per engine a single read's rate is a share of its link's. Older runs read one at a time
+    per engine, and there the median per-read rate of each side is the link's.
+    """
+    link_use = run.get("link_use") or {}
+    busy = [f["rate_while_busy"] for f in (link_use.get("per_link") or {}).values() if f.get("rate_while_busy")]
+    if busy:
+        return sum(busy) / len(busy) * link_tokens_per_s
+    rates = [rate for rate in link_use.get("read_tokens_per_s_median", {}).values() if rate]
     return sum(rates) / len(rates) if rates else None
 
 

@@ -272,7 +272,8 @@ def test_calibration_also_predicts_each_mode_at_its_own_measured_read_rate(tmp_p
     slower = replace(HW, storage_bytes_per_s=HW.storage_bytes_per_s / 2)
     runs = {"basic": {"summary": {"jct_s": Simulation(HW, 1, 1, "basic").run(agents).jct_s, "hit_tokens": 0}},
             "dualpath": {"summary": {"jct_s": Simulation(slower, 1, 1, "dualpath").run(agents).jct_s, "hit_tokens": 0},
-                         "link_use": {"read_tokens_per_s_median": {"own": rate * 0.4, "for_peer": rate * 0.6}}}}  # fmt: skip
+                         "link_use": {"read_tokens_per_s_median": {"own": rate * 0.4, "for_peer": rate * 0.6}}},
+            "oracle": {"summary": {"jct_s": Simulation(HW, 1, 1, "oracle").run(agents).jct_s, "hit_tokens": 0}}}  # fmt: skip
     payload = {"config": {"cluster": {"storage_mbit": HW.storage_bytes_per_s * 8 / 1e6}}, "trace_config": trace,
                "topologies": [{"topology": "1P1D", "runs": runs}]}  # fmt: skip
     (tmp_path / "dualpath-bench.json").write_text(json.dumps(payload))
@@ -282,3 +283,31 @@ def test_calibration_also_predicts_each_mode_at_its_own_measured_read_rate(tmp_p
     assert dualpath["own_read_tokens_per_s"] == pytest.approx(rate / 2)
     # At the link's nominal rate the prediction misses the slower reads; at the run's own rate it matches.
     assert dualpath["error"] < -0.1 and abs(dualpath["own_rate_error"]) < 0.01
+
+
+def test_calibration_takes_the_links_rate_where_reads_overlapped_and_leaves_out_runs_without_an_oracle(tmp_path):
+    trace = {"agents": 4, "turns": 4, "first_append_tokens": 1024, "sigma": 0.3}
+    agents = [[(len(t.append), t.output_tokens) for t in a.turns] for a in generate(TraceConfig.from_dict(trace))]
+    rate = HW.storage_bytes_per_s / HW.kv_bytes_per_token
+    at_90 = replace(HW, storage_bytes_per_s=HW.storage_bytes_per_s * 0.9)
+    # Two reads in flight per link: each read got under half the link, the link 90% of its rate while it read.
+    link_use = {"read_tokens_per_s_median": {"own": rate * 0.45},
+                "per_link": {"pe0": {"rate_while_busy": 0.9}, "de0": {"rate_while_busy": None}}}  # fmt: skip
+    runs = {"basic": {"summary": {"jct_s": Simulation(at_90, 1, 1, "basic").run(agents).jct_s, "hit_tokens": 0},
+                      "link_use": link_use},
+            "oracle": {"summary": {"jct_s": Simulation(HW, 1, 1, "oracle").run(agents).jct_s, "hit_tokens": 0}}}  # fmt: skip
+    payload = {"config": {"cluster": {"storage_mbit": HW.storage_bytes_per_s * 8 / 1e6}}, "trace_config": trace,
+               "topologies": [{"topology": "1P1D", "runs": runs}]}  # fmt: skip
+    path = tmp_path / "dualpath-bench.json"
+    path.write_text(json.dumps(payload))
+    basic = {row["mode"]: row for row in experiments.calibration(HW, [path], {})}["basic"]
+    assert basic["storage_bytes_per_s"] == pytest.approx(HW.storage_bytes_per_s * 0.9)
+    assert abs(basic["error"]) < 0.03  # the fitted overhead is a bisection's
+    # Control: the per-read median alone (a run before per-link rates) reads the link as half as fast.
+    del link_use["per_link"]
+    path.write_text(json.dumps(payload))
+    assert {row["mode"]: row for row in experiments.calibration(HW, [path], {})}["basic"]["error"] > 0.2
+    # Without an Oracle nothing is fitted, and nothing is predicted.
+    del runs["oracle"]
+    path.write_text(json.dumps(payload))
+    assert experiments.calibration(HW, [path], {}) == []
