@@ -179,20 +179,6 @@ class SeaweedFS:
                        if sample.name == "SeaweedFS_s3_request_total" and sample.labels.get("type") == method
                        and bucket in (None, sample.labels.get("bucket"))))
 
-    def s3_requests_since(self, before: int, expected: int, method: str = "GET", bucket: str | None = None,
-                          timeout_s: float = 10.0) -> int:
-        """Requests counted since the count was ``before``, once ``expected`` are counted or ``timeout_s`` passed.
-
-        SeaweedFS counts a request after it has answered it, so a client can hold the last answer before the
-        count moves; reading the count once, at once, can miss it.
-        """
-        deadline = time.monotonic() + timeout_s
-        while True:
-            counted = self.s3_requests(method, bucket) - before
-            if counted >= expected or time.monotonic() >= deadline:
-                return counted
-            time.sleep(0.02)  # polling the count, not waiting for it to be right
-
     def _wait_ready(self, timeout_s: float) -> None:
         client = self.client(max_attempts=1)
         deadline = time.monotonic() + timeout_s
