@@ -354,20 +354,20 @@ class NicSample:
     t: float  # monotonic seconds
     read_bytes: list[int]  # per node: S3 -> node on its storage link
     write_bytes: list[int]  # per node: node -> S3
-    # Per core of this machine: (busy, all) clock ticks since boot. On a box this small the engines, the store and
-    # the router share the cores, and a link that moves less than its rate may be waiting for one of them.
-    cpu_ticks: list[tuple[int, int]] = field(default_factory=list)
+    # Per core of this machine ("cpu0", ...): (busy, all) clock ticks since boot. On a box this small the engines,
+    # the store and the router share the cores, and a link that moves less than its rate may be waiting for one.
+    cpu_ticks: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
-def cpu_ticks(stat: str = "/proc/stat") -> list[tuple[int, int]]:
-    """Each core's (busy, all) ticks from ``/proc/stat``; idle and iowait are not busy."""
-    ticks = []
+def cpu_ticks(stat: str = "/proc/stat") -> dict[str, tuple[int, int]]:
+    """Each online core's (busy, all) ticks from ``/proc/stat``, by its name there (``cpu<n>``, taskset's n)."""
+    ticks = {}
     with open(stat) as f:
         for line in f:
             name, *values = line.split()
             if name.startswith("cpu") and name != "cpu":
                 counts = [int(v) for v in values[:8]]  # user nice system idle iowait irq softirq steal
-                ticks.append((sum(counts) - counts[3] - counts[4], sum(counts)))
+                ticks[name] = (sum(counts) - counts[3] - counts[4], sum(counts))  # idle and iowait: not busy
     return ticks
 
 

@@ -164,12 +164,11 @@ def _cpu_busy(samples: list[NicSample], windows: list[int]) -> dict[str, float] 
     """Each core's busy share of its ticks over ``windows`` (None: no samples carry ticks)."""
     if not windows or not all(samples[i].cpu_ticks and samples[i + 1].cpu_ticks for i in windows):
         return None
-    cores = len(samples[windows[0]].cpu_ticks)
     shares = {}
-    for core in range(cores):
+    for core in samples[windows[0]].cpu_ticks:
         busy = sum(samples[i + 1].cpu_ticks[core][0] - samples[i].cpu_ticks[core][0] for i in windows)
         ticks = sum(samples[i + 1].cpu_ticks[core][1] - samples[i].cpu_ticks[core][1] for i in windows)
-        shares[f"cpu{core}"] = busy / ticks if ticks else 0.0
+        shares[core] = busy / ticks if ticks else 0.0
     return shares
 
 

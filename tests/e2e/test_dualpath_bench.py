@@ -193,9 +193,10 @@ def test_nic_balance_weights_busy_windows():
 def test_nic_balance_reports_each_core_busy_while_the_links_moved_data():
     mbit = 8.0
     samples = [
-        NicSample(0.0, [0, 0], [0, 0], [(0, 0), (0, 0)]),
-        NicSample(1.0, [1_000_000, 1_000_000], [0, 0], [(100, 100), (50, 100)]),  # links busy: cpu0 full, cpu1 half
-        NicSample(2.0, [1_000_000, 1_000_000], [0, 0], [(100, 200), (50, 200)]),  # links idle, cores idle
+        NicSample(0.0, [0, 0], [0, 0], {"cpu0": (0, 0), "cpu1": (0, 0)}),
+        # links busy: cpu0 full, cpu1 half
+        NicSample(1.0, [1_000_000, 1_000_000], [0, 0], {"cpu0": (100, 100), "cpu1": (50, 100)}),
+        NicSample(2.0, [1_000_000, 1_000_000], [0, 0], {"cpu0": (100, 200), "cpu1": (50, 200)}),  # both idle
     ]
     balance = nic_balance(samples, ["pe0", "de0"], mbit, busy_fraction=0.25)
     assert balance["cpu_busy_while_links_busy"] == {"cpu0": 1.0, "cpu1": 0.5}
@@ -205,10 +206,11 @@ def test_nic_balance_reports_each_core_busy_while_the_links_moved_data():
 
 def test_cpu_ticks_counts_idle_and_iowait_as_not_busy(tmp_path):
     stat = tmp_path / "stat"
-    stat.write_text("cpu  9 9 9 9 9 9 9 9 0 0\ncpu0 10 1 5 80 4 0 0 0 0 0\ncpu1 1 0 1 97 1 0 0 0 0 0\nintr 5\n")
-    assert cpu_ticks(str(stat)) == [(16, 100), (2, 100)]
+    # cpu1 offline: the next core keeps its own number.
+    stat.write_text("cpu  9 9 9 9 9 9 9 9 0 0\ncpu0 10 1 5 80 4 0 0 0 0 0\ncpu2 1 0 1 97 1 0 0 0 0 0\nintr 5\n")
+    assert cpu_ticks(str(stat)) == {"cpu0": (16, 100), "cpu2": (2, 100)}
     here = cpu_ticks()  # this machine's: one entry per online core
-    assert here and all(0 <= busy <= ticks for busy, ticks in here)
+    assert here and all(0 <= busy <= ticks for busy, ticks in here.values())
 
 
 def test_ttft_breakdown_and_comparison():
@@ -230,7 +232,7 @@ def test_ttft_breakdown_and_comparison():
 
 
 def test_report_renders_table_and_plot(tmp_path):
-    samples = [NicSample(float(t), [t * 10**6, t * 10**6], [0, 0], [(90 * t, 100 * t)]) for t in range(4)]
+    samples = [NicSample(float(t), [t * 10**6, t * 10**6], [0, 0], {"cpu0": (90 * t, 100 * t)}) for t in range(4)]
     run = {
         "summary": {"jct_s": 12.0, "ttft_s": {"mean": 1.0, "p90": 2.0}, "tpot_s": {"p50": 0.03},
                     "read_sides": {"pe": 3, "de": 2}, "failed_requests": 0, "agents_failed": 0},
@@ -379,7 +381,7 @@ def test_storage_link_is_rate_limited_and_counted(prefix):
     assert seconds >= 0.7 * size * 8 / (mbit * 1e6)
     # Each sample also holds this machine's per-core ticks, which only grow.
     assert all(len(s.cpu_ticks) == len(sampler.samples[0].cpu_ticks) > 0 for s in sampler.samples)
-    assert sampler.samples[-1].cpu_ticks[0][1] > sampler.samples[0].cpu_ticks[0][1]
+    assert sampler.samples[-1].cpu_ticks["cpu0"][1] > sampler.samples[0].cpu_ticks["cpu0"][1]
     moved = sampler.samples[-1].read_bytes[0] - sampler.samples[0].read_bytes[0]
     assert size <= moved <= size * 1.1  # payload plus TCP/IP headers
     # The other node read nothing (a few IPv6 neighbour-discovery packets aside).
