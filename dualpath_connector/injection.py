@@ -85,7 +85,7 @@ class Injector:
         """Bulk mode: every layer now, then the buffer is free."""
         if hit.remote is not None:
             reads = self.post_remote_reads(hit)
-            if reads is not None and all(r.wait(self.transfer_timeout_s) for r in reads):
+            if reads is not None and all(self.remote_read_done(hit, r) for r in reads):
                 self.end_remote(hit)
                 return
             cancel(reads)
@@ -138,8 +138,13 @@ class Injector:
         self.view.copy_in(self._host, plan if plan is not None else self.plan(hits), layers)
 
     def post_remote_reads(self, hit: LoadedHit) -> list[PeerRead] | None:
-        """One READ per layer from the DE's buffer straight into the KV cache; None if NIXL refuses."""
+        """One READ per layer from the DE's buffer straight into the KV cache; None if NIXL refuses, or if the DE's
+        lease of the buffer may have ended (its slots may hold another read's chunks by now)."""
         remote = hit.remote
+        if remote.expired():
+            logger.warning("request %s: DE %s's lease of the hit's buffer ended before its READ", hit.req_id,
+                           remote.address)  # fmt: skip
+            return None
         local = self.view.regions
         chunks = hit.chunks
         layers = range(self.layout.num_layers)
@@ -158,6 +163,13 @@ class Injector:
         except Exception as exc:
             logger.warning("request %s: cannot READ from DE %s: %s", hit.req_id, remote.address, exc)
             return None
+
+    def remote_read_done(self, hit: LoadedHit, read: PeerRead) -> bool:
+        """True once ``read`` (from ``hit``'s DE buffer) ended before the DE's lease could; else False, once it
+        can no longer write here. One seen ending after the lease may have read slots the DE had reused."""
+        remote = hit.remote
+        done = read.wait(min(self.transfer_timeout_s, max(0.0, remote.deadline - time.monotonic())))
+        return done and not remote.expired()
 
     def end_remote(self, hit: LoadedHit) -> None:
         """Every layer of a DE-read hit arrived: count it and hand the DE its buffer back."""
@@ -206,7 +218,7 @@ class LayerwiseInjection:
         entered = time.perf_counter()
         for hit in list(self.remote):
             reads = self.reads[id(hit)]
-            if reads is None or not reads[layer].wait(self.injector.transfer_timeout_s):
+            if reads is None or not self.injector.remote_read_done(hit, reads[layer]):
                 # Earlier layers are in; this one onwards come from the store here, once no READ can land on them.
                 cancel(reads)
                 self.injector.repair(hit)

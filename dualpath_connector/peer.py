@@ -7,19 +7,33 @@ Both PD roles run one :class:`PeerLink`. It answers peers on the side channel:
 - ``read`` (served by a DE for a PE): read hit chunks from the store into this
   engine's registered host buffer and lease them until the PE has pulled them.
 
+- ``claim_hold`` (served by a PE for a DE, before the DE READs a hand-off's
+  blocks): answered with a claim token and a deadline only while the hold
+  lives and no other DE claimed it; the hold then lasts until that READ's
+  notification or the claim's deadline, whichever is first. A claim that
+  comes before its hold registered (the hold reaches this worker with the
+  engine's next step) is answered when it does. NIXL READs are one-sided, so
+  this is where a DE that comes after the hold ended (its blocks already
+  another request's), or a second DE with the same hand-off, is refused: it
+  recomputes the prompt instead of reading reused blocks.
 - ``release_hold`` (served by a PE for a router): the DE named in a hand-off
   will not pull it (it refused the request, or the client went away), so the
-  hold ends now, not at its lease.
+  hold ends now, not at its lease. A claimed hold is the claimer's to end.
 
 It handles two NIXL notification prefixes, registered with the agent's one
 dispatcher (:mod:`nixl_backends.notifications`, shared with the store's):
-``pulled:<req>:<hold token>`` from a DE ends a PE's hold on a finished
-prefill's blocks; ``release:<lease>`` from a PE ends a DE's lease on its
-buffer. NIXL notifications are not authenticated, so a hold ends only with the
-secret its hand-off carried (a ``pulled:`` without it, or for no hold here, is
-counted and ignored, and kept at most a lease, in case its hold registers
-next), and a lease id is itself a random secret. Every hold has an expiry, so
-a peer that vanishes never pins memory for good.
+``pulled:<req>:<claim token>`` from a DE's READ ends a PE's claimed hold
+(``pulled:<req>:<hold token>``, from a DE with nothing to copy, ends an
+unclaimed one); ``release:<lease>`` from a PE ends a DE's lease on its
+buffer. NIXL notifications are not authenticated, so a hold ends only with a
+secret (a ``pulled:`` without it, or for no hold here, is counted and ignored,
+and kept at most a lease, in case its hold registers next), and a lease id is
+itself a random secret. Every hold and lease has an expiry on this process's
+monotonic clock, so a peer that vanishes never pins memory for good.
+
+A DE's read answer says how long its lease has left, counted from when the
+request came in (``lease_s``): the PE counts it from when it sent the request,
+and reads the buffer only before then (:class:`~dualpath_connector.read_path.RemoteBuffer`).
 
 A lease taken with a keep token (the DE reads a hit for the PE that will hand
 it the same prompt to decode) does not return its slots on release: they are
@@ -48,6 +62,7 @@ from nixl_backends.notifications import dispatcher_for
 from dualpath_connector.cluster_auth import ClusterKey
 from dualpath_connector.kv_regions import KVRegions
 from dualpath_connector.protocol import (
+    OP_CLAIM_HOLD,
     OP_HELLO,
     OP_READ,
     OP_RELEASE_HOLD,
@@ -55,11 +70,14 @@ from dualpath_connector.protocol import (
     PULLED,
     RELEASE,
     VERSION_KEY,
+    ClaimHold,
+    HoldClaim,
     ProtocolError,
     ReadRequest,
     ReleaseHold,
     check_version,
     hello_message,
+    new_hold_token,
     parse_pulled,
 )
 from dualpath_connector.side_channel import SideChannelServer, decode_bytes, encode_bytes, rank_address
@@ -82,6 +100,7 @@ class PeerLink:
         local_kv: KVRegions,
         serve_read: Callable[[ReadRequest, Callable[[dict[str, Any]], None]], None],
         lease_s: float,
+        claim_s: float = 30.0,
         cpu_affinity: set[int] | None = None,
         key: ClusterKey | None = None,
         tp_rank: int = 0,
@@ -94,6 +113,8 @@ class PeerLink:
         self._local_kv = local_kv
         self._serve_read = serve_read
         self._lease_s = lease_s
+        # How long a DE's claimed READ may take (PE); a claim waits at most half of it for its hold to register.
+        self._claim_s = claim_s
         # This rank serves at port + tp_rank and talks to the same rank of every peer (side_channel.rank_address).
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self._lock = threading.Lock()
@@ -107,6 +128,9 @@ class PeerLink:
         # engine's next step, and a DE can refuse the request sooner) and holds that ended, each with its time
         # (time.monotonic()); both kept a lease, so a release can tell "not yet held" from "ended already".
         self._early_releases: dict[str, tuple[str, float]] = {}  # request id -> (hold token, time)
+        # Claims that came before their hold registered, answered when it does (or refused after claim_s / 2).
+        self._early_claims: dict[str, tuple[str, Callable[[dict[str, Any]], None], float]] = {}
+        self.refused_claims = 0  # claims answered with a refusal (hold ended, claimed already, wrong token)
         self._ended_holds: dict[str, float] = {}
         self.forged_notifications = 0  # pulled: notifications that named no hold or carried the wrong token
         # DE: buffer slots lent to a PE, by lease; kept for this engine's decode after the release, by token.
@@ -117,7 +141,8 @@ class PeerLink:
         self._notifications.register(RELEASE, lambda message: self._released(message[len(RELEASE):].decode()))
         self._server = SideChannelServer(
             host, port + tp_rank, self._key,
-            {OP_HELLO: self._hello, OP_READ: self._read, OP_RELEASE_HOLD: self._release_hold}, self._tick,
+            {OP_HELLO: self._hello, OP_READ: self._read, OP_RELEASE_HOLD: self._release_hold,
+             OP_CLAIM_HOLD: self._claim_hold}, self._tick,
             cpu_affinity=cpu_affinity,
         )  # fmt: skip
 
@@ -157,7 +182,9 @@ class PeerLink:
         req_id = release.remote_request_id
         with self._lock:
             hold = self._holds.get(req_id)
-            released = hold is not None and hmac.compare_digest(hold.token, release.hold_token)
+            # A claimed hold ends with its READ (or the claim's deadline): its DE may be reading it now.
+            released = (hold is not None and hold.claim_token is None
+                        and hmac.compare_digest(hold.token, release.hold_token))  # fmt: skip
             pending = (hold is None and req_id not in self._ended_holds
                        and len(self._early_releases) < _MAX_EARLY)  # fmt: skip
             if released:
@@ -168,6 +195,38 @@ class PeerLink:
             logger.info("request %s: its DE will not pull it; blocks released", req_id)
         reply({"released": released, "pending": pending})
 
+    def _claim_hold(self, message: dict[str, Any], reply: Callable[[dict[str, Any]], None]) -> None:
+        claim = ClaimHold.from_message(message)
+        req_id = claim.remote_request_id
+        with self._lock:
+            if (req_id not in self._holds and req_id not in self._ended_holds and req_id not in self._early_claims
+                    and len(self._early_claims) < _MAX_EARLY):  # fmt: skip
+                self._early_claims[req_id] = (claim.hold_token, reply, time.monotonic())
+                return
+            answer = self._grant(req_id, claim.hold_token)
+        reply(answer)
+
+    def _grant(self, req_id: str, token: str) -> dict[str, Any]:
+        """Under the lock: the answer to a claim of ``req_id``'s hold with ``token``; granted at most once."""
+        hold = self._holds.get(req_id)
+        if hold is None:
+            refusal = "no hold (it ended, or never registered here)"
+        elif not hmac.compare_digest(hold.token, token):
+            refusal = "the wrong hold token"
+        elif hold.claim_token is not None:
+            refusal = "claimed already (the hand-off was pulled once)"
+        elif hold.expires_at < time.monotonic():
+            refusal = "its lease ended"
+        else:
+            claim = HoldClaim(new_hold_token(), self._claim_s)
+            # From now on only the claimer's READ (or the claim's end) ends the hold: the blocks are its.
+            self._holds[req_id] = dataclasses.replace(hold, expires_at=time.monotonic() + claim.claim_s,
+                                                      claim_token=claim.claim_token)  # fmt: skip
+            return claim.to_message()
+        self.refused_claims += 1
+        logger.warning("request %s: a DE's claim of its hold refused: %s", req_id, refusal)
+        return {"error": f"hold of request {req_id}: {refusal}"}
+
     def _end_hold(self, req_id: str) -> None:
         """Under the lock: the hold is over; vLLM frees its blocks after this engine's next step."""
         self._holds.pop(req_id, None)
@@ -175,17 +234,22 @@ class PeerLink:
         self._ended_holds[req_id] = time.monotonic()
 
     def lease(
-        self, pool: HostBufferPool, slots: list[int], keep_token: str | None = None, chunk_hashes: list[str] = ()
-    ) -> str:
+        self, pool: HostBufferPool, slots: list[int], since: float, keep_token: str | None = None,
+        chunk_hashes: list[str] = (),
+    ) -> tuple[str, float]:
         """Lend ``slots`` of ``pool`` to a peer until it sends ``release:<lease>`` or the lease expires.
 
+        Returns the lease id and the seconds from ``since`` (time.monotonic():
+        when the peer's request came in) to its end, never more: the peer
+        counts them from sending the request, and reads the slots only until then.
         With ``keep_token``, the release keeps the slots (holding
         ``chunk_hashes``, one per slot) for :meth:`claim_kept`.
         """
         lease = uuid.uuid4().hex
         with self._lock:
-            self._leases[lease] = _Lease(pool, slots, time.monotonic() + self._lease_s, keep_token, list(chunk_hashes))
-        return lease
+            expires_at = time.monotonic() + self._lease_s
+            self._leases[lease] = _Lease(pool, slots, expires_at, keep_token, list(chunk_hashes))
+        return lease, expires_at - since
 
     @property
     def kept_slots(self) -> int:
@@ -211,17 +275,26 @@ class PeerLink:
     # -- PE holds -------------------------------------------------------------
 
     def hold(self, req_id: str, expires_at: float, token: str, num_blocks: int) -> None:
-        """Keep a finished prefill's blocks for its DE until pulled (with ``token``) or ``expires_at`` (time.time())."""
+        """Keep a finished prefill's blocks for its DE until pulled (with ``token``) or ``expires_at`` (time.time()).
+
+        ``expires_at`` comes from the scheduler's process on the wall clock; it is kept on the monotonic one.
+        """
         with self._lock:
             early = self._early_releases.pop(req_id, None)
-            if early is not None and hmac.compare_digest(early[0], token):
+            claim = self._early_claims.pop(req_id, None)
+            released = early is not None and hmac.compare_digest(early[0], token)
+            if released:
                 self._end_hold(req_id)
-                logger.info("request %s: released before its hold registered; blocks released", req_id)
-                return
-            if early is not None:
-                self.forged_notifications += 1
-                logger.warning("request %s: a release with the wrong hold token; ignored", req_id)
-            self._holds[req_id] = _Hold(expires_at, token, num_blocks)
+            else:
+                if early is not None:
+                    self.forged_notifications += 1
+                    logger.warning("request %s: a release with the wrong hold token; ignored", req_id)
+                self._holds[req_id] = _Hold(time.monotonic() + (expires_at - time.time()), token, num_blocks)
+            answer = self._grant(req_id, claim[0]) if claim is not None else None
+        if released:
+            logger.info("request %s: released before its hold registered; blocks released", req_id)
+        if claim is not None:
+            claim[1](answer)
 
     @property
     def held_blocks(self) -> int:
@@ -241,15 +314,18 @@ class PeerLink:
         # Reading notifications also progresses UCX, which a peer's READ of
         # memory lent out here may need (TCP emulates RMA with messages).
         self._notifications.poll()
-        now_wall, now = time.time(), time.monotonic()
+        now = time.monotonic()
+        refused_claims = []
         with self._lock:
             for req_id, hold in list(self._holds.items()):
                 pulled = self._pulled.pop(req_id, None)
-                if pulled is not None and not hmac.compare_digest(pulled[0], hold.token):
+                # A claimed hold ends with its claimer's READ; an unclaimed one with the hand-off's token.
+                token = hold.claim_token if hold.claim_token is not None else hold.token
+                if pulled is not None and not hmac.compare_digest(pulled[0], token):
                     self.forged_notifications += 1
-                    logger.warning("request %s: a pulled notification with the wrong hold token; ignored", req_id)
+                    logger.warning("request %s: a pulled notification with the wrong token; ignored", req_id)
                     pulled = None
-                if pulled is None and hold.expires_at >= now_wall:
+                if pulled is None and hold.expires_at >= now:
                     continue
                 if pulled is None:
                     logger.warning("request %s: no DE pulled its KV within the lease; blocks released", req_id)
@@ -259,6 +335,9 @@ class PeerLink:
                 for req_id in [r for r, (_, at) in early.items() if now - at > self._lease_s]:
                     del early[req_id]
                     self.forged_notifications += 1
+            for req_id in [r for r, (_, _, at) in self._early_claims.items() if now - at > self._claim_s / 2]:
+                refused_claims.append(self._early_claims.pop(req_id)[1])
+                self.refused_claims += 1
             while self._ended_holds:  # in the order they ended: the oldest first
                 req_id, at = next(iter(self._ended_holds.items()))
                 if now - at <= self._lease_s:
@@ -266,6 +345,8 @@ class PeerLink:
                 del self._ended_holds[req_id]
             expired = {k: self._leases.pop(k) for k in [k for k, v in self._leases.items() if v.expires_at < now]}
             expired_kept = {k: self._kept.pop(k) for k in [k for k, v in self._kept.items() if v.expires_at < now]}
+        for reply in refused_claims:
+            reply({"error": f"no hold registered here within {self._claim_s / 2:.1f}s"})
         for lease, held in expired.items():
             logger.warning("buffer lease %s expired before the PE released it", lease)
             held.pool.release(held.slots)
@@ -330,6 +411,15 @@ class PeerLink:
         """One side-channel request to this rank of the engine at ``address``, signed with this engine's cluster key."""
         return side_channel_request(rank_address(address, self.tp_rank), message, timeout_s, self._key)
 
+    def claim(self, address: str, remote_request_id: str, hold_token: str, timeout_s: float) -> tuple[HoldClaim, float]:
+        """Claim the PE's hold on a hand-off before READing it: the claim, and the time.monotonic() by which that
+        READ must have ended (counted from sending the claim, before the PE's own deadline). Raises
+        :class:`~dualpath_connector.side_channel.SideChannelError` if the PE refuses (the hold is gone or taken)."""
+        sent = time.monotonic()
+        claim = HoldClaim.from_message(self.request(address, ClaimHold(remote_request_id, hold_token).to_message(),
+                                                    timeout_s))  # fmt: skip
+        return claim, sent + claim.claim_s
+
     def forget(self, address: str) -> None:
         """Drop a peer after a failure; the next use handshakes again (it may have restarted)."""
         with self._lock:
@@ -354,11 +444,13 @@ class PeerLink:
 
 @dataclasses.dataclass(frozen=True)
 class _Hold:
-    """A PE's finished prefill held for its DE: until ``expires_at`` (time.time()) or a pull naming ``token``."""
+    """A PE's finished prefill held for its DE: until ``expires_at`` (time.monotonic()) or a pull naming ``token``
+    (``claim_token`` once a DE claimed it)."""
 
     expires_at: float
     token: str
     num_blocks: int
+    claim_token: str | None = None
 
 
 @dataclasses.dataclass

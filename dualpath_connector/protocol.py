@@ -6,8 +6,8 @@ here and nowhere else:
 - the ``kv_transfer_params`` the router sends a prefill engine
   (:class:`PrefillRequest`) and the hand-off a PE answers with and the router
   passes to a decode engine (:class:`PrefillHandoff`);
-- the side-channel operations between engines (``hello``, ``read``), their
-  messages and the NIXL notification prefixes (``pulled:``, ``release:``);
+- the side-channel operations between engines (``hello``, ``read``,
+  ``claim_hold``, ``release_hold``), their messages and the NIXL notification prefixes (``pulled:``, ``release:``);
 - metric names (``dualpath_kv:*``) and the store key space an engine exports as
   the labels of ``dualpath_kv:store_namespace_info`` (:class:`StoreKeySpace`);
 - one parser of Prometheus text (:func:`metric_samples`, :func:`metric_total`), and one reader of
@@ -29,7 +29,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from nixl_backends.layout import BlockLayout, KVNamespace, chunk_hashes, chunk_key, shard_chunk_hash
 
@@ -37,7 +37,9 @@ from nixl_backends.layout import BlockLayout, KVNamespace, chunk_hashes, chunk_k
 # 2: side-channel messages are signed (cluster_auth); stored chunks carry integrity trailers.
 # 3: the hello answer's KV regions carry num_blocks and block_stride (cross-layer layouts).
 # 4: a DE keeps a hit it read for a PE (read ``keep_token``, hand-off ``kept_*``) and pulls only the rest.
-PROTOCOL_VERSION = 5
+# 5: a read answer's ``layer_stride`` (layer-major buffers).
+# 6: a DE claims a hold before it READs (``claim_hold``); a read answer carries its lease's time (``lease_s``).
+PROTOCOL_VERSION = 6
 VERSION_KEY = "dualpath_version"
 
 
@@ -225,9 +227,11 @@ class PrefillHandoff:
 OP_HELLO = "hello"
 OP_READ = "read"
 OP_RELEASE_HOLD = "release_hold"
+OP_CLAIM_HOLD = "claim_hold"
 # NIXL notifications: a DE's READ of a prefilled prompt ends with PULLED + the
-# PE's request id + ":" + the hand-off's hold token; a PE hands a DE's leased
-# buffer back with RELEASE + lease (a lease id is itself unguessable).
+# PE's request id + ":" + the claim token the PE answered its claim with (a DE
+# with nothing to pull sends the hand-off's hold token instead); a PE hands a
+# DE's leased buffer back with RELEASE + lease (a lease id is itself unguessable).
 PULLED = b"pulled:"
 RELEASE = b"release:"
 
@@ -249,18 +253,59 @@ def parse_pulled(message: bytes) -> tuple[str, str] | None:
 class ReleaseHold:
     """Router -> PE: the DE will not pull this hand-off (it refused the request, or the client went away)."""
 
+    OP: ClassVar[str] = OP_RELEASE_HOLD
     remote_request_id: str
     hold_token: str
 
     def to_message(self) -> dict[str, Any]:
-        return {"op": OP_RELEASE_HOLD, VERSION_KEY: PROTOCOL_VERSION, "remote_request_id": self.remote_request_id,
+        return {"op": self.OP, VERSION_KEY: PROTOCOL_VERSION, "remote_request_id": self.remote_request_id,
                 "hold_token": self.hold_token}  # fmt: skip
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> ReleaseHold:
-        check_version(message, "the release_hold message")
+        check_version(message, f"the {cls.OP} message")
         return cls(_nonempty_str(message.get("remote_request_id"), "remote_request_id"),
                    _keep_token(message.get("hold_token"), "hold_token"))  # fmt: skip
+
+
+class ClaimHold(ReleaseHold):
+    """DE -> PE, before any READ of a hand-off's blocks: the PE answers with a :class:`HoldClaim` only while the
+    hold lives and nobody claimed it, and keeps the blocks until that READ's notification or the claim's end.
+
+    NIXL READs are one-sided: the PE cannot refuse one at read time, so the
+    claim is where a late DE (the hold expired and the blocks went to another
+    request) or a second DE with the same hand-off is refused.
+    """
+
+    OP: ClassVar[str] = OP_CLAIM_HOLD
+
+
+@dataclass(frozen=True)
+class HoldClaim:
+    """PE -> DE: the hold is this DE's for ``claim_s`` seconds from when the PE answered; its READ's notification
+    carries ``claim_token`` (:func:`pulled_notification`).
+
+    The DE counts ``claim_s`` from when it *sent* the claim, which is earlier,
+    so its deadline falls before the PE's on any pair of clocks that tick at
+    the same rate: it posts no READ, and trusts none that ends, after it.
+    """
+
+    claim_token: str
+    claim_s: float
+
+    def to_message(self) -> dict[str, Any]:
+        return {"claim_token": self.claim_token, "claim_s": self.claim_s}
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> HoldClaim:
+        return cls(_keep_token(message.get("claim_token"), "claim_token"), _seconds(message.get("claim_s"), "claim_s"))
+
+
+def _seconds(value: Any, name: str) -> float:
+    """A positive, finite number of seconds (NaN and infinity are refused: a deadline must end)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < 1e9:
+        raise ProtocolError(f"{name} must be a positive number of seconds, got {value!r}"[:200])
+    return float(value)
 
 
 def hello_message() -> dict[str, Any]:
@@ -296,13 +341,11 @@ class ReadRequest:
         hashes = message.get("chunk_hashes")
         if not isinstance(hashes, list) or not all(isinstance(h, str) for h in hashes):
             raise ProtocolError("chunk_hashes must be a list of strings")
-        deadline = message.get("deadline_s")
-        if not isinstance(deadline, (int, float)) or isinstance(deadline, bool) or not deadline > 0:
-            raise ProtocolError(f"deadline_s must be a positive number, got {deadline!r}")
+        deadline = _seconds(message.get("deadline_s"), "deadline_s")
         token = message.get("keep_token")
         if token is not None:
             token = _keep_token(token, "keep_token")
-        return cls(str(message.get("namespace")), hashes, float(deadline), token)
+        return cls(str(message.get("namespace")), hashes, deadline, token)
 
 
 @dataclass(frozen=True)
@@ -311,31 +354,37 @@ class ReadAnswer:
 
     ``chunk_addrs`` name each chunk's layer 0; layer ``l`` is ``l * layer_stride``
     further (one Layer Block in a chunk-major buffer, a band in a layer-major
-    one: version 5).
+    one: version 5). ``lease_s``: from when the DE *received* the read request
+    until its lease ends (version 6). The PE counts it from when it sent the
+    request, which is earlier, so it reads the buffer only while the DE
+    surely still lends it.
     """
 
     readable: int
     lease: str | None
     chunk_addrs: list[int]
     layer_stride: int = 0
+    lease_s: float = 0.0
 
     def to_message(self) -> dict[str, Any]:
         return {"readable": self.readable, "lease": self.lease, "chunk_addrs": list(self.chunk_addrs),
-                "layer_stride": self.layer_stride}  # fmt: skip
+                "layer_stride": self.layer_stride, "lease_s": self.lease_s}  # fmt: skip
 
     @classmethod
     def from_message(cls, message: dict[str, Any], asked: int) -> ReadAnswer:
         readable = message.get("readable")
         if not isinstance(readable, int) or isinstance(readable, bool) or not 0 <= readable <= asked:
             raise ProtocolError(f"readable must be an integer in [0, {asked}], got {readable!r}")
+        if not readable:
+            return cls(0, None, [])
         addrs = _int_list(message.get("chunk_addrs"), "chunk_addrs")
         lease = message.get("lease")
-        if readable and (len(addrs) != readable or not isinstance(lease, str) or not lease):
+        if len(addrs) != readable or not isinstance(lease, str) or not lease:
             raise ProtocolError("a read answer names one address per readable chunk and a lease")
         stride = message.get("layer_stride", 0)
-        if not isinstance(stride, int) or isinstance(stride, bool) or not (0 < stride < 1 << 48 or not readable):
+        if not isinstance(stride, int) or isinstance(stride, bool) or not 0 < stride < 1 << 48:
             raise ProtocolError(f"layer_stride must be a positive integer, got {stride!r}")
-        return cls(readable, lease if readable else None, addrs[:readable], stride)
+        return cls(readable, lease, addrs, stride, _seconds(message.get("lease_s"), "lease_s"))
 
 
 # -- metrics ---------------------------------------------------------------------

@@ -1,8 +1,13 @@
 """DE: pull a prefilled prompt's KV straight from the PE's KV cache (NIXL READ).
 
-The READ carries ``pulled:<PE request id>:<hold token>``: its completion tells the PE it may
-free the blocks it holds for this DE. A pull with nothing to copy (a local
-prefix hit, an aborted request) only sends that notification.
+First the DE claims the PE's hold on the blocks (side channel): the PE grants a
+claim once, and only while the hold lives, for ``claim_s`` seconds. The READ is
+posted only before the claim's deadline and trusted only if it ended before it;
+otherwise the blocks may already hold another request's KV, and vLLM recomputes
+the prompt here instead. The READ carries ``pulled:<PE request id>:<claim token>``:
+its completion tells the PE it may free the blocks. A pull with nothing to copy
+(a local prefix hit, an aborted request) only sends ``pulled:`` with the
+hand-off's hold token.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dualpath_connector.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import PullSpec
 from dualpath_connector.peer import PeerLink
 from dualpath_connector.protocol import pulled_notification
+from dualpath_connector.side_channel import SideChannelError
 from dualpath_connector.stats_recorder import StatsRecorder
 
 logger = logging.getLogger(__name__)
@@ -47,28 +53,22 @@ class PromptPuller:
         """Copy ``spec``'s blocks from the PE; False if they did not all arrive (vLLM recomputes them)."""
         started = time.perf_counter()
         address = spec.remote_side_channel
-        notification = pulled_notification(spec.remote_req_id, spec.remote_hold_token)
-        ok = False
+        ok, healthy = False, True
         try:
             peer = self.peers.peer(address, self.transfer_timeout_s)
             if not spec.block_ids:
                 # Nothing to copy: only the PE's blocks to release.
-                self.peers.notify(peer.agent, notification)
+                self.peers.notify(peer.agent, pulled_notification(spec.remote_req_id, spec.remote_hold_token))
                 return True
             local = self.view.regions
             if len(spec.remote_block_ids) == len(spec.block_ids) and self._same_block_geometry(local, peer):
-                layers = list(range(self.view.num_layers))
-                read = post_read(
-                    self.agent,
-                    peer.agent,
-                    local.rows(layers, np.asarray(spec.block_ids)),
-                    local.mem_type,
-                    peer.rows(layers, np.asarray(spec.remote_block_ids)),
-                    peer.mem_type,
-                    notification,
-                )
-                ok = read.wait(self.transfer_timeout_s)
+                ok = self._claimed_read(spec, peer, local)
+        except SideChannelError as exc:
+            # Refused (the hold ended or was claimed) or late, not known to be gone: other pulls may be READing
+            # from it right now, and forgetting it would fail them.
+            logger.warning("request %s: PE %s did not lend its prompt KV: %s", spec.req_id, address, exc)
         except Exception as exc:
+            healthy = False
             logger.warning("request %s: pulling its prompt KV from PE %s failed: %s", spec.req_id, address, exc)
         if not spec.block_ids:
             return True
@@ -77,10 +77,36 @@ class PromptPuller:
             self.stats.add(bytes_pulled_from_peer=nbytes, pulled_tokens=len(spec.block_ids) * self.block_size)
             self.stats.sample("compute_network_bytes_per_request", nbytes)
         else:
-            self.peers.forget(address)
+            if not healthy:
+                self.peers.forget(address)
             self.stats.add(pull_failed_tokens=len(spec.block_ids) * self.block_size)
             logger.warning("request %s: prompt KV not pulled from PE %s; recomputing it", spec.req_id, address)
         self.stats.sample("pull_seconds", time.perf_counter() - started)
+        return ok
+
+    def _claimed_read(self, spec: PullSpec, peer, local) -> bool:
+        """Claim the PE's hold, then READ within the claim: True only if the READ ended before its deadline."""
+        claim, deadline = self.peers.claim(spec.remote_side_channel, spec.remote_req_id, spec.remote_hold_token,
+                                           self.transfer_timeout_s)  # fmt: skip
+        layers = list(range(self.view.num_layers))
+        if time.monotonic() >= deadline:
+            logger.warning("request %s: the PE's claim ended before the READ could start", spec.req_id)
+            return False
+        read = post_read(
+            self.agent,
+            peer.agent,
+            local.rows(layers, np.asarray(spec.block_ids)),
+            local.mem_type,
+            peer.rows(layers, np.asarray(spec.remote_block_ids)),
+            peer.mem_type,
+            pulled_notification(spec.remote_req_id, claim.claim_token),
+        )
+        # wait() returns False only once the READ can no longer write here; a READ seen ending after the
+        # deadline may have read blocks the PE had freed by then, so its bytes are not trusted either.
+        ok = read.wait(min(self.transfer_timeout_s, deadline - time.monotonic()))
+        if ok and time.monotonic() >= deadline:
+            logger.warning("request %s: the READ of its prompt KV ended after the PE's claim did", spec.req_id)
+            return False
         return ok
 
     @staticmethod

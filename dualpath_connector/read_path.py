@@ -62,13 +62,22 @@ _DE_READ_THREADS = 8
 
 @dataclass
 class RemoteBuffer:
-    """Hit chunks a DE read into its host buffer, leased to this engine until released."""
+    """Hit chunks a DE read into its host buffer, leased to this engine until released.
+
+    ``deadline`` (time.monotonic()): the DE's lease surely still runs before it;
+    no READ of the buffer is posted, or trusted, after it (the DE hands the
+    slots to other reads once its lease ends).
+    """
 
     address: str
     peer: KVRegions
     lease: str
     chunk_addrs: list[int]  # each chunk's layer 0
     layer_stride: int  # from a chunk's layer l to its layer l + 1
+    deadline: float
+
+    def expired(self) -> bool:
+        return time.monotonic() >= self.deadline
 
 
 @dataclass
@@ -346,6 +355,7 @@ class HitReader:
         request = ReadRequest(self.key_space.digest, [c.chunk_hash for c in spec.chunks], timeout_s, spec.keep_token)
         try:
             peer = self.peers.peer(address, timeout_s)
+            sent = time.monotonic()  # the DE counts its lease from receiving the request, which is later
             message = self.peers.request(address, request.to_message(), timeout_s)
             answer = ReadAnswer.from_message(message, len(spec.chunks))
         except PeerBusy as exc:
@@ -366,7 +376,7 @@ class HitReader:
             return None
         if not answer.readable:
             return LoadedHit(spec.req_id, [])
-        remote = RemoteBuffer(address, peer, answer.lease, answer.chunk_addrs, answer.layer_stride)
+        remote = RemoteBuffer(address, peer, answer.lease, answer.chunk_addrs, answer.layer_stride, sent + answer.lease_s)
         return LoadedHit(spec.req_id, spec.chunks[: answer.readable], remote=remote)
 
     def repair(self, hit: LoadedHit) -> None:
@@ -378,9 +388,14 @@ class HitReader:
         leaves no correct answer, so that is an error.
         """
         remote, hit.remote = hit.remote, None
-        logger.warning("request %s: READ from DE %s failed; reading the hit from the store here", hit.req_id,
-                       remote.address)  # fmt: skip
-        self.peers.forget(remote.address)
+        if remote.expired():
+            # The DE is fine; its lease of the buffer ran out before this engine's READ ended.
+            logger.warning("request %s: DE %s's lease of the hit's buffer ended before the READ did; reading the "
+                           "hit from the store here", hit.req_id, remote.address)  # fmt: skip
+        else:
+            logger.warning("request %s: READ from DE %s failed; reading the hit from the store here", hit.req_id,
+                           remote.address)  # fmt: skip
+            self.peers.forget(remote.address)
         self.stats.add(de_read_fallbacks=1)
         result: list[LoadedHit] = []
         self.lane.run_now(lambda: result.append(self.read_here(LoadSpec(hit.req_id, hit.chunks))))
@@ -430,7 +445,7 @@ class HitReader:
                     self._decline(late, reply)
                     timed.finished("declined")
                 else:
-                    answer = self._read_for_peer(request)
+                    answer = self._read_for_peer(request, received)
                     reply(answer)
                     readable = answer.get("readable", 0)
                     timed.finished("read" if readable else "failed", readable)
@@ -443,7 +458,7 @@ class HitReader:
         self.stats.add(de_reads_declined=1)
         reply({"error": reason, "busy": True})
 
-    def _read_for_peer(self, request: ReadRequest) -> dict[str, Any]:
+    def _read_for_peer(self, request: ReadRequest, received: float) -> dict[str, Any]:
         chunk_hashes = request.chunk_hashes
         try:
             slots = self.pool.acquire(len(chunk_hashes))
@@ -461,11 +476,12 @@ class HitReader:
         self.pool.release(slots[readable:])
         nbytes = readable * self.key_space.layout.full_block_bytes
         self.stats.add(bytes_read=nbytes, bytes_read_for_peer=nbytes)
-        lease = None
-        if readable:
-            lease = self.peers.lease(self.pool, slots[:readable], request.keep_token, chunk_hashes[:readable])
-        return ReadAnswer(readable, lease, [self.pool.slot_addr(s) for s in slots[:readable]],
-                          self._layer_stride).to_message()
+        if not readable:
+            return ReadAnswer(0, None, []).to_message()
+        lease, lease_s = self.peers.lease(self.pool, slots[:readable], received, request.keep_token,
+                                          chunk_hashes[:readable])  # fmt: skip
+        return ReadAnswer(readable, lease, [self.pool.slot_addr(s) for s in slots[:readable]], self._layer_stride,
+                          lease_s).to_message()  # fmt: skip
 
     def shutdown(self) -> None:
         self._de_reads.shutdown(wait=True, cancel_futures=True)

@@ -175,6 +175,7 @@ class DualPathWorker:
                 regions,
                 lambda request, reply: self.reader.serve_peer(request, reply),
                 self.config.pd_lease_s,
+                self.config.pd_transfer_timeout_s,
                 self._transfer_cores,
                 tp_rank=self.tp_rank,
                 tp_size=self.tp_size,

@@ -64,7 +64,8 @@ def cluster_key(monkeypatch):
 class Side:
     """An agent with a registered two-layer "KV cache" and a PeerLink."""
 
-    def __init__(self, lease_s: float = 30.0, port: int | None = None, tp_rank: int = 0, tp_size: int = 1) -> None:
+    def __init__(self, lease_s: float = 30.0, port: int | None = None, tp_rank: int = 0, tp_size: int = 1,
+                 claim_s: float = 30.0) -> None:
         from nixl._api import nixl_agent, nixl_agent_config, nixl_thread_sync_t
 
         self.agent = nixl_agent(
@@ -82,9 +83,11 @@ class Side:
         self.reads: list[list[str]] = []
         self.deadlines: list[float] = []
         self.busy = False
+        self.read_s = 0.0
         self.port = free_port() if port is None else port  # the engine's: rank r serves at port + r
         self.link = PeerLink(
-            self.agent, "127.0.0.1", self.port, "ns-1", self.kv(), self.serve_read, lease_s, tp_rank=tp_rank, tp_size=tp_size
+            self.agent, "127.0.0.1", self.port, "ns-1", self.kv(), self.serve_read, lease_s, claim_s, tp_rank=tp_rank,
+            tp_size=tp_size,
         )
 
     @property
@@ -104,6 +107,8 @@ class Side:
         )
 
     def serve_read(self, read: ReadRequest, reply) -> None:
+        received = time.monotonic()
+        time.sleep(self.read_s)  # a store read that takes this long (not synchronisation)
         chunk_hashes = read.chunk_hashes
         self.reads.append(chunk_hashes)
         self.deadlines.append(read.deadline_s)
@@ -111,9 +116,9 @@ class Side:
             reply({"error": "queue too long", "busy": True})
             return
         slots = self.pool.acquire(len(chunk_hashes))
-        lease = self.link.lease(self.pool, slots, read.keep_token, chunk_hashes)
+        lease, lease_s = self.link.lease(self.pool, slots, received, read.keep_token, chunk_hashes)
         reply({"readable": len(slots), "lease": lease, "chunk_addrs": [self.pool.slot_addr(s) for s in slots],
-               "layer_stride": BLOCK_BYTES})
+               "layer_stride": BLOCK_BYTES, "lease_s": lease_s})
 
     def close(self) -> None:
         self.link.close()
@@ -156,10 +161,13 @@ def test_de_pulls_pe_blocks_and_the_notification_ends_the_hold(pair):
     assert pe.link.held_blocks == 3
     peer = de.link.peer(pe.address, timeout_s=5)
     assert peer.layer_addrs == tuple(layer.ctypes.data for layer in pe.layers)
+    claimed_at = time.monotonic()
+    claim, deadline = de.link.claim(pe.address, "req-1", TOKEN, timeout_s=5)
+    assert claim.claim_s == 30.0 and claimed_at + 30.0 <= deadline <= time.monotonic() + 30.0
     remote_blocks, local_blocks = [3, 7, 8], [0, 1, 15]
     read = post_read(
         de.agent, peer.agent, rows(de.layers, local_blocks), "DRAM", rows(pe.layers, remote_blocks), "DRAM",
-        pulled_notification("req-1", TOKEN),
+        pulled_notification("req-1", claim.claim_token),
     )
     assert read.wait(10.0)
     for pe_layer, de_layer in zip(pe.layers, de.layers):
@@ -222,6 +230,118 @@ def test_a_hold_nobody_pulls_expires(pair):
     pe, _ = pair
     pe.link.hold("req-2", time.time() + 0.2, TOKEN, 1)
     assert wait_for(pe.link.take_released_holds) == {"req-2"}
+
+
+# -- claims: a hand-off is READ once, and only while its hold lives ---------------------------------
+
+
+def blocks_bytes(layers: list[np.ndarray], blocks: list[int]) -> list[bytes]:
+    return [layer[b * BLOCK_BYTES : (b + 1) * BLOCK_BYTES].tobytes() for layer in layers for b in blocks]
+
+
+def sync_notifications(pe: Side, de: Side) -> None:
+    """A pull behind what ``de`` sent ``pe`` before: once its hold ends, everything before it was handled."""
+    pe.link.hold("sync", time.time() + 60, TOKEN, 1)
+    de.link.notify(de.link.peer(pe.address, timeout_s=5).agent, pulled_notification("sync", TOKEN))
+    assert "sync" in wait_for(pe.link.take_released_holds)
+
+
+def test_a_de_that_comes_after_the_hold_ended_is_refused_before_it_reads_reused_blocks(pair):
+    """The PE's hold expired, vLLM gave its blocks to another request: a DE's claim now is refused, so it
+    recomputes; without the claim (the control) its READ brings the other request's KV."""
+    pe, de = pair
+    pe.link.hold("late", time.time() + 0.2, TOKEN, 2)
+    prompt_kv = blocks_bytes(pe.layers, [3, 4])
+    assert "late" in wait_for(pe.link.take_released_holds)  # expired: vLLM frees the blocks after this step
+    for layer in pe.layers:  # ... and another request's forward writes its own KV there
+        layer[3 * BLOCK_BYTES : 5 * BLOCK_BYTES] = 7
+    with pytest.raises(SideChannelError, match="hold of request late: no hold"):
+        de.link.claim(pe.address, "late", TOKEN, timeout_s=5)
+    assert pe.link.refused_claims == 1
+    # The control: a DE that READs without claiming (protocol 5 did) gets bytes that are not its prompt's KV.
+    peer = de.link.peer(pe.address, timeout_s=5)
+    read = post_read(de.agent, peer.agent, rows(de.layers, [0, 1]), "DRAM", rows(pe.layers, [3, 4]), "DRAM")
+    assert read.wait(10.0)
+    assert blocks_bytes(de.layers, [0, 1]) != prompt_kv
+
+
+def test_a_handoff_is_claimed_once_and_its_claim_alone_ends_the_hold(pair):
+    """A second DE given the same hand-off (a router retry) is refused while the first reads and after; neither
+    a router release nor a pulled: with the hand-off's token ends a claimed hold: only its READ does."""
+    pe, de = pair
+    second = Side()
+    try:
+        pe.link.hold("once", time.time() + 60, TOKEN, 2)
+        claim, _ = de.link.claim(pe.address, "once", TOKEN, timeout_s=5)
+        with pytest.raises(SideChannelError, match="claimed already"):
+            second.link.claim(pe.address, "once", TOKEN, timeout_s=5)
+        assert request(pe.address, ReleaseHold("once", TOKEN).to_message(), 5, KEY) == {"released": False,
+                                                                                        "pending": False}
+        second.link.notify(second.link.peer(pe.address, timeout_s=5).agent, pulled_notification("once", TOKEN))
+        sync_notifications(pe, second)
+        assert pe.link.held_blocks == 2  # still the first DE's
+        peer = de.link.peer(pe.address, timeout_s=5)
+        read = post_read(de.agent, peer.agent, rows(de.layers, [0, 1]), "DRAM", rows(pe.layers, [5, 6]), "DRAM",
+                         pulled_notification("once", claim.claim_token))  # fmt: skip
+        assert read.wait(10.0) and blocks_bytes(de.layers, [0, 1]) == blocks_bytes(pe.layers, [5, 6])
+        assert wait_for(pe.link.take_released_holds) == {"once"} and pe.link.held_blocks == 0
+        with pytest.raises(SideChannelError, match="no hold"):
+            second.link.claim(pe.address, "once", TOKEN, timeout_s=5)
+        with pytest.raises(SideChannelError, match="wrong hold token"):
+            pe.link.hold("other", time.time() + 60, TOKEN, 1)
+            second.link.claim(pe.address, "other", "00" * 16, timeout_s=5)
+        assert pe.link.refused_claims == 3
+    finally:
+        second.close()
+
+
+def test_a_claim_before_its_hold_registers_is_answered_when_it_does(pair):
+    pe, de = pair
+    answer: dict = {}
+    claimer = threading.Thread(target=lambda: answer.update(claim=de.link.claim(pe.address, "early", TOKEN, 10)))
+    claimer.start()
+    wait_for(lambda: "early" in pe.link._early_claims)  # waiting on the PE, unanswered
+    pe.link.hold("early", time.time() + 60, TOKEN, 3)
+    claimer.join(10)
+    assert answer["claim"][0].claim_s == 30.0 and pe.link.refused_claims == 0
+
+
+def test_a_claim_for_a_hold_that_never_registers_is_refused_in_half_a_claim():
+    pe, de = Side(claim_s=0.4), Side()
+    try:
+        with pytest.raises(SideChannelError, match="no hold registered here within 0.2s"):
+            de.link.claim(pe.address, "never", TOKEN, timeout_s=10)
+    finally:
+        de.close()
+        pe.close()
+
+
+def test_a_claimed_hold_whose_read_never_ends_is_released_when_the_claim_ends():
+    """The claim replaces the hold's lease: a DE that claimed and vanished pins the blocks claim_s, not 60 s."""
+    pe, de = Side(claim_s=0.3), Side()
+    try:
+        pe.link.hold("vanished", time.time() + 60, TOKEN, 2)
+        _, deadline = de.link.claim(pe.address, "vanished", TOKEN, timeout_s=5)
+        assert wait_for(pe.link.take_released_holds) == {"vanished"}
+        assert time.monotonic() >= deadline  # never before the DE's own deadline
+    finally:
+        de.close()
+        pe.close()
+
+
+def test_a_de_lease_answer_ends_no_earlier_than_the_pe_counts_it():
+    """The PE reads a DE's buffer only until sent + lease_s: the DE frees the slots no earlier than that."""
+    pe, de = Side(), Side(lease_s=0.3)
+    de.read_s = 0.5  # the lease begins after the store read, well after the request came in
+    try:
+        sent = time.monotonic()
+        answer = read_request(de.address, "ns-1", ["a", "b"], timeout_s=5)
+        assert answer["lease_s"] >= 0.8
+        wait_for(lambda: de.pool.free_slots == 4)
+        assert time.monotonic() >= sent + answer["lease_s"]
+    finally:
+        de.close()
+        pe.close()
 
 
 def test_de_side_read_lease_released_by_the_pe(pair):

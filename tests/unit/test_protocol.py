@@ -23,6 +23,8 @@ from dualpath_connector.protocol import (
     StoreKeySpace,
     counter_total_name,
     ReleaseHold,
+    ClaimHold,
+    HoldClaim,
     metric_total,
     metric_totals,
     new_hold_token,
@@ -93,6 +95,19 @@ def test_a_release_hold_message_round_trips_and_bad_ones_are_refused():
                          ({VERSION_KEY: 1}, "version")):  # fmt: skip
         with pytest.raises(ProtocolError, match=what):
             ReleaseHold.from_message({**message, **change})
+
+
+def test_a_claim_and_its_answer_round_trip_and_bad_ones_are_refused():
+    message = ClaimHold("cmpl-1", HOLD).to_message()
+    assert message["op"] == "claim_hold" and ClaimHold.from_message(message) == ClaimHold("cmpl-1", HOLD)
+    with pytest.raises(ProtocolError, match="hold_token"):
+        ClaimHold.from_message({**message, "hold_token": "zz"})
+    granted = HoldClaim(new_hold_token(), 30.0)
+    assert HoldClaim.from_message(granted.to_message()) == granted
+    for change, what in (({"claim_token": "zz"}, "claim_token"), ({"claim_s": float("nan")}, "claim_s"),
+                         ({"claim_s": 1e999}, "claim_s"), ({"claim_s": 0}, "claim_s"), ({"claim_s": "30"}, "claim_s")):
+        with pytest.raises(ProtocolError, match=what):
+            HoldClaim.from_message({**granted.to_message(), **change})
 
 
 def test_a_handoff_naming_a_kept_hit_round_trips():
@@ -213,6 +228,7 @@ def test_read_request_round_trips(keep_token):
     "change, what",
     [({"chunk_hashes": "ab"}, "chunk_hashes"), ({"chunk_hashes": [1]}, "chunk_hashes"),
      ({"deadline_s": 0}, "deadline_s"), ({"deadline_s": True}, "deadline_s"), ({"deadline_s": "1"}, "deadline_s"),
+     ({"deadline_s": float("inf")}, "deadline_s"), ({"deadline_s": float("nan")}, "deadline_s"),
      ({"keep_token": ""}, "keep_token"), ({"keep_token": ["ab"]}, "keep_token"), ({"keep_token": "A1"}, "keep_token")],
 )  # fmt: skip
 def test_bad_read_requests_are_refused(change, what):
@@ -222,7 +238,7 @@ def test_bad_read_requests_are_refused(change, what):
 
 
 def test_read_answer_round_trips():
-    answer = ReadAnswer(2, "lease-7", [4096, 8192], 1 << 20)
+    answer = ReadAnswer(2, "lease-7", [4096, 8192], 1 << 20, 119.5)
     assert ReadAnswer.from_message(answer.to_message(), asked=3) == answer
     declined = ReadAnswer(0, None, [])
     assert ReadAnswer.from_message(declined.to_message(), asked=3) == declined
@@ -242,6 +258,11 @@ def test_read_answer_round_trips():
         ({"readable": 1, "lease": "l", "chunk_addrs": [1], "layer_stride": 0}, "layer_stride"),
         ({"readable": 1, "lease": "l", "chunk_addrs": [1], "layer_stride": True}, "layer_stride"),
         ({"readable": 1, "lease": "l", "chunk_addrs": [1], "layer_stride": 1 << 60}, "layer_stride"),
+        # A lent buffer needs the time its lease has left, a finite one.
+        ({"readable": 1, "lease": "l", "chunk_addrs": [1], "layer_stride": 8}, "lease_s"),
+        ({"readable": 1, "lease": "l", "chunk_addrs": [1], "layer_stride": 8, "lease_s": float("nan")}, "lease_s"),
+        ({"readable": 1, "lease": "l", "chunk_addrs": [1], "layer_stride": 8, "lease_s": float("inf")}, "lease_s"),
+        ({"readable": 1, "lease": "l", "chunk_addrs": [1], "layer_stride": 8, "lease_s": -1}, "lease_s"),
     ],
 )
 def test_bad_read_answers_are_refused(message, what):

@@ -34,7 +34,7 @@ from tests.unit.test_layer_arrival_injection import BLOCK, CHUNKS, HASHES, KEY_S
 PATIENT_S = 10.0
 DE = "10.0.0.2:5700"
 ACCEPTED = {"readable": len(CHUNKS), "lease": "lease-1", "chunk_addrs": [4096, 8192, 12288],
-            "layer_stride": LAYOUT.layer_block_bytes}
+            "layer_stride": LAYOUT.layer_block_bytes, "lease_s": 120.0}
 
 
 class FakePeers:
@@ -183,7 +183,8 @@ def test_a_long_queue_offers_at_most_the_de_read_timeout(made):
 # -- splitting one hit across both links ------------------------------------------------------
 
 # CHUNKS: 3 chunks of 8 tokens (5 blocks of 4 tokens: the last chunk's first block is cached here).
-TAIL_ACCEPTED = {"readable": 2, "lease": "lease-2", "chunk_addrs": [4096, 8192], "layer_stride": LAYOUT.layer_block_bytes}
+TAIL_ACCEPTED = {"readable": 2, "lease": "lease-2", "chunk_addrs": [4096, 8192], "layer_stride": LAYOUT.layer_block_bytes,
+                 "lease_s": 120.0}
 
 
 def test_an_idle_link_reads_the_head_while_the_de_reads_the_tail(made):
