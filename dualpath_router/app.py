@@ -3,7 +3,9 @@
 Per request: tokenize (or take token ids), look up the hit length in the
 store, place it (PE, DE, read side), prefill on the PE with ``max_tokens=1``
 and a :class:`PrefillRequest`, then hand the PE's :class:`PrefillHandoff` to
-the DE and pass the DE's answer through.
+the DE and pass the DE's answer through. A DE that failed after the request may
+have reached it may have pulled the hand-off's blocks: the request is prefilled
+again for the next DE rather than handing it blocks the PE may have reused.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ class RouterMetrics:
                                   registry=self.registry)
         self.retries = Counter("dualpath_router_retries", "Attempts moved to another engine after a failure",
                                ["role"], registry=self.registry)
+        self.reprefills = Counter("dualpath_router_reprefills",
+                                  "Decode retries that prefilled again: the failed DE may have pulled the hand-off",
+                                  registry=self.registry)
         self.rejected = Counter("dualpath_router_rejected_requests", "Requests answered with an error, by reason",
                                 ["reason"], registry=self.registry)
         self.holds_released = Counter(
@@ -104,7 +109,29 @@ class RouterMetrics:
 
 
 class EngineFailed(Exception):
-    """The engine failed before answering anything: the attempt may go to another engine."""
+    """The engine failed before answering anything: the attempt may go to another engine.
+
+    ``may_have_run``: the request may have reached the engine and started there (a DE may have pulled the
+    hand-off's blocks); False only where nothing was sent or the engine refused it at its door.
+    """
+
+    def __init__(self, message: str, *, may_have_run: bool = True) -> None:
+        super().__init__(message)
+        self.may_have_run = may_have_run
+
+    @classmethod
+    def sending(cls, exc: httpx.HTTPError) -> EngineFailed:
+        """``exc`` raised by sending a request: one that failed while connecting sent nothing."""
+        unsent = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+        return cls(f"{type(exc).__name__}: {exc}", may_have_run=not unsent)
+
+
+class HandoffSpent(Exception):
+    """A DE failed after the request may have reached it, and the request is booked on another DE.
+
+    The failed DE may have pulled the hand-off, ending the PE's hold: its blocks may already hold another
+    request's KV, so the next DE must not read them. The request is prefilled again for the next DE.
+    """
 
 
 class Router:
@@ -216,7 +243,7 @@ class Router:
     async def _route(self, routed: RoutedRequest) -> Response:
         hit_tokens = await self.dispatcher.lookup.hit_tokens(routed.token_ids, routed.cache_salt)
         try:
-            placement, handoff, failure = await self._prefill(routed, hit_tokens)
+            return await self._prefill_and_decode(routed, hit_tokens)
         except QueueFull:
             self.metrics.rejected.labels("queue_full").inc()
             scheduling = self.config.scheduling
@@ -234,19 +261,32 @@ class Router:
                 f"scheduling.queue_timeout_s={scheduling.queue_timeout_s}s",
                 err_type="ServiceUnavailableError",
             )
-        if placement is None:
-            return failure
-        return await self._decode(routed, placement, handoff)
 
-    async def _prefill(self, routed: RoutedRequest, hit_tokens: int):
+    async def _prefill_and_decode(self, routed: RoutedRequest, hit_tokens: int) -> Response:
+        """Prefill, then decode; prefill again for the next DE while a failed DE spent the hand-off."""
+        # Across the request's prefills: each DE fails at most once, which bounds the prefills too.
+        decode_failures: dict[str, str] = {}
+        rebooked: Placement | None = None
+        while True:
+            placement, handoff, failure = await self._prefill(routed, hit_tokens, rebooked)
+            if placement is None:
+                return failure
+            try:
+                return await self._decode(routed, placement, handoff, decode_failures)
+            except HandoffSpent:
+                self.metrics.reprefills.inc()
+                rebooked = placement  # on the next DE, which the new prefill names to its PE
+
+    async def _prefill(self, routed: RoutedRequest, hit_tokens: int, previous: Placement | None):
         """Prefill on a PE, moving to another PE while attempts fail.
 
+        ``previous``: this request's placement whose DE stays booked for the
+        prefill (a prefill again after a DE failed); None books a DE.
         Returns ``(placement, handoff, None)`` with the DE still
         booked, or ``(None, None, response)`` when the request is answered here
         (queue timeout, every PE failed, a PE's 4xx) with nothing booked.
         """
         failures: dict[str, str] = {}
-        previous: Placement | None = None  # keeps its DE across PE attempts
         while True:
             try:
                 placement = await self.dispatcher.start_prefill(
@@ -262,7 +302,7 @@ class Router:
                 return None, None, error_response(
                     503, f"all prefill engines failed: {reasons}", err_type="ServiceUnavailableError"
                 )
-            previous = placement
+            previous = placement  # keeps its DE across PE attempts
             try:
                 response = await self._post_prefill(routed, placement)
             except EngineFailed as exc:
@@ -300,7 +340,7 @@ class Router:
         try:
             response = await self.client.post(f"{placement.prefill.config.url}/v1/completions", json=body)
         except httpx.HTTPError as exc:
-            raise EngineFailed(f"{type(exc).__name__}: {exc}") from None
+            raise EngineFailed.sending(exc) from None
         _raise_for_engine_failure(response, self.config.engine_api_key_env)
         if response.status_code < 400:
             try:
@@ -311,15 +351,17 @@ class Router:
                 raise EngineFailed("answer is not a JSON object")
         return response
 
-    async def _decode(self, routed: RoutedRequest, placement: Placement, handoff: PrefillHandoff | None) -> Response:
+    async def _decode(self, routed: RoutedRequest, placement: Placement, handoff: PrefillHandoff | None,
+                      failures: dict[str, str]) -> Response:  # fmt: skip
         """Decode on a DE, moving to another DE while attempts fail before any byte reached the client.
 
-        Releases the DE booking exactly once: here, or when a stream ends.
+        ``failures`` (DE name: why) spans the request's prefills. Releases the DE booking exactly once: here,
+        or when a stream ends; or raises :class:`HandoffSpent` (the hold released) with ``placement`` booked
+        on the next DE, for the caller's prefill.
         """
         body = dict(routed.body)
         if handoff is not None:
             body["kv_transfer_params"] = handoff.to_dict()
-        failures: dict[str, str] = {}
         booked = True
         # Whether the PE's hold ends without the DE: set where the DE answered and so pulled.
         unpulled: str | None = "router error"
@@ -339,6 +381,9 @@ class Router:
                         reasons = "; ".join(f"{name}: {why}" for name, why in failures.items())
                         return error_response(503, f"all decode engines failed: {reasons}",
                                               err_type="ServiceUnavailableError")
+                    if exc.may_have_run and handoff is not None:
+                        booked, unpulled = False, "decode_failed"  # the booking passes to the new prefill
+                        raise HandoffSpent from None
             headers = {
                 "x-dualpath-read-side": placement.read_side,
                 "x-dualpath-prefill-engine": placement.prefill.name,
@@ -392,7 +437,7 @@ class Router:
         try:
             upstream = await self.client.send(request, stream=True)
         except httpx.HTTPError as exc:
-            raise EngineFailed(f"{type(exc).__name__}: {exc}") from None
+            raise EngineFailed.sending(exc) from None
         if read_all or upstream.status_code >= 400:
             try:
                 await upstream.aread()
@@ -437,9 +482,9 @@ class UpstreamStream(StreamingResponse):
 
 def _raise_for_engine_failure(response: httpx.Response, key_variable: str) -> None:
     """5xx, and a refused credential: the engine's failure (or the router's setup), not the client's request."""
-    if response.status_code in (401, 403):
+    if response.status_code in (401, 403):  # checked at the engine's door, before it runs anything
         raise EngineFailed(f"HTTP {response.status_code}: the engine refused the router's API key "
-                           f"(${key_variable} must hold the key the engines were started with)")
+                           f"(${key_variable} must hold the key the engines were started with)", may_have_run=False)
     if response.status_code >= 500:
         raise EngineFailed(f"HTTP {response.status_code}: {response.text[:200]}")
 

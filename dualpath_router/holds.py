@@ -3,7 +3,9 @@
 A PE keeps a finished prefill's KV blocks for the DE named in its hand-off until
 the DE pulls them or ``pd_lease_s`` passes. When the DE refuses the request (a
 4xx), every DE fails, or the client goes away before the decode finished, nobody
-will pull: the router sends the PE a ``release_hold`` on its side channel, signed
+will pull; a DE that failed after the request may have reached it may have pulled,
+so the router prefills again for the next DE and ends the first hold unless that
+DE pulled it. The router sends the PE a ``release_hold`` on its side channel, signed
 with the cluster key and carrying the hand-off's hold token (which only who saw
 the hand-off knows), so the blocks return at once instead of after the lease.
 One message per PE rank (rank ``r`` serves at the side channel's port + ``r``).

@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -28,13 +29,25 @@ import httpx
 import pytest
 import yaml
 
-from dualpath_connector.protocol import PROTOCOL_VERSION, VERSION_KEY, PrefillHandoff, PrefillRequest, new_hold_token
+from dualpath_connector.cluster_auth import CLUSTER_KEY_ENV, ClusterKey
+from dualpath_connector.protocol import (
+    OP_RELEASE_HOLD,
+    PROTOCOL_VERSION,
+    VERSION_KEY,
+    PrefillHandoff,
+    PrefillRequest,
+    ReleaseHold,
+    new_hold_token,
+)
+from dualpath_connector.side_channel import SideChannelServer
 from dualpath_dev.processes import free_port, stop_process_group
 
 MODEL = "tiny-llama"
 PROMPT = list(range(100, 170))
 # What the stand-ins demand and the routers started here get in DUALPATH_ENGINE_API_KEY; random per run.
 API_KEY = secrets.token_hex(16)
+# The cluster key of the stand-in PEs that serve a side channel and of the routers given it; random per run.
+CLUSTER_SECRET = secrets.token_hex(16)
 
 
 class StandInEngine:
@@ -45,13 +58,22 @@ class StandInEngine:
     ``hold`` (a PE answers, a DE streams past its first event, only after ``release``).
     Like vLLM started with an API key, it answers 401 to a POST without
     ``Authorization: Bearer <api_key>`` (and records nothing of it).
+    With ``side_channel`` a PE serves one (signed with ``CLUSTER_SECRET``), named
+    in its hand-offs, that records the router's ``release_hold`` messages.
     """
 
-    def __init__(self, name: str, role: str, api_key: str = API_KEY) -> None:
+    def __init__(self, name: str, role: str, api_key: str = API_KEY, side_channel: bool = False) -> None:
         self.name = name
         self.role = role
         self.mode = "ok"
         self.api_key = api_key
+        # Any other status fails the router's scrapes of /metrics.
+        self.metrics_status = 200
+        self.released_holds: list[ReleaseHold] = []
+        self.side_channel: SideChannelServer | None = None
+        if side_channel:
+            self.side_channel = SideChannelServer("127.0.0.1", free_port(), ClusterKey(CLUSTER_SECRET.encode()),
+                                                  {OP_RELEASE_HOLD: self._release_hold}, on_tick=lambda: None)
         self.received: list[dict] = []
         # The Authorization header of every request (GET and POST), None when absent.
         self.authorizations: list[str | None] = []
@@ -82,7 +104,7 @@ class StandInEngine:
             def do_GET(self) -> None:
                 engine.authorizations.append(self.headers.get("Authorization"))
                 if self.path == "/metrics":
-                    self._send(200, engine.metrics_text.encode(), "text/plain; version=0.0.4")
+                    self._send(engine.metrics_status, engine.metrics_text.encode(), "text/plain; version=0.0.4")
                 else:
                     self._send(200, b"", "text/plain")
 
@@ -135,10 +157,15 @@ class StandInEngine:
         self.thread = threading.Thread(target=self.server.serve_forever, name=f"standin-{name}", daemon=True)
         self.thread.start()
 
+    def _release_hold(self, message: dict, reply: Callable[[dict], None]) -> None:
+        self.released_holds.append(ReleaseHold.from_message(message))
+        reply({"released": True, "pending": False})
+
     def prefill_answer(self, body: dict) -> dict:
         # A fresh request id per answer: the DE must get this very answer's hand-off.
-        kv_transfer_params = PrefillHandoff(f"127.0.0.1:{self.server.server_address[1]}", uuid.uuid4().hex,
-                                            [1, 2, 3], stored_chunks=1, hold_token=new_hold_token()).to_dict()
+        side_channel = self.side_channel.address if self.side_channel else f"127.0.0.1:{self.server.server_address[1]}"
+        kv_transfer_params = PrefillHandoff(side_channel, uuid.uuid4().hex, [1, 2, 3], stored_chunks=1,
+                                            hold_token=new_hold_token()).to_dict()
         self.sent_kv_transfer_params.append(kv_transfer_params)
         return {
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": body.get("model", MODEL),
@@ -173,12 +200,17 @@ class StandInEngine:
         self.release.set()
         self.server.shutdown()
         self.server.server_close()
+        if self.side_channel is not None:
+            self.side_channel.stop()
 
 
 class RouterProcess:
-    """``python -m dualpath_router.app`` on a free port, stopped by its PID; ``API_KEY`` in its environment."""
+    """``python -m dualpath_router.app`` on a free port, stopped by its PID; ``API_KEY`` in its environment.
 
-    def __init__(self, config: dict, workdir: Path, api_key: str = API_KEY) -> None:
+    With ``cluster_key`` it has ``CLUSTER_SECRET`` too, and sends ``release_hold`` messages.
+    """
+
+    def __init__(self, config: dict, workdir: Path, api_key: str = API_KEY, cluster_key: bool = False) -> None:
         self.port = free_port()
         config = {**config, "host": "127.0.0.1", "port": self.port}
         self.config_path = workdir / "router.yaml"
@@ -186,6 +218,8 @@ class RouterProcess:
         self.log_path = workdir / "router.log"
         self.url = f"http://127.0.0.1:{self.port}"
         self.env = dict(os.environ, DUALPATH_ENGINE_API_KEY=api_key)
+        if cluster_key:
+            self.env[CLUSTER_KEY_ENV] = CLUSTER_SECRET
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout_s: float = 180.0) -> RouterProcess:
@@ -256,8 +290,8 @@ def standin_stack(workdir: Path, without: tuple[str, ...] = (), **overrides):
 def engines():
     made: list[StandInEngine] = []
 
-    def make(name: str, role: str) -> StandInEngine:
-        made.append(StandInEngine(name, role))
+    def make(name: str, role: str, side_channel: bool = False) -> StandInEngine:
+        made.append(StandInEngine(name, role, side_channel=side_channel))
         return made[-1]
 
     yield make
@@ -269,10 +303,10 @@ def engines():
 def start_router(tmp_path):
     started: list[RouterProcess] = []
 
-    def start(config: dict, api_key: str = API_KEY) -> RouterProcess:
+    def start(config: dict, api_key: str = API_KEY, cluster_key: bool = False) -> RouterProcess:
         workdir = tmp_path / f"router{len(started)}"
         workdir.mkdir()
-        started.append(RouterProcess(config, workdir, api_key))
+        started.append(RouterProcess(config, workdir, api_key, cluster_key))
         return started[-1].start()
 
     yield start
@@ -355,16 +389,51 @@ def test_prefill_retries_on_another_pe_when_the_first_is_down(engines, start_rou
     assert 'dualpath_router_retries_total{role="prefill"}' in metrics
 
 
-def test_decode_retries_on_another_de_when_the_first_drops_the_connection(engines, start_router):
-    pe, de_bad, de_good = engines("pe0", "prefill"), engines("de-bad", "decode"), engines("de-good", "decode")
+def fail_scrapes(*des: StandInEngine) -> None:
+    """With every DE's scrape failing the router chooses among all DEs: round robin tries them in config order."""
+    for de in des:
+        de.metrics_status = 503
+
+
+def test_decode_after_a_de_dropped_the_connection_prefills_again(engines, start_router):
+    """The request reached the first DE, which may have pulled and ended the hold: the next DE needs a new hand-off."""
+    pe = engines("pe0", "prefill", side_channel=True)
+    de_bad, de_good = engines("de-bad", "decode"), engines("de-good", "decode")
     de_bad.mode = "close"
-    router = start_router(router_config([pe], [de_bad, de_good], policy="round_robin"))
+    fail_scrapes(de_bad, de_good)
+    router = start_router(router_config([pe], [de_bad, de_good], policy="round_robin"), cluster_key=True)
     for stream in (False, True):
         response = complete(router, prompt=PROMPT, max_tokens=3, stream=stream)
         assert response.status_code == 200, response.text
         assert response.headers["x-dualpath-decode-engine"] == "de-good"
-        # The second DE gets the same PE answer the first one would have used.
-        assert de_good.received[-1]["kv_transfer_params"] == pe.sent_kv_transfer_params[-1]
+        spent, fresh = pe.sent_kv_transfer_params[-2:]
+        assert de_bad.received[-1]["kv_transfer_params"] == spent
+        assert de_good.received[-1]["kv_transfer_params"] == fresh != spent
+        assert pe.released_holds[-1] == ReleaseHold(spent["remote_request_id"], spent["hold_token"])
+    assert len(pe.received) == 4 and len(pe.released_holds) == 2 and len(de_good.received) == 2
+    assert response.text == "".join(f"data: {e}\n\n" for e in de_good.decode_events(de_good.received[-1]))
+    assert router_gauge(router, 'dualpath_router_retries_total{role="decode"}') == 2.0
+    assert router_gauge(router, "dualpath_router_reprefills_total") == 2.0
+    assert router_gauge(router, 'dualpath_router_released_holds_total{reason="decode_failed"}') == 2.0
+    for engine, role in (("pe0", "prefill"), ("de-bad", "decode"), ("de-good", "decode")):
+        wait_for_gauge(router, engine_tokens(engine, role), 0.0)  # a stream's booking ends just after its last byte
+
+
+def test_decode_refused_at_connect_keeps_the_handoff(engines, start_router):
+    """The control: nothing reached the refusing DE, so the next DE gets the same hand-off, from one prefill."""
+    pe, de_good = engines("pe0", "prefill", side_channel=True), engines("de-good", "decode")
+    fail_scrapes(de_good)  # de-down's fail too: nothing listens there
+    config = router_config([pe], [de_good], policy="round_robin")
+    config["decode_engines"].insert(0, {"name": "de-down", "url": dead_engine_url(), "node": "n-down",
+                                        "side_channel": "127.0.0.1:5799"})  # fmt: skip
+    router = start_router(config, cluster_key=True)
+    response = complete(router, prompt=PROMPT, max_tokens=3)
+    assert response.status_code == 200, response.text
+    assert response.json()["served_by"] == "de-good"
+    assert len(pe.received) == 1 and pe.released_holds == []
+    assert de_good.received[-1]["kv_transfer_params"] == pe.sent_kv_transfer_params[0]
+    assert router_gauge(router, 'dualpath_router_retries_total{role="decode"}') == 1.0  # de-down was tried
+    assert router_gauge(router, "dualpath_router_reprefills_total") == 0.0
 
 
 def test_all_engines_failed_is_a_503_with_the_reasons(engines, start_router):
