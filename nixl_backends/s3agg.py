@@ -17,6 +17,15 @@ ranged GETs through NIXL OBJ; ``s3agg_client_fallbacks_total`` counts it and a
 warning says why. Requests the gateway refuses (4xx: unknown key, bad
 descriptor, credentials) are errors, not fallbacks.
 
+A NIXL delivery is one-sided: the gateway's WRITEs land in the target without
+this side taking part, also after the request was given up. So a request that
+ended without the gateway's word that its WRITEs ended (its answer: a 200, a
+4xx, a 5xx without ``x-s3agg-writes-may-land``) is canceled at the gateway
+before anything else is read into the target; unless the gateway confirms that
+no WRITE can land any more, the read raises :class:`TransferAbandoned` (the
+caller retires the target, it never reuses it), ``s3agg_client_retired_total``
+counts it and a warning says why.
+
 The wire protocol shared with the gateway is :mod:`nixl_backends.s3agg_protocol`.
 """
 
@@ -49,6 +58,8 @@ from nixl_backends.obj_backend import OBJ, obj_device_ids
 from nixl_backends.s3 import S3Store, S3StoreConfig
 from nixl_backends.s3agg_protocol import (
     ALL_LAYERS,
+    CANCEL_QUERY,
+    CANCEL_STOPPED,
     EXTENSION_QUERY,
     FRAME,
     FRAME_CHUNKS,
@@ -62,6 +73,7 @@ from nixl_backends.s3agg_protocol import (
     MODE_HEADER,
     NOTIFICATION_PREFIX,
     REQUEST_ID_HEADER,
+    WRITES_MAY_LAND_HEADER,
     TargetLayout,
     descriptor_body,
     http_target,
@@ -75,10 +87,28 @@ logger = logging.getLogger(__name__)
 
 FALLBACKS = Counter("s3agg_client_fallbacks_total", "Reads served by plain S3 because the gateway was unreachable",
                     ["op"])
+RETIRED = Counter("s3agg_client_retired_total",
+                  "Gateway reads given up without the gateway confirming that its WRITEs into the target stopped")
 
 
 class GatewayUnavailable(RuntimeError):
-    """The gateway could not serve the request (unreachable, broken mid-request, 5xx): fall back."""
+    """The gateway could not serve the request (unreachable, broken mid-request, 5xx): fall back.
+
+    ``writes_ended``: the gateway said that no WRITE of the request can land any more (it answered, without
+    ``x-s3agg-writes-may-land``), or it never got the request (connection refused).
+    """
+
+    def __init__(self, message: str, writes_ended: bool = False) -> None:
+        super().__init__(message)
+        self.writes_ended = writes_ended
+
+
+class GatewayWritesAbandoned(TransferAbandoned):
+    """The gateway did not confirm that the WRITEs of a request it was given stopped: they may still land."""
+
+    def __init__(self, request_id: str, why: str) -> None:
+        # TransferAbandoned's message counts NIXL transfers of this process; these are the gateway's.
+        RuntimeError.__init__(self, f"s3agg request {request_id}: gateway WRITEs may still land ({why})")
 
 
 class GatewayRefused(RuntimeError):
@@ -104,6 +134,9 @@ class S3AggStoreConfig:
     secret_key: str | None = field(default=None, repr=False)
     connect_timeout_s: float = 2.0
     request_timeout_s: float = 60.0
+    # For the cancel of a request given up (it waits for the gateway's WRITE in flight); past it the target is
+    # retired.
+    cancel_timeout_s: float = 5.0
     # Tokens per chunk, declared in descriptors (the gateway's arithmetic needs only S).
     chunk_tokens: int = 1
     # Per-layer compute window declared to the gateway's bandwidth scheduler.
@@ -118,8 +151,8 @@ class S3AggStoreConfig:
             raise ConfigError("store.access_key and store.secret_key must be given together")
         if self.chunk_tokens <= 0:
             raise ConfigError("store.chunk_tokens must be positive")
-        if self.connect_timeout_s <= 0 or self.request_timeout_s <= 0:
-            raise ConfigError("store.connect_timeout_s and store.request_timeout_s must be positive")
+        if min(self.connect_timeout_s, self.request_timeout_s, self.cancel_timeout_s) <= 0:
+            raise ConfigError("store.connect_timeout_s, request_timeout_s and cancel_timeout_s must be positive")
         if self.compute_window_s is not None and self.compute_window_s <= 0:
             raise ConfigError("store.compute_window_s must be positive")
         s3 = dict(self.s3)
@@ -211,6 +244,7 @@ class S3AggStore(KVStore):
         # Buffers of transfers that outlived their deadline: NIXL may still write them, so never freed.
         self._abandoned: list[np.ndarray] = []
         self._path = f"/{config.s3_config.bucket}?{EXTENSION_QUERY}"
+        self._cancel_path = f"{self._path}&{CANCEL_QUERY}"
         if config.access_key is not None:
             self._credentials = Credentials(config.access_key, config.secret_key)
         elif config.s3_config.access_key is not None:
@@ -323,7 +357,9 @@ class S3AggStore(KVStore):
         ``verify_layer``), which says how many leading chunks are intact. If the
         gateway fails, the remaining layers come from plain S3 in the same layout
         and the callback contract still holds. Raises :class:`GatewayRefused` for
-        a request the gateway rejects, or an error if the fallback fails too.
+        a request the gateway rejects, :class:`TransferAbandoned` if the gateway
+        may still WRITE into ``regions`` (a request given up that it did not
+        confirm stopped: retire them), or an error if the fallback fails too.
         """
         if self._agent is None:
             raise RuntimeError("S3AggStore was opened without a NIXL agent: lookup only")
@@ -371,13 +407,16 @@ class S3AggStore(KVStore):
                                          self.config.s3_config.region, request_id,
                                          self.config.connect_timeout_s, self.config.request_timeout_s)
         except (OSError, http.client.HTTPException) as exc:
-            raise GatewayUnavailable(f"gateway {self.config.gateway}: {exc!r}") from None
+            # Refused: nothing listened there, so no gateway got the request.
+            raise GatewayUnavailable(f"gateway {self.config.gateway}: {exc!r}",
+                                     writes_ended=isinstance(exc, ConnectionRefusedError)) from None
         if response.status != 200:
             text = response.read()
             conn.close()
             code, message = parse_error(text)
             if response.status >= 500:
-                raise GatewayUnavailable(f"gateway {response.status} {code}: {message}")
+                raise GatewayUnavailable(f"gateway {response.status} {code}: {message}",
+                                         writes_ended=response.getheader(WRITES_MAY_LAND_HEADER) is None)
             raise GatewayRefused(response.status, code, message)
         return conn, response
 
@@ -389,7 +428,10 @@ class S3AggStore(KVStore):
         on_token: Callable[[str], None],
         window: float | None = None,
     ) -> tuple[str, dict[str, Any]]:
-        """POST on a helper thread while this thread hands over notifications as they arrive."""
+        """POST on a helper thread while this thread hands over notifications as they arrive.
+
+        Returns or raises only once no WRITE of the request can land in ``target`` any more (see
+        :meth:`_stop_gateway_writes`)."""
         wire = nixl_target(self._agent.get_agent_metadata(), target.layout, target.regions(), target.layer_stride)
         body = self._descriptor(keys, wire, window)
         outcome: dict[str, Any] = {}
@@ -397,15 +439,21 @@ class S3AggStore(KVStore):
         def post() -> None:
             try:
                 conn, response = self._post(request_id, body)
-                try:
-                    outcome["mode"] = response.getheader(MODE_HEADER, "")
-                    outcome["summary"] = json.loads(response.read())
-                finally:
-                    conn.close()
-            except (OSError, http.client.HTTPException, ValueError) as exc:
-                outcome["error"] = GatewayUnavailable(f"gateway {self.config.gateway} mid-request: {exc!r}")
             except (GatewayUnavailable, GatewayRefused) as exc:
+                # A refusal (4xx) comes before any WRITE, or once the WRITEs ended.
+                outcome["writes_ended"] = not isinstance(exc, GatewayUnavailable) or exc.writes_ended
                 outcome["error"] = exc
+                return
+            # The gateway answers 200 once every WRITE ended.
+            outcome["writes_ended"] = True
+            try:
+                outcome["mode"] = response.getheader(MODE_HEADER, "")
+                outcome["summary"] = json.loads(response.read())
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                outcome["error"] = GatewayUnavailable(f"gateway {self.config.gateway} mid-request: {exc!r}",
+                                                      writes_ended=True)
+            finally:
+                conn.close()
 
         self._inbox.open(request_id)
         thread = threading.Thread(target=post, name=f"s3agg-{request_id[:8]}", daemon=True)
@@ -430,10 +478,52 @@ class S3AggStore(KVStore):
                     raise GatewayUnavailable(f"no complete delivery within {self.config.request_timeout_s}s")
                 # Poll fast while layers flow, back off while they do not (bounded latency, little CPU).
                 polling.sleep(progressed=bool(tokens))
+        except BaseException as exc:
+            # Given up (a timeout, a broken connection, the caller's callback failed) while the gateway may still
+            # WRITE into the target: nothing else may be read into it before the gateway confirms it stopped.
+            if not outcome.get("writes_ended"):
+                self._stop_gateway_writes(request_id, exc)
+            raise
         finally:
-            # The gateway may still be writing our buffers: never return before the request ends.
-            thread.join(self.config.request_timeout_s)
             self._inbox.close(request_id)
+
+    def _stop_gateway_writes(self, request_id: str, cause: BaseException) -> None:
+        """Cancel the request at the gateway; returns once it confirms that none of its WRITEs can land any more,
+        else raises :class:`GatewayWritesAbandoned`: the caller must retire the target."""
+        answer: dict[str, Any] = {}
+
+        def cancel() -> None:
+            try:
+                conn, response = post_signed(self.config.gateway, self._cancel_path, b"", self._credentials,
+                                             self.config.s3_config.region, request_id, self.config.connect_timeout_s,
+                                             self.config.cancel_timeout_s)
+                try:
+                    text = response.read()
+                finally:
+                    conn.close()
+                reply = json.loads(text) if response.status == 200 else None
+                if isinstance(reply, dict) and reply.get(CANCEL_STOPPED) is True:
+                    answer["stopped"] = True
+                else:
+                    answer["why"] = f"cancel answered {response.status}: {text[:200]!r}"
+            except (OSError, http.client.HTTPException, ValueError) as exc:
+                answer["why"] = f"cancel failed: {exc!r}"
+
+        thread = threading.Thread(target=cancel, name=f"s3agg-cancel-{request_id[:8]}", daemon=True)
+        thread.start()
+        polling = Polling(self.config.cancel_timeout_s)
+        while thread.is_alive():
+            # The gateway answers once its WRITE in flight ended, and that may need this agent to progress UCX
+            # (polling notifications does; the given-up request's late ones are dropped).
+            polling.sleep(progressed=bool(self._inbox.take(request_id)))
+        if answer.get("stopped"):
+            logger.info("s3agg: request %s canceled; the gateway stopped its WRITEs", request_id)
+            return
+        why = answer.get("why", "no answer")
+        RETIRED.inc()
+        logger.warning("s3agg: request %s given up (%s) and the gateway did not confirm that its WRITEs stopped "
+                       "(%s): the target is retired", request_id, cause, why)
+        raise GatewayWritesAbandoned(request_id, why) from cause
 
     def _http_request(
         self,

@@ -27,6 +27,21 @@ bytes per digest:
   host pool's slots (``HostBufferPool(layer_major=...)``), where each layer of a
   hit is one run of every chunk's Layer Block.
 
+Cancel: ``POST /<bucket>?aggregate&cancel``, signed the same way (empty body),
+the request id in ``x-s3agg-request-id``. The gateway answers a NIXL request
+only once its WRITEs ended: a 200, a 4xx, and a 5xx without
+``x-s3agg-writes-may-land`` each say that none can land any more. A client
+whose request ended without that word (its own timeout, a broken connection,
+a 5xx with the header: a WRITE the gateway abandoned at its deadline) sends
+the cancel before it reads anything else into the target: from then on no
+WRITE of that request starts (one that arrives after its cancel is refused),
+and the answer is ``{"stopped": true}`` once none is in flight, ``{"stopped":
+false}`` while one may still land. Anything else (no answer, another status)
+is no confirmation: the target must never be reused. The cancel is an
+addition, not a new version: a gateway that predates it takes it for an
+aggregate with an empty body (400), which confirms nothing, so the client
+retires its buffers rather than risk them.
+
 Nothing here talks to the network or NIXL; both sides import these names so
 no part of the protocol is written twice.
 """
@@ -51,6 +66,9 @@ PROTOCOL_VERSION = 3
 EXTENSION_QUERY = "aggregate"
 REQUEST_ID_HEADER = "x-s3agg-request-id"
 MODE_HEADER = "x-s3agg-mode"
+CANCEL_QUERY = "cancel"  # with EXTENSION_QUERY: ?aggregate&cancel
+CANCEL_STOPPED = "stopped"  # the cancel's JSON answer: {"stopped": bool}
+WRITES_MAY_LAND_HEADER = "x-s3agg-writes-may-land"  # on a 5xx whose request had a WRITE abandoned: "true"
 
 Mode = Literal["chunkwise", "layerwise"]
 MODE_CHUNKWISE, MODE_LAYERWISE = typing.get_args(Mode)

@@ -40,6 +40,7 @@ import collections
 import contextlib
 import logging
 import math
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -64,6 +65,10 @@ class StorageError(RuntimeError):
 
 class DeliveryError(RuntimeError):
     """A NIXL WRITE into the client's buffer failed (HTTP 502)."""
+
+
+class RequestCanceled(RuntimeError):
+    """The client canceled the request (``s3agg_protocol.CANCEL_QUERY``): no further WRITE is started (HTTP 409)."""
 
 
 @dataclass
@@ -98,6 +103,37 @@ class Job:
     timings: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
     # Set when a transfer outlived its deadline: staging must then never be freed.
     abandoned: bool = False
+    # What a cancel needs to know, guarded by _writes: once canceled no WRITE into the client's buffer starts;
+    # write_in_flight: one is posted and has not ended; write_abandoned: one outlived io_timeout_s, it may land
+    # at any time (a storage read abandoned sets only ``abandoned``: it endangers staging, not the client).
+    canceled: bool = False
+    write_in_flight: bool = False
+    write_abandoned: bool = False
+    _writes: threading.Condition = field(default_factory=threading.Condition, repr=False)
+
+    @contextlib.contextmanager
+    def write(self) -> Iterator[None]:
+        """Around one WRITE into the client's buffer: refused once the request is canceled."""
+        with self._writes:
+            if self.canceled:
+                raise RequestCanceled(f"request {self.request_id} was canceled by its client")
+            self.write_in_flight = True
+        try:
+            yield
+        except TransferAbandoned:
+            self.write_abandoned = True
+            raise
+        finally:
+            with self._writes:
+                self.write_in_flight = False
+                self._writes.notify_all()
+
+    def cancel(self, timeout_s: float) -> bool:
+        """Start no WRITE any more; True once none is in flight (within ``timeout_s``) and none was abandoned."""
+        with self._writes:
+            self.canceled = True
+            self._writes.wait_for(lambda: not self.write_in_flight, timeout_s)
+            return not (self.write_in_flight or self.write_abandoned)
 
     def summary(self) -> dict[str, object]:
         return {
@@ -336,30 +372,31 @@ class Aggregator:
             descriptors(np.concatenate([unit.local, unit.digest_local], axis=-1), lengths),
             descriptors(np.concatenate([remote, remote_digests], axis=-1), lengths))
         notification = encode_notification(job.request_id, unit.index if unit.kind == "layer" else None)
-        try:
-            handle = agent.initialize_xfer(
-                "WRITE", agent.get_xfer_descs(local_rows, "DRAM"), agent.get_xfer_descs(remote_rows, "DRAM"),
-                job.remote_agent, notification)
-        except Exception as exc:
-            raise DeliveryError(f"NIXL WRITE to {job.remote_agent} could not start: {exc}") from None
-        state = "PROC"
+        with job.write():
+            try:
+                handle = agent.initialize_xfer(
+                    "WRITE", agent.get_xfer_descs(local_rows, "DRAM"), agent.get_xfer_descs(remote_rows, "DRAM"),
+                    job.remote_agent, notification)
+            except Exception as exc:
+                raise DeliveryError(f"NIXL WRITE to {job.remote_agent} could not start: {exc}") from None
+            state = "PROC"
 
-        def ended() -> bool:
-            nonlocal state
-            state = agent.check_xfer_state(handle)
-            return state != "PROC"
+            def ended() -> bool:
+                nonlocal state
+                state = agent.check_xfer_state(handle)
+                return state != "PROC"
 
-        try:
-            state = agent.transfer(handle)
-            if state == "PROC" and not wait_until(ended, self.config.io_timeout_s):
-                job.abandoned = True
-                raise TransferAbandoned("WRITE", 1, self.config.io_timeout_s)
-        except TransferAbandoned:
-            raise
-        except Exception as exc:
+            try:
+                state = agent.transfer(handle)
+                if state == "PROC" and not wait_until(ended, self.config.io_timeout_s):
+                    job.abandoned = True
+                    raise TransferAbandoned("WRITE", 1, self.config.io_timeout_s)
+            except TransferAbandoned:
+                raise
+            except Exception as exc:
+                agent.release_xfer_handle(handle)
+                raise DeliveryError(f"NIXL WRITE to {job.remote_agent} failed: {exc}") from None
             agent.release_xfer_handle(handle)
-            raise DeliveryError(f"NIXL WRITE to {job.remote_agent} failed: {exc}") from None
-        agent.release_xfer_handle(handle)
         if state != "DONE":
             raise DeliveryError(f"NIXL WRITE to {job.remote_agent} ended in state {state}")
 

@@ -7,6 +7,9 @@ Endpoints:
   NIXL targets get a JSON summary once every layer is written and notified;
   HTTP targets get a stream of frames (see :mod:`nixl_backends.s3agg_protocol`).
   Either way ``x-s3agg-mode`` says chunkwise or layerwise.
+- ``POST /<bucket>?aggregate&cancel``: the client gave up on a NIXL request; no
+  WRITE of it starts any more, and the answer says whether one may still land
+  (see :mod:`s3agg_gateway_ext.cancellation`).
 - ``GET /healthz`` and ``GET /metrics`` (Prometheus), unauthenticated.
 - Any other S3 request is authenticated; on a POSIX-backed bucket it is served
   (:mod:`s3agg_gateway_ext.s3_api`: the gateway is that store's S3 endpoint),
@@ -34,6 +37,8 @@ from starlette.routing import Route
 
 from nixl_backends.nixl_io import TransferAbandoned
 from nixl_backends.s3agg_protocol import (
+    CANCEL_QUERY,
+    CANCEL_STOPPED,
     EXTENSION_QUERY,
     FRAME,
     FRAME_CHUNKS,
@@ -42,10 +47,12 @@ from nixl_backends.s3agg_protocol import (
     FRAME_LAYER,
     MODE_HEADER,
     REQUEST_ID_HEADER,
+    WRITES_MAY_LAND_HEADER,
 )
-from s3agg_gateway_ext.aggregator import Aggregator, DeliveryError, Job, StorageError
+from s3agg_gateway_ext.aggregator import Aggregator, DeliveryError, Job, RequestCanceled, StorageError
+from s3agg_gateway_ext.cancellation import Cancellations
 from s3agg_gateway_ext.config import GatewayConfig, load_config
-from s3agg_gateway_ext.descriptor import DescriptorError, HttpTarget, parse_descriptor
+from s3agg_gateway_ext.descriptor import DescriptorError, HttpTarget, NixlTarget, parse_descriptor
 from s3agg_gateway_ext.s3_api import PosixBucketAPI
 from s3agg_gateway_ext.sigv4 import STREAMING_UNSIGNED_TRAILER, UNSIGNED, error_xml, verify_headers, verify_payload
 
@@ -69,6 +76,11 @@ class Metrics:
         self.delivered = Counter("s3agg_delivered_bytes_total", "Payload bytes delivered",
                                  ["mode", "target"], registry=self.registry)
         self.active = Gauge("s3agg_active_requests", "Aggregated reads in progress", registry=self.registry)
+        self.writing = Gauge("s3agg_nixl_deliveries_in_progress",
+                             "NIXL deliveries in progress: a WRITE into a client's buffer posted, not yet ended",
+                             registry=self.registry)
+        self.cancels = Counter("s3agg_cancels_total", "Cancels by answer: stopped, or a WRITE may still land",
+                               ["answer"], registry=self.registry)
 
 
 def _runtime_code(exc: Exception) -> str:
@@ -93,6 +105,7 @@ class Gateway:
         self.config = config
         self.aggregator = aggregator
         self.metrics = Metrics()
+        self.cancellations = Cancellations()
         # Buckets whose backing the gateway serves as plain S3 too (posix): bucket -> its S3 API.
         self.files = {bucket: PosixBucketAPI(backing) for bucket, backing in aggregator.backings.items()
                       if backing.serves_s3}
@@ -150,6 +163,8 @@ class Gateway:
             body = await self._authenticated_body(request, ("signed",))
             desc = parse_descriptor(bucket, body, self.config)
             job = await run_in_threadpool(self.aggregator.prepare, request_id, desc)
+            if isinstance(desc.target, NixlTarget):
+                self.cancellations.start(job)  # refused if its cancel came first
         except DescriptorError as exc:
             return self._error(exc, f"/{bucket}", request_id)
         self.metrics.active.inc()
@@ -159,17 +174,42 @@ class Gateway:
                                      headers=headers)
         try:
             await run_in_threadpool(self._deliver_nixl, job)
+        except RequestCanceled as exc:
+            outcome, status, code, message = "canceled", 409, "RequestCanceled", str(exc)
         except _RUNTIME_ERRORS as exc:
-            self._finish(job, "nixl", "error", started)
-            return Response(error_xml(_runtime_code(exc), str(exc), f"/{bucket}", request_id), status_code=502,
-                            media_type="application/xml", headers=headers)
-        self._finish(job, "nixl", "ok", started)
-        return JSONResponse(job.summary(), headers=headers)
+            outcome, status, code, message = "error", 502, _runtime_code(exc), str(exc)
+        else:
+            outcome = "ok"
+        finally:
+            self.cancellations.end(job)
+        self._finish(job, "nixl", outcome, started)
+        if outcome == "ok":
+            return JSONResponse(job.summary(), headers=headers)
+        if job.write_abandoned:
+            # Answered while a WRITE may still land: the client must not take this answer for the end of them.
+            headers[WRITES_MAY_LAND_HEADER] = "true"
+        return Response(error_xml(code, message, f"/{bucket}", request_id), status_code=status,
+                        media_type="application/xml", headers=headers)
+
+    async def cancel(self, request: Request) -> Response:
+        """Stop a NIXL request's WRITEs for a client that gave up on it; ``{"stopped": true}`` once none can land."""
+        request_id = request.headers.get(REQUEST_ID_HEADER, "")
+        try:
+            await self._authenticated_body(request, ("signed",))
+            # Waits for a WRITE in flight, which ends (or is abandoned) within io_timeout_s.
+            stopped = await run_in_threadpool(self.cancellations.cancel, request_id, self.config.io_timeout_s)
+        except DescriptorError as exc:
+            return self._error(exc, request.url.path, request_id[:64])
+        answer = "stopped" if stopped else "writes_may_land"
+        self.metrics.cancels.labels(answer).inc()
+        logger.info("request %s canceled by its client: %s", request_id, answer)
+        return JSONResponse({CANCEL_STOPPED: stopped}, headers={REQUEST_ID_HEADER: request_id})
 
     def _deliver_nixl(self, job: Job) -> None:
         with contextlib.closing(self.aggregator.stream(job)) as units:
             for unit in units:
-                self.aggregator.deliver_nixl(job, unit)
+                with self.metrics.writing.track_inprogress():
+                    self.aggregator.deliver_nixl(job, unit)
 
     def _frames(self, job: Job, started: float) -> Iterator[bytes | memoryview]:
         """The HTTP delivery: one frame per layer and its digests (or one of all objects), then an end frame."""
@@ -216,10 +256,9 @@ class Gateway:
             return self._error(exc, request.url.path, request_id)
 
     async def dispatch(self, request: Request) -> Response:
-        query = request.scope.get("query_string", b"").decode("latin-1")
-        if request.method == "POST" and EXTENSION_QUERY in query.split("&") and "/" not in request.path_params[
-                "bucket"]:
-            return await self.aggregate(request)
+        query = request.scope.get("query_string", b"").decode("latin-1").split("&")
+        if request.method == "POST" and EXTENSION_QUERY in query and "/" not in request.path_params["bucket"]:
+            return await (self.cancel(request) if CANCEL_QUERY in query else self.aggregate(request))
         return await self.other(request)
 
     async def metrics_endpoint(self, request: Request) -> Response:

@@ -5,7 +5,8 @@ with :class:`ChunkIntegrity`). Delivered bytes are compared with the objects
 written (layer-major: each layer's blocks, then its digests) and every layer
 is verified with its delivered digests; a corrupted object is delivered as
 stored and fails verification at the reader. Refused requests must leave the
-client's target buffer exactly as it was (a sentinel pattern).
+client's target buffer exactly as it was (a sentinel pattern). A request the
+client gives up is canceled before its buffer is reused: no late WRITE lands.
 """
 
 from __future__ import annotations
@@ -28,11 +29,14 @@ from botocore.config import Config as BotoConfig
 from botocore.credentials import Credentials
 from botocore.exceptions import ClientError
 from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
 
 from nixl_backends.integrity import ChunkIntegrity, chunk_hash_of
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout
-from nixl_backends.s3agg import GatewayRefused, parse_error, post_signed
-from nixl_backends.s3agg_protocol import EXTENSION_QUERY, PROTOCOL_VERSION, layer_region_bytes
+from nixl_backends.nixl_io import TransferAbandoned
+from nixl_backends.notifications import dispatcher_for
+from nixl_backends.s3agg import GatewayRefused, GatewayWritesAbandoned, parse_error, post_signed
+from nixl_backends.s3agg_protocol import CANCEL_QUERY, EXTENSION_QUERY, PROTOCOL_VERSION, layer_region_bytes
 from tests.conftest import poll
 from tests.s3agg_fixtures import (  # noqa: F401  (fixtures)
     CLIENT_ACCESS_KEY,
@@ -284,9 +288,9 @@ def test_a_corrupted_object_read_whole_fails_verification(seaweedfs, s3agg_bucke
 
 
 def signed(gateway_url: str, bucket: str, body: bytes, secret: str = CLIENT_SECRET_KEY,
-           access: str = CLIENT_ACCESS_KEY) -> tuple[int, str, str, dict]:
+           access: str = CLIENT_ACCESS_KEY, request_id: str | None = None) -> tuple[int, str, str, dict]:
     conn, response = post_signed(gateway_url, f"/{bucket}?{EXTENSION_QUERY}", body, Credentials(access, secret),
-                                 "us-east-1", uuid.uuid4().hex, 5.0, 30.0)
+                                 "us-east-1", request_id or uuid.uuid4().hex, 5.0, 30.0)
     try:
         text = response.read()
         code, message = parse_error(text) if response.status != 200 else ("", "")
@@ -482,14 +486,14 @@ def test_client_raises_refusals_without_falling_back(seaweedfs, s3agg_bucket, ga
 # --- failure and fallback ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("delivery", DELIVERIES)
-def test_gateway_stopped_mid_request_falls_back_to_plain_s3(seaweedfs, s3agg_bucket, start_gateway, agent, delivery,
-                                                             caplog):
+def stopping_mid_request(seaweedfs, bucket, start_gateway, agent, delivery: str):
+    """A paced gateway, killed as the read hands over its first layer: (store, keys, objects, buffers, on_layer,
+    the layers handed over)."""
     # Paced at 1 MB/s, each 128 KiB layer takes ~0.13 s: the stop lands mid-request.
     paced = start_gateway(bandwidth_cap_bytes_s=1e6, policy="equal", epoch_s=0.01)
     layout, num_chunks = BlockLayout(8, 8192), 16
-    keys, objects = put_objects(seaweedfs, s3agg_bucket, np.random.default_rng(3), num_chunks, layout)
-    store = open_store(seaweedfs, s3agg_bucket, paced.url, layout, agent, delivery=delivery)
+    keys, objects = put_objects(seaweedfs, bucket, np.random.default_rng(3), num_chunks, layout)
+    store = open_store(seaweedfs, bucket, paced.url, layout, agent, delivery=delivery)
     buffers = layer_buffers(agent, layout, num_chunks)
     handed: list[int] = []
 
@@ -499,17 +503,41 @@ def test_gateway_stopped_mid_request_falls_back_to_plain_s3(seaweedfs, s3agg_buc
             paced.proc.wait()
         handed.append(layer)
 
+    return store, keys, objects, buffers, on_layer, handed
+
+
+def test_gateway_stopped_mid_request_falls_back_over_http(seaweedfs, s3agg_bucket, start_gateway, agent, caplog):
+    """HTTP frames are received on the reader's thread: nothing lands after the break, the rest comes from plain S3."""
+    store, keys, objects, buffers, on_layer, handed = stopping_mid_request(seaweedfs, s3agg_bucket, start_gateway,
+                                                                           agent, "http")
     before = REGISTRY.get_sample_value("s3agg_client_fallbacks_total", {"op": "read_layerwise"}) or 0.0
     with caplog.at_level("WARNING", logger="nixl_backends.s3agg"):
         result = store.read_layerwise(keys, buffers.addrs, on_layer)
     assert result.mode == "fallback"
     assert result.error
     assert result.notifications[:1] == ["0"]  # the stop came mid-request, after the gateway's first layer
-    assert handed == list(range(layout.num_layers))
+    assert handed == list(range(store.layout.num_layers))
     # Layer 0 came from the gateway, the rest from plain ranged GETs: the same layout, digests included.
-    assert_delivered(layout, keys, objects, buffers)
+    assert_delivered(store.layout, keys, objects, buffers)
     assert REGISTRY.get_sample_value("s3agg_client_fallbacks_total", {"op": "read_layerwise"}) == before + 1
     assert any("falls back to plain S3" in r.getMessage() and result.request_id in r.getMessage()
+               for r in caplog.records)
+
+
+def test_gateway_stopped_mid_request_retires_a_nixl_target(seaweedfs, s3agg_bucket, start_gateway, agent, caplog):
+    """NIXL WRITEs are one-sided, and a gateway that cannot be reached cannot confirm that they stopped (gone, or
+    only cut off): TransferAbandoned, on which callers retire the buffers; no fallback reads into them."""
+    store, keys, _, buffers, on_layer, handed = stopping_mid_request(seaweedfs, s3agg_bucket, start_gateway, agent,
+                                                                     "nixl")
+    fallbacks = REGISTRY.get_sample_value("s3agg_client_fallbacks_total", {"op": "read_layerwise"}) or 0.0
+    retired = REGISTRY.get_sample_value("s3agg_client_retired_total") or 0.0
+    with caplog.at_level("WARNING", logger="nixl_backends.s3agg"), pytest.raises(GatewayWritesAbandoned) as abandoned:
+        store.read_layerwise(keys, buffers.addrs, on_layer)
+    assert isinstance(abandoned.value, TransferAbandoned)
+    assert handed == [0]  # the stop came mid-request, after the gateway's first layer
+    assert REGISTRY.get_sample_value("s3agg_client_retired_total") == retired + 1
+    assert (REGISTRY.get_sample_value("s3agg_client_fallbacks_total", {"op": "read_layerwise"}) or 0.0) == fallbacks
+    assert any("the target is retired" in r.getMessage() and "cancel failed" in r.getMessage()
                for r in caplog.records)
 
 
@@ -524,6 +552,141 @@ def test_unreachable_gateway_falls_back(seaweedfs, s3agg_bucket, stored, agent):
     assert result.mode == "fallback" and result.error.startswith(f"gateway {store.config.gateway}")
     assert handed == [0, 1, 2, 3]
     assert_delivered(STORED, keys, objects, buffers)
+
+
+# --- a request given up: its buffer is reused only once the gateway stopped writing it ------------
+
+
+RACE = BlockLayout(8, 8192)
+RACE_CHUNKS = 16
+RACE_LAYER_S = 0.5  # the slow gateway's pace: a layer of RACE_CHUNKS chunks every 0.5 s, all 8 in 4 s
+GIVE_UP_S = 1.5 * RACE_LAYER_S  # the client's request_timeout_s: between the gateway's layers 0 and 1
+
+
+@pytest.fixture(scope="module")
+def slow_gateway(start_gateway):
+    # One flow has the whole cap (policy equal).
+    cap = layer_region_bytes(RACE_CHUNKS, RACE.layer_block_bytes) / RACE_LAYER_S
+    return start_gateway(bandwidth_cap_bytes_s=cap, policy="equal", epoch_s=0.01)
+
+
+def gateway_metric(gateway, name: str, **labels: str) -> float:
+    """A sample of the gateway's /metrics; 0 when absent."""
+    with urllib.request.urlopen(f"{gateway.url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    samples = (s for family in text_string_to_metric_families(text) for s in family.samples)
+    return next((s.value for s in samples if s.name == name and s.labels == labels), 0.0)
+
+
+def nixl_jobs(gateway, outcome: str) -> float:
+    return gateway_metric(gateway, "s3agg_requests_total", mode="layerwise", target="nixl", outcome=outcome)
+
+
+def reuse_after_giving_up(seaweedfs, bucket, gateway, store, agent, seed: int, outcome: str):
+    """Read a hit through the slow gateway with a client timeout it cannot meet (between its layer 0 and 1), so
+    the fallback reads it; then another hit into the same buffer by plain S3, as a pool slot is reused; returns
+    (the buffer, both hits) once the gateway's job of the first request ended with ``outcome``."""
+    rng = np.random.default_rng(seed)
+    keys, objects = put_objects(seaweedfs, bucket, rng, RACE_CHUNKS, RACE)
+    other_keys, other_objects = put_objects(seaweedfs, bucket, rng, RACE_CHUNKS, RACE)
+    buffers = layer_buffers(agent, RACE, RACE_CHUNKS)
+    ended = nixl_jobs(gateway, outcome)
+    result = store.read_layerwise(keys, buffers.addrs, lambda layer: None)
+    # Given up at request_timeout_s: the wait for notifications, or the socket's, whichever noticed first.
+    assert result.mode == "fallback" and ("timed out" in result.error or "no complete delivery" in result.error)
+    store.read_ranges(other_keys, buffers.addrs, lambda layer: None)
+
+    def job_ended() -> bool:
+        dispatcher_for(agent).poll()  # progresses UCX meanwhile, as a busy reader's agent would be
+        return nixl_jobs(gateway, outcome) > ended
+
+    # Still in flight at the gateway's pace when the read gave up: the job ends within the 4 s of all layers.
+    poll(job_ended, bool, 8 * RACE_LAYER_S + 10, f"the given-up request's gateway job ended {outcome}")
+    return buffers, (keys, objects), (other_keys, other_objects)
+
+
+def test_a_buffer_reused_after_a_timeout_holds_exactly_the_next_read(seaweedfs, s3agg_bucket, slow_gateway, agent):
+    """The client gives up, cancels, and the gateway confirms before the fallback touches the buffer: the job
+    stops at its next WRITE, and the buffer holds exactly what was read into it afterwards."""
+    store = open_store(seaweedfs, s3agg_bucket, slow_gateway.url, RACE, agent, request_timeout_s=GIVE_UP_S)
+    stopped = gateway_metric(slow_gateway, "s3agg_cancels_total", answer="stopped")
+    retired = REGISTRY.get_sample_value("s3agg_client_retired_total") or 0.0
+    buffers, _, (other_keys, other_objects) = reuse_after_giving_up(seaweedfs, s3agg_bucket, slow_gateway, store,
+                                                                     agent, seed=31, outcome="canceled")
+    assert_delivered(RACE, other_keys, other_objects, buffers)
+    assert gateway_metric(slow_gateway, "s3agg_cancels_total", answer="stopped") == stopped + 1
+    assert (REGISTRY.get_sample_value("s3agg_client_retired_total") or 0.0) == retired
+
+
+def test_control_a_buffer_reused_without_the_cancel_is_overwritten_late(seaweedfs, s3agg_bucket, slow_gateway, agent,
+                                                                         monkeypatch):
+    """The same with the cancel skipped (the client before the fix): the gateway's WRITEs of the given-up
+    request land after the next read, and its layers replace the next hit's verified ones."""
+    store = open_store(seaweedfs, s3agg_bucket, slow_gateway.url, RACE, agent, request_timeout_s=GIVE_UP_S)
+    monkeypatch.setattr(store, "_stop_gateway_writes", lambda request_id, cause: None)
+    buffers, (keys, objects), (other_keys, _) = reuse_after_giving_up(seaweedfs, s3agg_bucket, slow_gateway, store,
+                                                                      agent, seed=32, outcome="ok")
+    overwritten = [layer for layer in range(RACE.num_layers)
+                   if (buffers.array[layer] == layer_major(objects, RACE)[layer]).all()]
+    # Layer 7 was written about 3 s after the client gave up, long after the next read.
+    assert RACE.num_layers - 1 in overwritten
+    assert intact_chunks(RACE, other_keys, buffers)[-1] == 0
+    assert intact_chunks(RACE, keys, buffers)[-1] == RACE_CHUNKS
+
+
+def test_a_failed_callback_cancels_and_waits_for_the_write_in_flight(seaweedfs, s3agg_bucket, slow_gateway, agent):
+    """The caller's on_layer fails while a gateway WRITE is in flight, one that ends only as this agent progresses
+    UCX (loopback here; the control above shows the WRITEs wait for it): the cancel waits for that WRITE while the
+    reader keeps progressing, so the gateway confirms, the caller's own error comes out and nothing is retired.
+    No WRITE starts after the cancel."""
+    store = open_store(seaweedfs, s3agg_bucket, slow_gateway.url, RACE, agent)
+    keys, _ = put_objects(seaweedfs, s3agg_bucket, np.random.default_rng(33), RACE_CHUNKS, RACE)
+    buffers = layer_buffers(agent, RACE, RACE_CHUNKS)
+    canceled = nixl_jobs(slow_gateway, "canceled")
+    stopped = gateway_metric(slow_gateway, "s3agg_cancels_total", answer="stopped")
+    retired = REGISTRY.get_sample_value("s3agg_client_retired_total") or 0.0
+
+    def on_layer(layer: int) -> None:
+        poll(lambda: gateway_metric(slow_gateway, "s3agg_nixl_deliveries_in_progress"), lambda n: n >= 1,
+             4 * RACE_LAYER_S, "a WRITE in flight at the gateway")
+        raise ValueError("the caller's check failed")
+
+    with pytest.raises(ValueError, match="the caller's check failed"):
+        store.read_layerwise(keys, buffers.addrs, on_layer)
+    assert gateway_metric(slow_gateway, "s3agg_cancels_total", answer="stopped") == stopped + 1
+    assert (REGISTRY.get_sample_value("s3agg_client_retired_total") or 0.0) == retired
+    poll(lambda: nixl_jobs(slow_gateway, "canceled"), lambda n: n > canceled, 8 * RACE_LAYER_S + 10,
+         "the request's gateway job ended canceled")
+    # Layer 0 and at most the layer in flight at the cancel were written; nothing after.
+    assert bool((buffers.array[2:] == LayerBuffers.SENTINEL).all())
+
+
+def cancel(gateway_url: str, bucket: str, request_id: str, secret: str = CLIENT_SECRET_KEY) -> tuple[int, bytes]:
+    conn, response = post_signed(gateway_url, f"/{bucket}?{EXTENSION_QUERY}&{CANCEL_QUERY}", b"",
+                                 Credentials(CLIENT_ACCESS_KEY, secret), "us-east-1", request_id, 5.0, 30.0)
+    try:
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def test_a_request_arriving_after_its_cancel_is_refused_before_anything_is_written(gateway, s3agg_bucket, stored,
+                                                                                     ucx_agent):
+    keys, _ = stored
+    buffers = layer_buffers(ucx_agent, STORED, len(keys))
+    body = json.dumps(descriptor(keys, buffers, ucx_agent)).encode()
+    request_id = uuid.uuid4().hex
+    # A cancel is signed like any request.
+    status, text = cancel(gateway.url, s3agg_bucket, request_id, secret="wrong")
+    assert (status, parse_error(text)[0]) == (403, "SignatureDoesNotMatch")
+    status, text = cancel(gateway.url, s3agg_bucket, request_id)
+    assert (status, json.loads(text)) == (200, {"stopped": True})  # nothing ran: nothing can land
+    status, code, message, _ = signed(gateway.url, s3agg_bucket, body, request_id=request_id)
+    assert (status, code) == (409, "RequestCanceled"), message
+    assert buffers.untouched()
+    # Control: the same descriptor under an id nobody canceled passes to the read (a missing key fails it there).
+    missing = json.dumps(descriptor(keys[:3] + ["kv/nope/00/" + "0" * 64], buffers, ucx_agent)).encode()
+    assert signed(gateway.url, s3agg_bucket, missing)[:2] == (502, "StorageReadFailed")
 
 
 # --- tracing -------------------------------------------------------------------------------------
