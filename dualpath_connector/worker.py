@@ -142,7 +142,7 @@ class DualPathWorker:
         self._in_flight: set[str] = set()
         self._dropped: set[str] = set()
         self._injection: LayerwiseInjection | None = None
-        self._rejected_reported = (0, 0)  # side-channel messages, pulled: notifications
+        self._rejected_reported = (0, 0, 0)  # side-channel messages, pulled: notifications, hold claims
         self._store_counters: dict[str, int] = {}
         # KV events: finished writes, handed to the scheduler as worker metadata each step.
         self._kv_events = kv_events_enabled(vllm_config, config)
@@ -432,9 +432,10 @@ class DualPathWorker:
     def get_stats(self) -> DualPathStats | None:
         if self.peers is not None:
             # The side channel counts refusals on its own thread; hand on what is new.
-            rejected = self.peers.rejected_messages, self.peers.forged_notifications
+            rejected = self.peers.rejected_messages, self.peers.forged_notifications, self.peers.refused_claims
             self.stats.add(side_channel_rejected_messages=rejected[0] - self._rejected_reported[0],
-                           forged_notifications=rejected[1] - self._rejected_reported[1])  # fmt: skip
+                           forged_notifications=rejected[1] - self._rejected_reported[1],
+                           refused_hold_claims=rejected[2] - self._rejected_reported[2])  # fmt: skip
             self._rejected_reported = rejected
             self.stats.gauge(pd_held_blocks=self.peers.held_blocks)
         self._add_store_metrics()
