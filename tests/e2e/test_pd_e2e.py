@@ -36,7 +36,15 @@ import pytest
 
 from dualpath_connector.cluster_auth import ClusterKey
 from dualpath_connector.config import DualPathConfig
-from dualpath_connector.protocol import METRIC_PREFIX, PrefillHandoff, PrefillRequest, counter_total_name, metric_total
+from dualpath_connector.protocol import (
+    METRIC_PREFIX,
+    ClaimHold,
+    PrefillHandoff,
+    PrefillRequest,
+    counter_total_name,
+    metric_total,
+)
+from dualpath_connector.side_channel import request
 from dualpath_router.holds import HoldReleaser
 from dualpath_dev.engines import ClusterKeys, RouterProcess
 from tests.conftest import (
@@ -353,6 +361,68 @@ def test_holds_end_with_their_request(cluster, seaweedfs, tmp_path):
         assert released == 1
     finally:
         router.stop()
+
+
+def _prefill(pe, prompt: list[int]) -> PrefillHandoff:
+    """The PE's prefill of ``prompt`` (as the router asks for it); its hand-off."""
+    body = {"model": str(pe.model), "prompt": prompt, "max_tokens": 1,
+            "kv_transfer_params": PrefillRequest("pe").to_dict()}  # fmt: skip
+    return PrefillHandoff.from_dict(pe.post("/v1/completions", body)["kv_transfer_params"])
+
+
+def _decode(de, prompt: list[int], handoff: PrefillHandoff) -> dict:
+    """The DE's greedy answer to ``prompt`` given ``handoff`` (tokens and logprobs)."""
+    body = {"model": str(de.model), "prompt": prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0.0,
+            "ignore_eos": True, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+            "kv_transfer_params": handoff.to_dict()}  # fmt: skip
+    choice = de.post("/v1/completions", body)["choices"][0]
+    return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
+
+
+def test_a_handoff_whose_hold_ended_or_was_claimed_is_recomputed_not_read(cluster, plain_engine):
+    """A DE never READs blocks the PE may have given to another request: given a hand-off whose hold ended
+    (the router released it; a lease running out ends it the same way) or that another DE claimed first (a
+    router retry after a DE that pulled), its claim is refused and it recomputes the prompt, whose output
+    equals the engine's without the connector. The control: a DE whose hand-off names blocks that hold another
+    prompt's KV (what a READ of reused blocks brings) answers differently, so the comparison catches wrong KV."""
+    pe, de = cluster
+    rng = random.Random(38)
+    ended, claimed, other = ([rng.randrange(1024) for _ in range(8 * BLOCK + 1)] for _ in range(3))
+    key = ClusterKey(pe.keys.cluster_key.encode())
+    refused = counter_total_name("refused_hold_claims")
+    counters = [(pe, refused), (de, counter_total_name("pull_failed_tokens")), (de, counter_total_name("pulled_tokens"))]
+    before = [engine.metric_total(name) for engine, name in counters]
+
+    handoff = _prefill(pe, ended)
+    assert asyncio.run(HoldReleaser(key, timeout_s=10.0).release(handoff, "test: the hold ends first")) == 1
+    # The DE recomputes the whole prompt, chunked as the engine without the connector chunks it from scratch.
+    assert same(_decode(de, ended, handoff), plain_engine.generate([ended], OUTPUT_TOKENS)[0])
+
+    handoff = _prefill(pe, claimed)
+    # Another DE (played here) claimed the hold first; it never READs, so the PE keeps it for claim_s.
+    first = request(handoff.remote_side_channel, ClaimHold(handoff.remote_request_id, handoff.hold_token).to_message(),
+                    10.0, key)  # fmt: skip
+    assert first["claim_token"] and first["claim_s"] == DualPathConfig.pd_transfer_timeout_s
+    assert same(_decode(de, claimed, handoff), plain_engine.generate([claimed], OUTPUT_TOKENS)[0])
+
+    # Both refusals were the PE's, and the DE recomputed both prompts (pulled none of their blocks); counted in
+    # whole blocks: 9 of 32 tokens for 257 tokens.
+    prompt_blocks_tokens = 9 * BLOCK
+    assert poll(lambda: [engine.metric_total(name) for engine, name in counters[:2]],
+                lambda now: now == [before[0] + 2, before[1] + 2 * prompt_blocks_tokens], 60,
+                "the PE's refused claims and the DE's recomputed tokens")  # fmt: skip
+    assert de.metric_total(counters[2][1]) == before[2]
+
+    # The control: a new prompt given the other prompt's live hand-off: the DE claims it and READs blocks that
+    # hold the other prompt's KV. Its tokens differ from the ones it answers when it pulls its own prompt's KV.
+    fresh = [rng.randrange(1024) for _ in range(8 * BLOCK + 1)]
+    plain_engine.generate([fresh], 1)  # served as the PE and the DE serve it (see the module's doc)
+    expected = plain_engine.generate([fresh], OUTPUT_TOKENS, reset_prefix_cache=False)[0]
+    assert _decode(de, fresh, _prefill(pe, other))["tokens"] != expected["tokens"]
+    poll(lambda: de.metric_total(counters[2][1]), lambda n: n == before[2] + prompt_blocks_tokens, 60,
+         "the DE's pull of the other prompt's blocks")  # fmt: skip
+    # Nothing stays held: the claimed hold ends at its claim's end.
+    poll(lambda: held_blocks(pe), lambda n: n == 0, DualPathConfig.pd_transfer_timeout_s + 30, "blocks held")
 
 
 def test_de_killed_during_de_side_read_falls_back(cluster, baseline):
