@@ -58,25 +58,34 @@ def ensure_obj_plugin_loadable() -> None:
 
 
 def add_obj_backend(agent, config: S3StoreConfig, session: boto3.session.Session) -> None:
-    """Open NIXL's OBJ backend on ``agent`` for ``config``'s bucket, with ``session``'s credentials."""
+    """Open NIXL's OBJ backend on ``agent`` for ``config``'s bucket.
+
+    With keys in ``config`` the plugin gets them (static keys never change).
+    Without, it gets none and its AWS SDK resolves the standard credential
+    chain itself (environment, shared config/profile, web identity token,
+    container credentials endpoint, instance metadata), as ``session`` does
+    for the boto3 side, and renews temporary credentials before they expire.
+    Handing it the chain's credentials of the moment would freeze them: every
+    request would fail once their session token expired, until a restart.
+    """
     ensure_obj_plugin_loadable()
     credentials = session.get_credentials()
     if credentials is None:
         raise ConfigError("store: no S3 credentials in the config or the AWS credential chain")
-    frozen = credentials.get_frozen_credentials()
     params = {
         "bucket": config.bucket,
         "region": config.region,
-        "access_key": frozen.access_key,
-        "secret_key": frozen.secret_key,
         "use_virtual_addressing": "true" if config.addressing_style == "virtual" else "false",
         "num_threads": str(config.io_threads),
         # The plugin's names for the SDK's WHEN_REQUIRED / WHEN_SUPPORTED.
         "req_checksum": config.request_checksum_calculation.removeprefix("when_"),
         "resp_checksum": config.response_checksum_validation.removeprefix("when_"),
     }
-    if frozen.token:
-        params["session_token"] = frozen.token
+    if config.access_key is not None:
+        params.update(access_key=config.access_key, secret_key=config.secret_key)
+    else:
+        logger.info("S3 credentials for NIXL OBJ: the AWS credential chain (%s), renewed by the AWS SDK",
+                    credentials.method)
     if config.endpoint:
         params["endpoint_override"] = config.endpoint
         params["scheme"] = config.endpoint.split("://", 1)[0]

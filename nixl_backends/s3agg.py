@@ -56,6 +56,7 @@ from nixl_backends.nixl_io import Polling, TransferAbandoned, descriptors, run_n
 from nixl_backends.notifications import PerAgent, dispatcher_for
 from nixl_backends.obj_backend import OBJ, obj_device_ids
 from nixl_backends.s3 import S3Store, S3StoreConfig
+from nixl_backends.s3_endpoint import s3_session
 from nixl_backends.s3agg_protocol import (
     ALL_LAYERS,
     CANCEL_QUERY,
@@ -250,9 +251,8 @@ class S3AggStore(KVStore):
         elif config.s3_config.access_key is not None:
             self._credentials = Credentials(config.s3_config.access_key, config.s3_config.secret_key)
         else:
-            import boto3
-
-            self._credentials = boto3.session.Session().get_credentials()
+            # The chain's credentials renew themselves when temporary; each request is signed with a snapshot.
+            self._credentials = s3_session(config.s3_config).get_credentials()
         if self._credentials is None:
             raise ConfigError("store: no credentials to sign gateway requests")
         logger.info("s3agg store: gateway=%s bucket=%s delivery=%s", config.gateway, config.s3_config.bucket,
@@ -725,7 +725,8 @@ def post_signed(
     url = urlsplit(gateway)
     request = AWSRequest("POST", f"http://{url.netloc}{path}", data=body,
                          headers={"content-type": "application/json", REQUEST_ID_HEADER: request_id})
-    S3SigV4Auth(credentials, "s3", region).add_auth(request)
+    # A snapshot: refreshable credentials could renew between reading the key id and the secret.
+    S3SigV4Auth(credentials.get_frozen_credentials(), "s3", region).add_auth(request)
     conn = http.client.HTTPConnection(url.hostname, url.port or 80, timeout=connect_timeout_s)
     try:
         conn.connect()

@@ -88,16 +88,38 @@ def verify_headers(
     names = signed.split(";")
     if "host" not in names or any(name not in headers for name in names):
         raise _denied("AccessDenied", "signed headers must include host and be present")
-    canonical_headers = "".join(f"{n}:{' '.join(headers[n].split())}\n" for n in names)
-    canonical = "\n".join(
-        [method, raw_path or "/", _canonical_query(raw_query), canonical_headers, signed, payload_hash])
-    scope = f"{date}/{region}/{service}/aws4_request"
-    to_sign = "\n".join([_ALGORITHM, amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
-    key = _hmac(_hmac(_hmac(_hmac(f"AWS4{secret_key}".encode(), date), region), service), "aws4_request")
-    expected = hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+    expected = _signature(method, raw_path, raw_query, headers, names, payload_hash, secret_key,
+                          f"{date}/{region}/{service}/aws4_request", amz_date)  # fmt: skip
     if not hmac.compare_digest(expected, signature):
         raise _denied("SignatureDoesNotMatch", "the request signature does not match the one computed")
     return payload_hash
+
+
+def _signature(method: str, raw_path: str, raw_query: str, headers: Mapping[str, str], names: list[str],
+               payload_hash: str, secret_key: str, scope: str, amz_date: str) -> str:  # fmt: skip
+    """The SigV4 signature of a request over its headers ``names`` (lower case, in order), hex."""
+    canonical_headers = "".join(f"{n}:{' '.join(headers[n].split())}\n" for n in names)
+    canonical = "\n".join(
+        [method, raw_path or "/", _canonical_query(raw_query), canonical_headers, ";".join(names), payload_hash])
+    to_sign = "\n".join([_ALGORITHM, amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest()])
+    date, region, service, _ = scope.split("/")
+    key = _hmac(_hmac(_hmac(_hmac(f"AWS4{secret_key}".encode(), date), region), service), "aws4_request")
+    return hmac.new(key, to_sign.encode(), hashlib.sha256).hexdigest()
+
+
+def sign(method: str, raw_path: str, raw_query: str, headers: Mapping[str, str], access_key: str, secret_key: str,
+         region: str, now: dt.datetime | None = None) -> dict[str, str]:  # fmt: skip
+    """The ``x-amz-date`` and ``authorization`` headers that sign a request (lower-case ``headers``, with
+    ``host`` and ``x-amz-content-sha256``) for S3 by ``access_key``, over host and every ``x-amz-*`` header
+    (S3 servers refuse a request with an unsigned one)."""
+    amz_date = (now or dt.datetime.now(dt.timezone.utc)).strftime("%Y%m%dT%H%M%SZ")
+    scope = f"{amz_date[:8]}/{region}/s3/aws4_request"
+    signed = {**headers, "x-amz-date": amz_date}
+    names = sorted(["host", *(name for name in signed if name.startswith("x-amz-"))])
+    signature = _signature(method, raw_path, raw_query, signed, names, headers["x-amz-content-sha256"], secret_key,
+                           scope, amz_date)  # fmt: skip
+    return {"x-amz-date": amz_date, "authorization": f"{_ALGORITHM} Credential={access_key}/{scope}, "
+                                                     f"SignedHeaders={';'.join(names)}, Signature={signature}"}
 
 
 def verify_payload(payload_hash: str, body: bytes) -> None:

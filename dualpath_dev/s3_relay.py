@@ -1,0 +1,164 @@
+"""A verifying S3 relay: stands in front of a real S3 server (SeaweedFS) and accepts only what a store with
+rotating temporary credentials accepts.
+
+SeaweedFS knows static identities only and refuses a session token it did not
+issue, so the relay takes the store's part: it checks each request's SigV4
+signature with the key pair a :class:`~dualpath_dev.credentials_endpoint.RotatingCredentials`
+issued (known, unexpired, its own token), answers ``400 ExpiredToken`` or
+``403`` otherwise, as S3 does, and forwards what passes, re-signed with the
+server's static key, unchanged otherwise (bodies as sent, aws-chunked ones
+too). Counts what it refused and forwarded. Runs on threads of the calling
+process, on a free port, until :meth:`stop`.
+"""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import re
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+from s3agg_gateway_ext.descriptor import DescriptorError
+from s3agg_gateway_ext.sigv4 import error_xml, sign, verify_headers, verify_payload
+
+from dualpath_dev.credentials_endpoint import RotatingCredentials
+from dualpath_dev.processes import free_port
+
+logger = logging.getLogger(__name__)
+
+_KEY_ID = re.compile(r"Credential=([^/,\s]+)/")
+# Not forwarded: the relay's own connection and the client's signature.
+_DROPPED = {"connection", "keep-alive", "transfer-encoding", "authorization", "x-amz-security-token", "x-amz-date",
+            "host"}
+
+
+class S3Relay:
+    def __init__(self, upstream: str, access_key: str, secret_key: str, credentials: RotatingCredentials,
+                 region: str = "us-east-1") -> None:  # fmt: skip
+        self.upstream = urlsplit(upstream)
+        self._static = (access_key, secret_key)
+        self.credentials = credentials
+        self.region = region
+        self._lock = threading.Lock()
+        self.forwarded = 0
+        self.refused: dict[str, int] = {}  # S3 error code -> requests refused with it
+        self._server: ThreadingHTTPServer | None = None
+        self._local = threading.local()
+
+    @property
+    def endpoint(self) -> str:
+        assert self._server is not None, "start() first"
+        return f"http://127.0.0.1:{self._server.server_port}"
+
+    def refused_total(self) -> int:
+        with self._lock:
+            return sum(self.refused.values())
+
+    # -- one request -----------------------------------------------------------------------------
+
+    def _check(self, method: str, path: str, query: str, headers: dict[str, str], body: bytes) -> None:
+        """Raise the S3 error the store answers a request with that no unexpired issued pair signed."""
+        key_id = _KEY_ID.search(headers.get("authorization", ""))
+        if key_id is None:
+            raise DescriptorError(403, "AccessDenied", "no AWS4-HMAC-SHA256 signature")
+        secret = self.credentials.secret_for(key_id.group(1), headers.get("x-amz-security-token"))
+        if secret is None:
+            raise DescriptorError(400, "ExpiredToken", "the provided token has expired or is not known")
+        verify_payload(verify_headers(method, path, query, headers, key_id.group(1), secret), body)
+
+    def _forward(self, method: str, path: str, query: str, headers: dict[str, str], body: bytes):
+        """The upstream's response to the request re-signed with its static key: (status, headers, body)."""
+        target = f"{path}?{query}" if query else path
+        forwarded = {k: v for k, v in headers.items() if k not in _DROPPED}
+        forwarded["host"] = self.upstream.netloc
+        forwarded.update(sign(method, path, query, forwarded, *self._static, self.region))
+        forwarded["content-length"] = str(len(body))
+        conn = getattr(self._local, "conn", None)
+        for attempt in range(2):  # a kept-alive connection the server closed meanwhile is opened again, once
+            if conn is None:
+                conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=60)
+                self._local.conn = conn
+            try:
+                conn.request(method, target, body=body, headers=forwarded)
+                response = conn.getresponse()
+                return response.status, response.getheaders(), response.read()
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                conn = self._local.conn = None
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    # -- the server ----------------------------------------------------------------------------------
+
+    def start(self) -> S3Relay:
+        relay = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive, as S3 clients expect
+
+            def _serve(self) -> None:
+                path, _, query = self.path.partition("?")
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                body = self._body(headers)
+                try:
+                    relay._check(self.command, path, query, headers, body)
+                except DescriptorError as exc:
+                    with relay._lock:
+                        relay.refused[exc.code] = relay.refused.get(exc.code, 0) + 1
+                    self._answer(exc.status, [("Content-Type", "application/xml")],
+                                 error_xml(exc.code, exc.message, path, "relay").encode())
+                    return
+                status, got, content = relay._forward(self.command, path, query, headers, body)
+                with relay._lock:
+                    relay.forwarded += 1
+                kept = [(k, v) for k, v in got if k.lower() not in ("connection", "transfer-encoding", "content-length")]
+                # A HEAD's length is the object's, not its (empty) body's.
+                length = dict((k.lower(), v) for k, v in got).get("content-length") if self.command == "HEAD" else None
+                self._answer(status, kept, content, length)
+
+            def _body(self, headers: dict[str, str]) -> bytes:
+                if headers.get("transfer-encoding", "").lower() == "chunked":
+                    chunks = []
+                    while size := int(self.rfile.readline().split(b";")[0], 16):
+                        chunks.append(self.rfile.read(size))
+                        self.rfile.readline()
+                    while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                        pass  # trailer fields of the HTTP chunking (aws-chunked ones are in the body)
+                    return b"".join(chunks)
+                return self.rfile.read(int(headers.get("content-length", 0)))
+
+            def _answer(self, status: int, headers: list[tuple[str, str]], content: bytes,
+                        length: str | None = None) -> None:  # fmt: skip
+                self.send_response(status)
+                for name, value in headers:
+                    self.send_header(name, value)
+                self.send_header("Content-Length", length or str(len(content)))
+                self.end_headers()
+                if self.command != "HEAD":
+                    self.wfile.write(content)
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _serve  # noqa: N815 (http.server's names)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="s3-relay", daemon=True).start()
+        logger.info("S3 relay %s -> %s", self.endpoint, self.upstream.geturl())
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+
+    def __enter__(self) -> S3Relay:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
