@@ -1,14 +1,20 @@
-"""A verifying S3 relay: stands in front of a real S3 server (SeaweedFS) and accepts only what a store with
-rotating temporary credentials accepts.
+"""An S3 relay in front of a real S3 server (SeaweedFS) that makes it behave as users' stores do.
 
-SeaweedFS knows static identities only and refuses a session token it did not
-issue, so the relay takes the store's part: it checks each request's SigV4
-signature with the key pair a :class:`~dualpath_dev.credentials_endpoint.RotatingCredentials`
-issued (known, unexpired, its own token), answers ``400 ExpiredToken`` or
-``403`` otherwise, as S3 does, and forwards what passes, re-signed with the
-server's static key, unchanged otherwise (bodies as sent, aws-chunked ones
-too). Counts what it refused and forwarded. Runs on threads of the calling
-process, on a free port, until :meth:`stop`.
+- ``credentials`` (a :class:`~dualpath_dev.credentials_endpoint.RotatingCredentials`):
+  accept only what a store with rotating temporary credentials accepts.
+  SeaweedFS knows static identities only and refuses a session token it did
+  not issue, so the relay takes the store's part: it checks each request's
+  SigV4 signature with the pair the endpoint issued (known, unexpired, its own
+  token), answers ``400 ExpiredToken`` or ``403`` otherwise, as S3 does, and
+  forwards what passes re-signed with the server's static key. Without
+  ``credentials`` requests pass as they were signed (for the server's key).
+- ``delay_s``: every request waits this long before it is forwarded, as a
+  store across a network answers its first byte a round trip later (bodies
+  still move at the relay's pace: it models per-request latency, not bandwidth).
+  Settable while the relay runs.
+
+Bodies pass unchanged (aws-chunked ones too). Counts what it refused and
+forwarded. Runs on threads of the calling process, on a free port, until :meth:`stop`.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import http.client
 import logging
 import re
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
@@ -29,18 +36,20 @@ from dualpath_dev.processes import free_port
 logger = logging.getLogger(__name__)
 
 _KEY_ID = re.compile(r"Credential=([^/,\s]+)/")
-# Not forwarded: the relay's own connection and the client's signature.
-_DROPPED = {"connection", "keep-alive", "transfer-encoding", "authorization", "x-amz-security-token", "x-amz-date",
-            "host"}
+# Not forwarded: the relay's own connection; re-signing, the client's signature too.
+_HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding"}
+_DROPPED = _HOP_BY_HOP | {"authorization", "x-amz-security-token", "x-amz-date", "host"}
 
 
 class S3Relay:
-    def __init__(self, upstream: str, access_key: str, secret_key: str, credentials: RotatingCredentials,
-                 region: str = "us-east-1") -> None:  # fmt: skip
+    def __init__(self, upstream: str, access_key: str, secret_key: str,
+                 credentials: RotatingCredentials | None = None, region: str = "us-east-1",
+                 delay_s: float = 0.0) -> None:  # fmt: skip
         self.upstream = urlsplit(upstream)
         self._static = (access_key, secret_key)
         self.credentials = credentials
         self.region = region
+        self.delay_s = delay_s
         self._lock = threading.Lock()
         self.forwarded = 0
         self.refused: dict[str, int] = {}  # S3 error code -> requests refused with it
@@ -60,6 +69,8 @@ class S3Relay:
 
     def _check(self, method: str, path: str, query: str, headers: dict[str, str], body: bytes) -> None:
         """Raise the S3 error the store answers a request with that no unexpired issued pair signed."""
+        if self.credentials is None:
+            return  # the server checks the signature itself
         key_id = _KEY_ID.search(headers.get("authorization", ""))
         if key_id is None:
             raise DescriptorError(403, "AccessDenied", "no AWS4-HMAC-SHA256 signature")
@@ -71,9 +82,12 @@ class S3Relay:
     def _forward(self, method: str, path: str, query: str, headers: dict[str, str], body: bytes):
         """The upstream's response to the request re-signed with its static key: (status, headers, body)."""
         target = f"{path}?{query}" if query else path
-        forwarded = {k: v for k, v in headers.items() if k not in _DROPPED}
-        forwarded["host"] = self.upstream.netloc
-        forwarded.update(sign(method, path, query, forwarded, *self._static, self.region))
+        if self.credentials is None:  # signed for the server's key already, over the host it was sent to
+            forwarded = {k: v for k, v in headers.items() if k not in _HOP_BY_HOP}
+        else:
+            forwarded = {k: v for k, v in headers.items() if k not in _DROPPED}
+            forwarded["host"] = self.upstream.netloc
+            forwarded.update(sign(method, path, query, forwarded, *self._static, self.region))
         forwarded["content-length"] = str(len(body))
         conn = getattr(self._local, "conn", None)
         for attempt in range(2):  # a kept-alive connection the server closed meanwhile is opened again, once
@@ -111,6 +125,8 @@ class S3Relay:
                     self._answer(exc.status, [("Content-Type", "application/xml")],
                                  error_xml(exc.code, exc.message, path, "relay").encode())
                     return
+                if relay.delay_s:
+                    time.sleep(relay.delay_s)  # the store's round trip
                 status, got, content = relay._forward(self.command, path, query, headers, body)
                 with relay._lock:
                     relay.forwarded += 1

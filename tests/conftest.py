@@ -138,6 +138,18 @@ def nixl_agent():
     yield agent
 
 
+def isolate_aws_chain(monkeypatch, env: dict[str, str]) -> None:
+    """This process's AWS credential chain (and its children's) finds only what ``env`` names: no keys, profile,
+    config files or instance metadata of the machine's."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+
+
 def same(a: dict, b: dict, tolerance: float = 0.0) -> bool:
     """Two greedy outputs (``tokens``, ``logprobs``) agree: equal tokens, logprobs within ``tolerance``."""
     if a["tokens"] != b["tokens"]:

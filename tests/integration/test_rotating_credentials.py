@@ -24,13 +24,12 @@ from nixl_backends.nixl_io import descriptors, run_nixl_transfers
 from nixl_backends.obj_backend import OBJ, ensure_obj_plugin_loadable, obj_device_ids
 from nixl_backends.registry import make_store, parse_store_config
 from nixl_backends.s3_endpoint import s3_session
-from tests.conftest import poll
+from tests.conftest import isolate_aws_chain, poll
 from tests.integration.test_stores import FULL, LAYOUT, addrs, fill_random, make_keys, poison
 
 ROTATE_S, EXPIRY_S = 2.0, 4.0
 ROTATIONS = 3
 PATIENT_S = 60.0
-_CHAIN_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE")
 
 
 @pytest.fixture
@@ -39,13 +38,7 @@ def rotating(seaweedfs, monkeypatch):
     credentials = RotatingCredentials(ROTATE_S, EXPIRY_S).start()
     relay = S3Relay(seaweedfs.endpoint, seaweedfs.access_key, seaweedfs.secret_key, credentials).start()
     try:
-        for name in _CHAIN_VARIABLES:
-            monkeypatch.delenv(name, raising=False)
-        monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
-        monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
-        monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        for name, value in credentials.env.items():
-            monkeypatch.setenv(name, value)
+        isolate_aws_chain(monkeypatch, credentials.env)
         yield credentials, relay
     finally:
         relay.stop()
