@@ -8,6 +8,10 @@
   token), answers ``400 ExpiredToken`` or ``403`` otherwise, as S3 does, and
   forwards what passes re-signed with the server's static key. Without
   ``credentials`` requests pass as they were signed (for the server's key).
+- ``throttle_fraction`` / ``reset_fraction``: that share of object GETs and PUTs
+  (drawn from a seeded generator) is answered ``503 SlowDown``, or its
+  connection reset without an answer (a store shedding load, a flaky network);
+  counted in ``throttled`` and ``resets``.
 - ``delay_s``: every request waits this long before it is forwarded, as a
   store across a network answers its first byte a round trip later (bodies
   still move at the relay's pace: it models per-request latency, not bandwidth).
@@ -21,7 +25,10 @@ from __future__ import annotations
 
 import http.client
 import logging
+import random
 import re
+import socket
+import struct
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -44,12 +51,16 @@ _DROPPED = _HOP_BY_HOP | {"authorization", "x-amz-security-token", "x-amz-date",
 class S3Relay:
     def __init__(self, upstream: str, access_key: str, secret_key: str,
                  credentials: RotatingCredentials | None = None, region: str = "us-east-1",
-                 delay_s: float = 0.0) -> None:  # fmt: skip
+                 delay_s: float = 0.0, throttle_fraction: float = 0.0, reset_fraction: float = 0.0,
+                 seed: int = 0) -> None:  # fmt: skip
         self.upstream = urlsplit(upstream)
         self._static = (access_key, secret_key)
         self.credentials = credentials
         self.region = region
         self.delay_s = delay_s
+        self.throttle_fraction, self.reset_fraction = throttle_fraction, reset_fraction
+        self._faults = random.Random(seed)
+        self.throttled = self.resets = 0
         self._lock = threading.Lock()
         self.forwarded = 0
         self.refused: dict[str, int] = {}  # S3 error code -> requests refused with it
@@ -66,6 +77,20 @@ class S3Relay:
             return sum(self.refused.values())
 
     # -- one request -----------------------------------------------------------------------------
+
+    def _fault(self, method: str, path: str) -> str | None:
+        """``"throttle"``, ``"reset"`` or None for this request (object GETs and PUTs only)."""
+        if method not in ("GET", "PUT") or path.strip("/").count("/") < 1:
+            return None
+        with self._lock:
+            draw = self._faults.random()
+            if draw < self.reset_fraction:
+                self.resets += 1
+                return "reset"
+            if draw < self.reset_fraction + self.throttle_fraction:
+                self.throttled += 1
+                return "throttle"
+        return None
 
     def _check(self, method: str, path: str, query: str, headers: dict[str, str], body: bytes) -> None:
         """Raise the S3 error the store answers a request with that no unexpired issued pair signed."""
@@ -124,6 +149,16 @@ class S3Relay:
                         relay.refused[exc.code] = relay.refused.get(exc.code, 0) + 1
                     self._answer(exc.status, [("Content-Type", "application/xml")],
                                  error_xml(exc.code, exc.message, path, "relay").encode())
+                    return
+                fault = relay._fault(self.command, path)
+                if fault == "reset":
+                    # RST, no answer: SO_LINGER 0 drops the connection instead of closing it in order.
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    self.close_connection = True
+                    return
+                if fault == "throttle":
+                    self._answer(503, [("Content-Type", "application/xml")],
+                                 error_xml("SlowDown", "Please reduce your request rate.", path, "relay").encode())
                     return
                 if relay.delay_s:
                     time.sleep(relay.delay_s)  # the store's round trip

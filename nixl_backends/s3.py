@@ -12,7 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import logging
-from collections.abc import Sequence
+import random
+import threading
+import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout
@@ -26,7 +29,7 @@ from nixl_backends.s3_endpoint import (
     s3_client,
     s3_session,
 )
-from nixl_backends.store import KVStore
+from nixl_backends.store import KVStore, StoreMetrics
 
 __all__ = ["S3Store", "S3StoreConfig"]
 
@@ -44,6 +47,8 @@ class S3Store(KVStore):
         # Also without create_bucket: wrong credentials must stop start-up, not turn every request into a miss.
         ensure_bucket(self._client, config.bucket, create=config.create_bucket)
         self._agent = agent
+        self._counts_lock = threading.Lock()
+        self._retried = 0  # payload requests sent again after they failed
         self._lookup_pool = ThreadPoolExecutor(_LOOKUP_WINDOW, thread_name_prefix="s3-lookup")
         if agent is not None:
             add_obj_backend(agent, config, session)
@@ -65,7 +70,11 @@ class S3Store(KVStore):
                     return start + offset
         return len(keys)
 
-    def _transfer(self, op: str, keys: Sequence[str], addrs: Sequence[int]) -> list[bool]:
+    def _transfer(self, op: str, keys: Sequence[str], addrs: Sequence[int],
+                  before: Callable[[int], None] = lambda i: None,
+                  landed: Callable[[int], bool] = lambda i: True) -> list[bool]:  # fmt: skip
+        """One request per object, those that failed sent again (``io_retries``); ``before(i)`` runs before each
+        attempt at object ``i``, ``landed(i)`` says whether one NIXL reported done really is."""
         if self._agent is None:
             raise RuntimeError("S3Store was opened without a NIXL agent: lookup only")
         if not keys:
@@ -81,13 +90,20 @@ class S3Store(KVStore):
         failed = list(range(len(keys)))
         for attempt in range(1 + self.config.io_retries):
             if attempt:
-                logger.info("s3 store: %d of %d %s requests failed; sending them again", len(failed), len(keys), op)
+                pause = random.uniform(0, min(self.config.io_retry_cap_s, self.config.io_retry_base_s * 2 ** (attempt - 1)))
+                logger.info("s3 store: %d of %d %s requests failed; sending them again in %.3fs", len(failed),
+                            len(keys), op, pause)  # fmt: skip
+                with self._counts_lock:
+                    self._retried += len(failed)
+                time.sleep(pause)  # backoff: the store may be shedding load (503 SlowDown)
+            for i in failed:
+                before(i)
             # As many requests in flight as the plugin has threads: a write (the save lane) then queues behind
             # at most one round of a read's GETs (the read lane), not behind the whole hit.
             outcome = run_nixl_transfers(self._agent, op, [transfers[i] for i in failed], OBJ,
                                          self.config.io_timeout_s, window=self.config.io_threads)  # fmt: skip
             for i, ok in zip(failed, outcome):
-                results[i] = ok
+                results[i] = ok and landed(i)
             failed = [i for i in failed if not results[i]]
             if not failed:
                 break
@@ -96,18 +112,19 @@ class S3Store(KVStore):
         return results
 
     def read(self, keys: Sequence[str], dst_addrs: Sequence[int]) -> list[bool]:
-        # One GET per object. A GET of a short object returns what exists and NIXL reports success, so each
-        # destination's trailer is zeroed first: what a short object does not overwrite stays zero. Short by
-        # 16 bytes or more, its last digest is all zero (a real one is, once in 2^128): reported here as a
-        # failed read. Shorter, its last digest is part zero and fails the reader's integrity check.
+        # One GET per object. A GET of a short object returns what exists and NIXL reports success (so may one
+        # the store answered with an error the SDK gave up on), so each destination's trailer is zeroed before
+        # each attempt: what the answer does not overwrite stays zero. Short by 16 bytes or more, its last
+        # digest is all zero (a real one is, once in 2^128): a failed read, sent again like any. Shorter, its
+        # last digest is part zero and fails the reader's integrity check.
         trailers = [addr + self.layout.full_block_bytes for addr in dst_addrs]
-        for addr in trailers:
-            ctypes.memset(addr, 0, self.layout.trailer_bytes)
-        results = self._transfer("READ", keys, dst_addrs)
         last = self.layout.trailer_bytes - DIGEST_BYTES
         zero = bytes(DIGEST_BYTES)
-        return [ok and (ctypes.c_char * DIGEST_BYTES).from_address(addr + last).raw != zero
-                for ok, addr in zip(results, trailers)]
+        return self._transfer(
+            "READ", keys, dst_addrs,
+            before=lambda i: ctypes.memset(trailers[i], 0, self.layout.trailer_bytes),
+            landed=lambda i: (ctypes.c_char * DIGEST_BYTES).from_address(trailers[i] + last).raw != zero,
+        )  # fmt: skip
 
     def write(self, keys: Sequence[str], src_addrs: Sequence[int]) -> list[bool]:
         # Objects are content-addressed, so re-putting an existing key stores
@@ -118,6 +135,10 @@ class S3Store(KVStore):
             if not result:
                 logger.warning("s3 store: write of %s failed", key)
         return results
+
+    def metrics(self) -> StoreMetrics:
+        with self._counts_lock:
+            return StoreMetrics(counters={"s3_requests_retried": self._retried})
 
     def delete(self, keys: Sequence[str]) -> None:
         for key, code in delete_objects(self._client, self.config.bucket, keys).items():

@@ -45,7 +45,13 @@ class S3StoreConfig:
     io_timeout_s: float = 30.0
     # Requests of one read or write that failed (a dropped connection, a 5xx the SDK gave up on) are sent again
     # this many times before their chunk counts as failed: one lost GET would otherwise cost a hit its tail.
-    io_retries: int = 1
+    # NIXL OBJ fails every GET the store throttled (503 SlowDown), even where the SDK's own retry then got the
+    # object (tests/integration/test_stores.py), so a throttling store needs these.
+    io_retries: int = 3
+    # Before sending failed requests again: a pause drawn uniformly from [0, min(cap, base * 2^(n-1))] before the
+    # n-th resend ("full jitter": clients a throttling store pushed back do not all come back at once).
+    io_retry_base_s: float = 0.05
+    io_retry_cap_s: float = 1.0
     # The AWS SDK's own CRC checksums on the payload requests (botocore's names and values): "when_supported"
     # computes one for every PUT and checks one on every GET; "when_required" only where an operation demands
     # it. Every object carries our integrity trailer, checked before any byte is used, so the default skips
@@ -66,6 +72,9 @@ class S3StoreConfig:
             raise ConfigError("store.io_threads and store.io_timeout_s must be positive")
         if isinstance(self.io_retries, bool) or not isinstance(self.io_retries, int) or self.io_retries < 0:
             raise ConfigError(f"store.io_retries must be a whole number >= 0, got {self.io_retries!r}")
+        if not 0 <= self.io_retry_base_s <= self.io_retry_cap_s <= 60:
+            raise ConfigError("store.io_retry_base_s and store.io_retry_cap_s must satisfy 0 <= base <= cap <= 60 "
+                              f"(seconds), got {self.io_retry_base_s} and {self.io_retry_cap_s}")
         for name in ("request_checksum_calculation", "response_checksum_validation"):
             if getattr(self, name) not in ("when_supported", "when_required"):
                 raise ConfigError(f"store.{name} must be when_supported or when_required, got {getattr(self, name)!r}")

@@ -82,7 +82,7 @@ from nixl_backends.s3agg_protocol import (
     nixl_target,
     parse_notification,
 )
-from nixl_backends.store import KVStore
+from nixl_backends.store import KVStore, StoreMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -268,6 +268,9 @@ class S3AggStore(KVStore):
 
     def delete(self, keys: Sequence[str]) -> None:
         self._inner.delete(keys)
+
+    def metrics(self) -> StoreMetrics:
+        return self._inner.metrics()  # its payload requests: writes, and reads that fall back
 
     def read(self, keys: Sequence[str], dst_addrs: Sequence[int]) -> list[bool]:
         """Whole objects (Full Block and trailer) through the gateway in one request (chunk-major NIXL

@@ -183,6 +183,9 @@ def test_s3_secret_key_without_access_key_does_not_leak_secret():
         ({"io_timeout_s": -1.5}, "io_timeout_s"),
         ({"io_retries": -1}, "io_retries"),
         ({"io_retries": 1.5}, "io_retries"),
+        ({"io_retry_base_s": 2.0}, "io_retry_base_s"),  # above the cap
+        ({"io_retry_cap_s": -1}, "io_retry_cap_s"),
+        ({"io_retry_cap_s": 600.0}, "io_retry_cap_s"),  # a pause of minutes stalls the load it retries
         ({"request_checksum_calculation": "always"}, "request_checksum_calculation"),
         ({"response_checksum_validation": "WHEN_REQUIRED"}, "response_checksum_validation"),
     ],
@@ -249,13 +252,28 @@ def test_secret_key_field_is_excluded_from_repr():
 @pytest.mark.parametrize("value", ["when_required", "when_supported"])
 def test_the_sdk_checksum_settings_reach_nixl_obj(monkeypatch, value):
     """NIXL OBJ's names for the SDK's settings: req_checksum / resp_checksum, "required" or "supported"."""
+    config = parse_store_config(_s3(request_checksum_calculation=value, response_checksum_validation=value))
+    created = _obj_params(monkeypatch, config)
+    assert (created["req_checksum"], created["resp_checksum"]) == (value.removeprefix("when_"),) * 2
+
+
+def _obj_params(monkeypatch, config) -> dict:
+    """What add_obj_backend hands NIXL OBJ for ``config``, the AWS chain holding temporary credentials."""
     from nixl_backends import obj_backend
 
-    config = parse_store_config(_s3(request_checksum_calculation=value, response_checksum_validation=value))
     created = {}
     agent = SimpleNamespace(create_backend=lambda name, params: created.update(params))
-    frozen = SimpleNamespace(access_key="a", secret_key="s", token=None)
-    session = SimpleNamespace(get_credentials=lambda: SimpleNamespace(get_frozen_credentials=lambda: frozen))
+    frozen = SimpleNamespace(access_key="ASIA-chain", secret_key="chain-secret", token="chain-token")
+    credentials = SimpleNamespace(method="container-role", get_frozen_credentials=lambda: frozen)
     monkeypatch.setattr(obj_backend, "ensure_obj_plugin_loadable", lambda: None)
-    obj_backend.add_obj_backend(agent, config, session)
-    assert (created["req_checksum"], created["resp_checksum"]) == (value.removeprefix("when_"),) * 2
+    obj_backend.add_obj_backend(agent, config, SimpleNamespace(get_credentials=lambda: credentials))
+    return created
+
+
+def test_nixl_obj_gets_configured_keys_and_never_a_snapshot_of_the_chain(monkeypatch):
+    """Keys in the section are static and passed; the chain's are left to the plugin's AWS SDK, which renews
+    them: a snapshot would fail every request once its token expired."""
+    static = _obj_params(monkeypatch, parse_store_config(_s3(access_key="AK", secret_key="SK")))
+    assert (static["access_key"], static["secret_key"]) == ("AK", "SK") and "session_token" not in static
+    chain = _obj_params(monkeypatch, parse_store_config(_s3()))
+    assert not {"access_key", "secret_key", "session_token"} & chain.keys()
