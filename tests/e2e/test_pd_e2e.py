@@ -393,17 +393,18 @@ def test_a_handoff_whose_hold_ended_or_was_claimed_is_recomputed_not_read(cluste
     counters = [(pe, refused), (de, counter_total_name("pull_failed_tokens")), (de, counter_total_name("pulled_tokens"))]
     before = [engine.metric_total(name) for engine, name in counters]
 
-    handoff = _prefill(pe, ended)
-    assert asyncio.run(HoldReleaser(key, timeout_s=10.0).release(handoff, "test: the hold ends first")) == 1
-    # The DE recomputes the whole prompt, chunked as the engine without the connector chunks it from scratch.
-    assert same(_decode(de, ended, handoff), plain_engine.generate([ended], OUTPUT_TOKENS)[0])
-
+    # First (its claim then runs out while the rest of the test runs): another DE, played here, claimed the hold
+    # first; it never READs, so the PE keeps the blocks for claim_s.
     handoff = _prefill(pe, claimed)
-    # Another DE (played here) claimed the hold first; it never READs, so the PE keeps it for claim_s.
     first = request(handoff.remote_side_channel, ClaimHold(handoff.remote_request_id, handoff.hold_token).to_message(),
                     10.0, key)  # fmt: skip
     assert first["claim_token"] and first["claim_s"] == DualPathConfig.pd_transfer_timeout_s
+    # The DE recomputes the whole prompt, chunked as the engine without the connector chunks it from scratch.
     assert same(_decode(de, claimed, handoff), plain_engine.generate([claimed], OUTPUT_TOKENS)[0])
+
+    handoff = _prefill(pe, ended)
+    assert asyncio.run(HoldReleaser(key, timeout_s=10.0).release(handoff, "test: the hold ends first")) == 1
+    assert same(_decode(de, ended, handoff), plain_engine.generate([ended], OUTPUT_TOKENS)[0])
 
     # Both refusals were the PE's, and the DE recomputed both prompts (pulled none of their blocks); counted in
     # whole blocks: 9 of 32 tokens for 257 tokens.
