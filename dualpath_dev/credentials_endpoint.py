@@ -19,9 +19,9 @@ import json
 import secrets
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 
-from dualpath_dev.processes import free_port
+from dualpath_dev.threaded_http import ThreadedHTTPService
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,8 +37,11 @@ class TemporaryCredentials:
                            "Expiration": expiration}).encode()  # fmt: skip
 
 
-class RotatingCredentials:
+class RotatingCredentials(ThreadedHTTPService):
+    name = "credentials-endpoint"
+
     def __init__(self, rotate_s: float = 30.0, expiry_s: float = 45.0) -> None:
+        super().__init__()
         if not 0 < rotate_s < expiry_s:
             raise ValueError(f"need 0 < rotate_s < expiry_s, got {rotate_s} and {expiry_s}")
         self.rotate_s, self.expiry_s = rotate_s, expiry_s
@@ -47,7 +50,6 @@ class RotatingCredentials:
         self._issued: dict[str, TemporaryCredentials] = {}
         self._current: TemporaryCredentials | None = None
         self.fetches = 0  # answered requests for credentials
-        self._server: ThreadingHTTPServer | None = None
 
     # -- what the store accepts --------------------------------------------------------------
 
@@ -78,7 +80,7 @@ class RotatingCredentials:
 
     # -- the endpoint ----------------------------------------------------------------------------
 
-    def start(self) -> RotatingCredentials:
+    def handler(self) -> type[BaseHTTPRequestHandler]:
         issuer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -98,26 +100,10 @@ class RotatingCredentials:
             def log_message(self, *args) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, name="credentials-endpoint", daemon=True).start()
-        return self
+        return Handler
 
     @property
     def env(self) -> dict[str, str]:
         """What a process needs to fetch credentials here (the AWS SDKs' container provider)."""
-        assert self._server is not None, "start() first"
-        return {"AWS_CONTAINER_CREDENTIALS_FULL_URI": f"http://127.0.0.1:{self._server.server_port}/credentials",
+        return {"AWS_CONTAINER_CREDENTIALS_FULL_URI": f"http://127.0.0.1:{self.port}/credentials",
                 "AWS_CONTAINER_AUTHORIZATION_TOKEN": self.authorization}  # fmt: skip
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def __enter__(self) -> RotatingCredentials:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()

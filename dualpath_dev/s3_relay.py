@@ -31,14 +31,14 @@ import socket
 import struct
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
 from s3agg_gateway_ext.descriptor import DescriptorError
 from s3agg_gateway_ext.sigv4 import error_xml, sign, verify_headers, verify_payload
 
 from dualpath_dev.credentials_endpoint import RotatingCredentials
-from dualpath_dev.processes import free_port
+from dualpath_dev.threaded_http import ThreadedHTTPService
 
 logger = logging.getLogger(__name__)
 
@@ -48,11 +48,14 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding"}
 _DROPPED = _HOP_BY_HOP | {"authorization", "x-amz-security-token", "x-amz-date", "host"}
 
 
-class S3Relay:
+class S3Relay(ThreadedHTTPService):
+    name = "s3-relay"
+
     def __init__(self, upstream: str, access_key: str, secret_key: str,
                  credentials: RotatingCredentials | None = None, region: str = "us-east-1",
                  delay_s: float = 0.0, throttle_fraction: float = 0.0, reset_fraction: float = 0.0,
                  seed: int = 0) -> None:  # fmt: skip
+        super().__init__()
         self.upstream = urlsplit(upstream)
         self._static = (access_key, secret_key)
         self.credentials = credentials
@@ -64,13 +67,11 @@ class S3Relay:
         self._lock = threading.Lock()
         self.forwarded = 0
         self.refused: dict[str, int] = {}  # S3 error code -> requests refused with it
-        self._server: ThreadingHTTPServer | None = None
         self._local = threading.local()
 
     @property
     def endpoint(self) -> str:
-        assert self._server is not None, "start() first"
-        return f"http://127.0.0.1:{self._server.server_port}"
+        return f"http://127.0.0.1:{self.port}"
 
     def refused_total(self) -> int:
         with self._lock:
@@ -132,7 +133,7 @@ class S3Relay:
 
     # -- the server ----------------------------------------------------------------------------------
 
-    def start(self) -> S3Relay:
+    def handler(self) -> type[BaseHTTPRequestHandler]:
         relay = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -196,20 +197,9 @@ class S3Relay:
             def log_message(self, *args) -> None:
                 pass
 
-        self._server = ThreadingHTTPServer(("127.0.0.1", free_port()), Handler)
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, name="s3-relay", daemon=True).start()
+        return Handler
+
+    def start(self) -> S3Relay:
+        super().start()
         logger.info("S3 relay %s -> %s", self.endpoint, self.upstream.geturl())
         return self
-
-    def stop(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
-
-    def __enter__(self) -> S3Relay:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
