@@ -140,7 +140,8 @@ def start_side_by_side(servers: list, timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None = None):
+def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None = None,
+               relays: list | None = None):  # fmt: skip
     """SeaweedFS and vLLM servers with the connector on it, all healthy; stopped on exit.
 
     ``servers`` maps a label to ``VLLMServer`` keyword arguments (``extra``,
@@ -150,8 +151,13 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
     ``store``: keys changed in the connector config's store section (``io_timeout_s``...).
     A server whose kwargs hold ``"s3agg": True`` reads through an ``s3agg-gateway`` (started here
     in front of the same bucket, stopped on exit): its store section becomes ``s3agg`` around it.
+    ``relays``: given a list, the engines reach the store (and the gateway) through
+    :class:`~dualpath_dev.s3_relay.S3Relay` instances, appended to it, whose ``delay_s`` the caller sets:
+    a store and a gateway across a network; the gateway reaches the store directly, as it would run
+    beside it.
     """
     from dualpath_dev.engines import CONFIGS, VLLMServer
+    from dualpath_dev.s3_relay import S3Relay
     from dualpath_dev.seaweedfs import SeaweedFS
     from dualpath_dev.tiny_model import make_tiny_llama
 
@@ -159,18 +165,33 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
     model = make_tiny_llama(args.workdir / "tiny-llama")
     s3 = gateway = None
     started: dict = {}
+    opened: list = []  # relays, stopped on exit
+
+    def relayed(endpoint: str) -> str:
+        if relays is None:
+            return endpoint
+        relay = S3Relay(endpoint, s3.access_key, s3.secret_key).start()
+        opened.append(relay)
+        relays.append(relay)
+        print(f"relay {relay.endpoint} -> {endpoint}", file=sys.stderr)
+        return relay.endpoint
+
     try:
         s3 = SeaweedFS().start()
         print(f"S3 (SeaweedFS) on {s3.endpoint}", file=sys.stderr)
+        store_endpoint = relayed(s3.endpoint)
+        gateway_endpoint = None
         for label, kwargs in servers.items():
             kwargs = dict(kwargs)
             through_gateway = kwargs.pop("s3agg", False)
-            if store or through_gateway:
+            if store or through_gateway or relays is not None:
                 config = json.loads((CONFIGS / kwargs.get("config", "single.json")).read_text())
-                section = {**config["kv_connector_extra_config"]["store"], "endpoint": s3.endpoint, **(store or {})}
+                section = {**config["kv_connector_extra_config"]["store"], "endpoint": store_endpoint, **(store or {})}
                 if through_gateway:
-                    gateway = gateway or _start_gateway(s3, section["bucket"], args.workdir)
-                    section = {"backend": "s3agg", "gateway": gateway.url, "s3": section}
+                    if gateway is None:
+                        gateway = _start_gateway(s3, section["bucket"], args.workdir)
+                        gateway_endpoint = relayed(gateway.url)
+                    section = {"backend": "s3agg", "gateway": gateway_endpoint, "s3": section}
                 kwargs = {**kwargs, "extra": {**kwargs.get("extra", {}), "store": section}}
             log_path = (args.workdir / "-".join(filter(None, (log_stem, label, "vllm.log")))).resolve()
             server = started[label] = VLLMServer(model, s3, log_path, max_model_len=args.max_model_len, **kwargs)
@@ -180,6 +201,8 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
     finally:
         for server in started.values():
             server.stop()
+        for relay in opened:
+            relay.stop()
         if gateway is not None:
             gateway.stop()
         if s3 is not None:

@@ -200,7 +200,8 @@ def run(args: argparse.Namespace) -> dict:
     # The same bucket through s3agg-gateway: the same namespace, so the same stored chunks.
     stack[S3AGG] = {"extra": {"load_mode": "layerwise"}, "s3agg": True}
     stack[LOCAL] = {"vllm_args": ["--enable-prefix-caching"]}
-    with vllm_stack(args, "bench-injection", stack, {"io_timeout_s": args.store_io_timeout}) as servers:
+    relays: list | None = [] if args.store_rtt_ms else None
+    with vllm_stack(args, "bench-injection", stack, {"io_timeout_s": args.store_io_timeout}, relays) as servers:
         bench = Bench(servers, chunk_tokens(servers["bulk"]), args)
 
         if args.warmup:
@@ -210,16 +211,20 @@ def run(args: argparse.Namespace) -> dict:
             bench.rep(length, 0, recompute=False)
             bench.rep(length, 1, recompute=False)
 
-        for length in args.sizes:
-            samples: dict[str, list[dict]] = {}
-            for rep in range(args.reps):
-                for kind, sample in bench.rep(length, rep, args.recompute).items():
-                    samples.setdefault(kind, []).append(sample)
-                    print(f"{length:>6} tokens rep {rep + 1}/{args.reps} {kind:>9} on {sample['server']:>9}: TTFT "
-                          f"{sample['ttft_s'] * 1000:8.1f} ms, cached {sample['cached_tokens']}, "
-                          f"load {ms(sample['load_s'])} ms, layer wait {ms(sample['layer_wait_s'])} ms "
-                          f"of {ms(sample['layer_load_s'])} ms", file=sys.stderr)
-            rows.append(summarize(length, bench.context_tokens(length), samples))
+        for rtt_ms in args.store_rtt_ms or [None]:
+            for relay in relays or ():
+                relay.delay_s = rtt_ms / 1000  # every request to the store and the gateway, from here on
+            for length in args.sizes:
+                samples: dict[str, list[dict]] = {}
+                for rep in range(args.reps):
+                    for kind, sample in bench.rep(length, rep, args.recompute).items():
+                        samples.setdefault(kind, []).append(sample)
+                        print(f"{'' if rtt_ms is None else f'RTT {rtt_ms:g} ms, '}{length:>6} tokens rep "
+                              f"{rep + 1}/{args.reps} {kind:>9} on {sample['server']:>9}: TTFT "
+                              f"{sample['ttft_s'] * 1000:8.1f} ms, cached {sample['cached_tokens']}, "
+                              f"load {ms(sample['load_s'])} ms, layer wait {ms(sample['layer_wait_s'])} ms "
+                              f"of {ms(sample['layer_load_s'])} ms", file=sys.stderr)
+                rows.append({"store_rtt_ms": rtt_ms, **summarize(length, bench.context_tokens(length), samples)})
         traffic = {mode: store_traffic(server) for mode, server in servers.items()}
     return result_payload(args, store_traffic=traffic, results=rows)
 
@@ -229,8 +234,10 @@ def ms(seconds: float | None) -> str:
 
 
 def table(payload: dict) -> str:
+    rtt = payload["config"].get("store_rtt_ms")
     rows = [
         [
+            *([f"{r['store_rtt_ms']:g}"] if rtt else []),
             r["prompt_tokens"],
             r["stored_tokens"],
             f"{r['recompute_ttft_ms_median']:.0f}",
@@ -265,7 +272,12 @@ def table(payload: dict) -> str:
         f"(dualpath_kv:layer_load_seconds), n/a where the connector does not export them. full hits: samples that "
         f"got the whole hit, the only ones in the medians (a failed load is recomputed)."
     )
-    headers = ["prompt tokens", "stored tokens", "recompute TTFT ms", "all-local TTFT ms",
+    if rtt:
+        caption += (f" Store RTT: every request from an engine to S3 (and to the gateway) waited this long in a relay "
+                    f"before it was forwarded (dualpath_dev/s3_relay.py: per-request latency, not bandwidth; the "
+                    f"gateway reads the store directly, as it would run beside it); the relay is Python on the same "
+                    f"cores, so it also costs CPU per request.")
+    headers = [*(["store RTT ms"] if rtt else []), "prompt tokens", "stored tokens", "recompute TTFT ms", "all-local TTFT ms",
                *(f"{mode} TTFT ms" for mode in MODES), *(f"{mode} / all-local" for mode in MODES),
                *(f"{mode} load ms" for mode in MODES), *(f"{mode} wait ms" for mode in LAYERWISE),
                *(f"{mode} hidden" for mode in LAYERWISE), f"full hits ({', '.join((LOCAL, *MODES))})"]
@@ -280,7 +292,9 @@ def chart(payload: dict, path: Path) -> Path | None:
         series = {"recompute (0% hit)": [r["recompute_ttft_ms_median"] for r in rows], **series}
     title = (f"TTFT: all-local vs bulk vs layerwise vs s3agg layerwise (vLLM CPU, {payload['environment']['cpu_count']} cores, "
              f"median of {payload['config']['reps']})")
-    return bar_chart(path, [size_label(r["prompt_tokens"]) for r in rows], series, "prompt tokens", title)
+    labels = [size_label(r["prompt_tokens"]) + ("" if r.get("store_rtt_ms") is None else f"\n{r['store_rtt_ms']:g} ms RTT")
+              for r in rows]
+    return bar_chart(path, labels, series, "prompt tokens (store RTT)", title)
 
 
 def main() -> None:
@@ -294,6 +308,9 @@ def main() -> None:
     parser.add_argument("--store-io-timeout", type=float, default=120.0,
                         help="the store's io_timeout_s (connector default 30 s: a loaded 2-core box reads a "
                              "32k hit's 900 chunks from SeaweedFS slower than that)")
+    parser.add_argument("--store-rtt-ms", type=float, nargs="+", default=[],
+                        help="store round trips to measure at (e.g. 0 5 20): every engine request to S3 and to the "
+                             "gateway waits this long in a relay first; default: no relay")
     add_server_args(parser)
     parser.add_argument("--output", default="injection", help="base name under benchmarks/results/ (.json, .png)")
     args = parser.parse_args()
