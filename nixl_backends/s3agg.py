@@ -245,6 +245,7 @@ class S3AggStore(KVStore):
         # Buffers of transfers that outlived their deadline: NIXL may still write them, so never freed.
         self._abandoned: list[np.ndarray] = []
         self._path = f"/{config.s3_config.bucket}?{EXTENSION_QUERY}"
+        self._connections = GatewayConnections(config.gateway, config.connect_timeout_s)
         self._cancel_path = f"{self._path}&{CANCEL_QUERY}"
         if config.access_key is not None:
             self._credentials = Credentials(config.access_key, config.secret_key)
@@ -323,6 +324,7 @@ class S3AggStore(KVStore):
         return ok
 
     def close(self) -> None:
+        self._connections.close()
         self._inner.close()
 
     # --- layerwise ------------------------------------------------------------------------------
@@ -408,14 +410,15 @@ class S3AggStore(KVStore):
         try:
             conn, response = post_signed(self.config.gateway, self._path, body, self._credentials,
                                          self.config.s3_config.region, request_id,
-                                         self.config.connect_timeout_s, self.config.request_timeout_s)
+                                         self.config.connect_timeout_s, self.config.request_timeout_s,
+                                         self._connections)  # fmt: skip
         except (OSError, http.client.HTTPException) as exc:
             # Refused: nothing listened there, so no gateway got the request.
             raise GatewayUnavailable(f"gateway {self.config.gateway}: {exc!r}",
                                      writes_ended=isinstance(exc, ConnectionRefusedError)) from None
         if response.status != 200:
             text = response.read()
-            conn.close()
+            self._connections.give_back(conn, response)
             code, message = parse_error(text)
             if response.status >= 500:
                 raise GatewayUnavailable(f"gateway {response.status} {code}: {message}",
@@ -456,7 +459,7 @@ class S3AggStore(KVStore):
                 outcome["error"] = GatewayUnavailable(f"gateway {self.config.gateway} mid-request: {exc!r}",
                                                       writes_ended=True)
             finally:
-                conn.close()
+                self._connections.give_back(conn, response)
 
         self._inbox.open(request_id)
         thread = threading.Thread(target=post, name=f"s3agg-{request_id[:8]}", daemon=True)
@@ -499,11 +502,11 @@ class S3AggStore(KVStore):
             try:
                 conn, response = post_signed(self.config.gateway, self._cancel_path, b"", self._credentials,
                                              self.config.s3_config.region, request_id, self.config.connect_timeout_s,
-                                             self.config.cancel_timeout_s)
+                                             self.config.cancel_timeout_s, self._connections)  # fmt: skip
                 try:
                     text = response.read()
                 finally:
-                    conn.close()
+                    self._connections.give_back(conn, response)
                 reply = json.loads(text) if response.status == 200 else None
                 if isinstance(reply, dict) and reply.get(CANCEL_STOPPED) is True:
                     answer["stopped"] = True
@@ -558,7 +561,9 @@ class S3AggStore(KVStore):
                     target.receive_objects(lambda view: _readinto_exact(response, view))
                     on_token(ALL_LAYERS)
                 elif kind == FRAME_END:
-                    return mode, json.loads(_read_exact(response, length))
+                    summary = json.loads(_read_exact(response, length))
+                    response.read()  # the stream's end: the connection can serve the next request
+                    return mode, summary
                 elif kind == FRAME_ERROR:
                     raise GatewayUnavailable(f"gateway failed mid-stream: {_read_exact(response, length)!r}")
                 else:
@@ -566,7 +571,7 @@ class S3AggStore(KVStore):
         except (OSError, http.client.HTTPException) as exc:
             raise GatewayUnavailable(f"gateway {self.config.gateway} mid-stream: {exc!r}") from None
         finally:
-            conn.close()
+            self._connections.give_back(conn, response)  # closed unless read to the end
 
     # --- fallback ------------------------------------------------------------------------------
 
@@ -714,6 +719,43 @@ def _strided_target(layout: BlockLayout, segments: Sequence[np.ndarray]) -> _Tar
     return _Target(layout, LAYOUT_STRIDED, firsts, len(segments), trailers, strides.pop())
 
 
+class GatewayConnections:
+    """Connections to the gateway kept open between requests, one request at a time each: a connect costs a
+    round trip to a gateway across a network (more with TLS), and a hit is one request."""
+
+    def __init__(self, gateway: str, connect_timeout_s: float, keep: int = 8) -> None:
+        url = urlsplit(gateway)
+        self._host, self._port = url.hostname, url.port or 80
+        self._connect_timeout_s = connect_timeout_s
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._idle: list[http.client.HTTPConnection] = []
+        self.opened = 0  # connections opened so far
+
+    def take(self) -> tuple[http.client.HTTPConnection, bool]:
+        """A connection, and whether it served a request before."""
+        with self._lock:
+            if self._idle:
+                return self._idle.pop(), True
+            self.opened += 1
+        return http.client.HTTPConnection(self._host, self._port, timeout=self._connect_timeout_s), False
+
+    def give_back(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
+        """Keep ``conn`` for the next request if its response was read to the end and the gateway keeps it open."""
+        if response.isclosed() and not response.will_close:
+            with self._lock:
+                if len(self._idle) < self._keep:
+                    self._idle.append(conn)
+                    return
+        conn.close()
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
 def post_signed(
     gateway: str,
     path: str,
@@ -723,22 +765,38 @@ def post_signed(
     request_id: str,
     connect_timeout_s: float,
     request_timeout_s: float,
+    connections: GatewayConnections | None = None,
 ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-    """POST ``body`` to ``gateway + path`` signed with SigV4; returns the connection and its response."""
+    """POST ``body`` to ``gateway + path`` signed with SigV4; returns the connection and its response.
+
+    With ``connections``, an idle kept-alive connection is used first; one the
+    gateway closed meanwhile (its keep-alive ran out) fails before the gateway
+    saw the request, which then goes once more on a new connection. The caller
+    hands the connection back (:meth:`GatewayConnections.give_back`) or closes it.
+    """
     url = urlsplit(gateway)
     request = AWSRequest("POST", f"http://{url.netloc}{path}", data=body,
                          headers={"content-type": "application/json", REQUEST_ID_HEADER: request_id})
     # A snapshot: refreshable credentials could renew between reading the key id and the secret.
     S3SigV4Auth(credentials.get_frozen_credentials(), "s3", region).add_auth(request)
-    conn = http.client.HTTPConnection(url.hostname, url.port or 80, timeout=connect_timeout_s)
-    try:
-        conn.connect()
-        conn.sock.settimeout(request_timeout_s)
-        conn.request("POST", path, body=body, headers=dict(request.headers.items()))
-        return conn, conn.getresponse()
-    except BaseException:
-        conn.close()
-        raise
+    while True:
+        if connections is None:
+            conn, reused = http.client.HTTPConnection(url.hostname, url.port or 80, timeout=connect_timeout_s), False
+        else:
+            conn, reused = connections.take()
+        try:
+            if conn.sock is None:
+                conn.connect()
+            conn.sock.settimeout(request_timeout_s)
+            conn.request("POST", path, body=body, headers=dict(request.headers.items()))
+            return conn, conn.getresponse()
+        except (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError):
+            conn.close()
+            if not reused:
+                raise
+        except BaseException:
+            conn.close()
+            raise
 
 
 def parse_error(text: bytes) -> tuple[str, str]:

@@ -16,6 +16,7 @@ import http.client
 import json
 import os
 import signal
+import socket
 import urllib.request
 import uuid
 from urllib.parse import urlsplit
@@ -35,7 +36,7 @@ from nixl_backends.integrity import ChunkIntegrity, chunk_hash_of
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout
 from nixl_backends.nixl_io import TransferAbandoned
 from nixl_backends.notifications import dispatcher_for
-from nixl_backends.s3agg import GatewayRefused, GatewayWritesAbandoned, parse_error, post_signed
+from nixl_backends.s3agg import GatewayConnections, GatewayRefused, GatewayWritesAbandoned, parse_error, post_signed
 from nixl_backends.s3agg_protocol import CANCEL_QUERY, EXTENSION_QUERY, PROTOCOL_VERSION, layer_region_bytes
 from tests.conftest import poll
 from tests.s3agg_fixtures import (  # noqa: F401  (fixtures)
@@ -708,3 +709,24 @@ def test_request_id_metrics_and_no_secrets_in_logs(seaweedfs, s3agg_bucket, gate
     line = next(line for line in log.splitlines() if request_id in line)
     assert "control=" in line and "storage_read=" in line and "delivery=" in line
     assert CLIENT_SECRET_KEY not in log and seaweedfs.secret_key not in log
+
+
+def test_requests_to_the_gateway_reuse_one_kept_alive_connection(gateway, s3agg_bucket):
+    """Three cancels in a row go over one connection; one the gateway closed while idle (here: shut down under
+    the pool) costs the next request a new connection, not a failure."""
+    connections = GatewayConnections(gateway.url, 5.0)
+    try:
+        def ask() -> int:
+            conn, response = post_signed(gateway.url, f"/{s3agg_bucket}?{EXTENSION_QUERY}&{CANCEL_QUERY}", b"",
+                                         Credentials(CLIENT_ACCESS_KEY, CLIENT_SECRET_KEY), "us-east-1",
+                                         uuid.uuid4().hex, 5.0, 30.0, connections)  # fmt: skip
+            assert json.loads(response.read()) == {"stopped": True}
+            connections.give_back(conn, response)
+            return response.status
+
+        assert [ask() for _ in range(3)] == [200] * 3 and connections.opened == 1
+        (idle,) = connections._idle
+        idle.sock.shutdown(socket.SHUT_RDWR)  # what the gateway's keep-alive timeout does to an idle one
+        assert ask() == 200 and connections.opened == 2
+    finally:
+        connections.close()
