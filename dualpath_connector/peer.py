@@ -128,8 +128,11 @@ class PeerLink:
         # engine's next step, and a DE can refuse the request sooner) and holds that ended, each with its time
         # (time.monotonic()); both kept a lease, so a release can tell "not yet held" from "ended already".
         self._early_releases: dict[str, tuple[str, float]] = {}  # request id -> (hold token, time)
-        # Claims that came before their hold registered, answered when it does (or refused after claim_s / 2).
+        # Claims that came before their hold registered, answered when it does (or refused after claim_s / 2),
+        # and those answers waiting for the side channel's thread: a reply from another thread would leave a
+        # socket of the side channel's context open in that thread.
         self._early_claims: dict[str, tuple[str, Callable[[dict[str, Any]], None], float]] = {}
+        self._claim_answers: list[tuple[Callable[[dict[str, Any]], None], dict[str, Any]]] = []
         self.refused_claims = 0  # claims answered with a refusal (hold ended, claimed already, wrong token)
         self._ended_holds: dict[str, float] = {}
         self.forged_notifications = 0  # pulled: notifications that named no hold or carried the wrong token
@@ -290,11 +293,10 @@ class PeerLink:
                     self.forged_notifications += 1
                     logger.warning("request %s: a release with the wrong hold token; ignored", req_id)
                 self._holds[req_id] = _Hold(time.monotonic() + (expires_at - time.time()), token, num_blocks)
-            answer = self._grant(req_id, claim[0]) if claim is not None else None
+            if claim is not None:
+                self._claim_answers.append((claim[1], self._grant(req_id, claim[0])))
         if released:
             logger.info("request %s: released before its hold registered; blocks released", req_id)
-        if claim is not None:
-            claim[1](answer)
 
     @property
     def held_blocks(self) -> int:
@@ -315,8 +317,8 @@ class PeerLink:
         # memory lent out here may need (TCP emulates RMA with messages).
         self._notifications.poll()
         now = time.monotonic()
-        refused_claims = []
         with self._lock:
+            answers, self._claim_answers = self._claim_answers, []
             for req_id, hold in list(self._holds.items()):
                 pulled = self._pulled.pop(req_id, None)
                 # A claimed hold ends with its claimer's READ; an unclaimed one with the hand-off's token.
@@ -336,7 +338,8 @@ class PeerLink:
                     del early[req_id]
                     self.forged_notifications += 1
             for req_id in [r for r, (_, _, at) in self._early_claims.items() if now - at > self._claim_s / 2]:
-                refused_claims.append(self._early_claims.pop(req_id)[1])
+                answers.append((self._early_claims.pop(req_id)[1],
+                                {"error": f"no hold registered here within {self._claim_s / 2:.1f}s"}))
                 self.refused_claims += 1
             while self._ended_holds:  # in the order they ended: the oldest first
                 req_id, at = next(iter(self._ended_holds.items()))
@@ -345,8 +348,8 @@ class PeerLink:
                 del self._ended_holds[req_id]
             expired = {k: self._leases.pop(k) for k in [k for k, v in self._leases.items() if v.expires_at < now]}
             expired_kept = {k: self._kept.pop(k) for k in [k for k, v in self._kept.items() if v.expires_at < now]}
-        for reply in refused_claims:
-            reply({"error": f"no hold registered here within {self._claim_s / 2:.1f}s"})
+        for reply, answer in answers:
+            reply(answer)
         for lease, held in expired.items():
             logger.warning("buffer lease %s expired before the PE released it", lease)
             held.pool.release(held.slots)

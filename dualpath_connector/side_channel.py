@@ -203,6 +203,10 @@ class SideChannelServer:
     def stop(self) -> None:
         self._stopping.set()
         self._thread.join(timeout=5.0)
+        if not self._thread.is_alive():
+            # Closes what replies left open in other threads (a read lane's socket): a context collected with
+            # a socket open blocks the collecting thread in zmq_ctx_term for good.
+            self._context.destroy(linger=0)
 
 
 _client_context: tuple[int, zmq.Context] | None = None

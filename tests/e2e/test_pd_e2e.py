@@ -382,8 +382,9 @@ def _decode(de, prompt: list[int], handoff: PrefillHandoff) -> dict:
 def test_a_handoff_whose_hold_ended_or_was_claimed_is_recomputed_not_read(cluster, plain_engine):
     """A DE never READs blocks the PE may have given to another request: given a hand-off whose hold ended
     (the router released it; a lease running out ends it the same way) or that another DE claimed first (a
-    router retry after a DE that pulled), its claim is refused and it recomputes the prompt, whose output
-    equals the engine's without the connector. The control: a DE whose hand-off names blocks that hold another
+    router retry after a DE that pulled), its claim is refused and it pulls nothing: vLLM asks again, the DE
+    loads what the PE stored and computes the rest, and the output equals the engine's without the connector
+    that served the prompt so. The control: a DE whose hand-off names blocks that hold another
     prompt's KV (what a READ of reused blocks brings) answers differently, so the comparison catches wrong KV."""
     pe, de = cluster
     rng = random.Random(38)
@@ -393,21 +394,30 @@ def test_a_handoff_whose_hold_ended_or_was_claimed_is_recomputed_not_read(cluste
     counters = [(pe, refused), (de, counter_total_name("pull_failed_tokens")), (de, counter_total_name("pulled_tokens"))]
     before = [engine.metric_total(name) for engine, name in counters]
 
+    def expected(prompt: list[int]) -> dict:
+        """What the DE answers once refused: its scheduler looks the prompt up again and loads the chunks the PE
+        saved (waited for here: that lookup must find them all), then computes the last token; served so by
+        the engine without the connector (see the module's doc)."""
+        pe.wait_stored(prompt)
+        plain_engine.generate([prompt], 1)
+        return plain_engine.generate([prompt], OUTPUT_TOKENS, reset_prefix_cache=False)[0]
+
     # First (its claim then runs out while the rest of the test runs): another DE, played here, claimed the hold
     # first; it never READs, so the PE keeps the blocks for claim_s.
     handoff = _prefill(pe, claimed)
     first = request(handoff.remote_side_channel, ClaimHold(handoff.remote_request_id, handoff.hold_token).to_message(),
                     10.0, key)  # fmt: skip
     assert first["claim_token"] and first["claim_s"] == DualPathConfig.pd_transfer_timeout_s
-    # The DE recomputes the whole prompt, chunked as the engine without the connector chunks it from scratch.
-    assert same(_decode(de, claimed, handoff), plain_engine.generate([claimed], OUTPUT_TOKENS)[0])
+    want = expected(claimed)
+    assert same(_decode(de, claimed, handoff), want)
 
     handoff = _prefill(pe, ended)
     assert asyncio.run(HoldReleaser(key, timeout_s=10.0).release(handoff, "test: the hold ends first")) == 1
-    assert same(_decode(de, ended, handoff), plain_engine.generate([ended], OUTPUT_TOKENS)[0])
+    want = expected(ended)
+    assert same(_decode(de, ended, handoff), want)
 
-    # Both refusals were the PE's, and the DE recomputed both prompts (pulled none of their blocks); counted in
-    # whole blocks: 9 of 32 tokens for 257 tokens.
+    # Both refusals were the PE's, and the DE pulled none of either prompt's blocks (counted in whole blocks:
+    # 9 of 32 tokens for 257 tokens); what it then loaded came from the store.
     prompt_blocks_tokens = 9 * BLOCK
     assert poll(lambda: [engine.metric_total(name) for engine, name in counters[:2]],
                 lambda now: now == [before[0] + 2, before[1] + 2 * prompt_blocks_tokens], 60,
@@ -418,8 +428,8 @@ def test_a_handoff_whose_hold_ended_or_was_claimed_is_recomputed_not_read(cluste
     # hold the other prompt's KV. Its tokens differ from the ones it answers when it pulls its own prompt's KV.
     fresh = [rng.randrange(1024) for _ in range(8 * BLOCK + 1)]
     plain_engine.generate([fresh], 1)  # served as the PE and the DE serve it (see the module's doc)
-    expected = plain_engine.generate([fresh], OUTPUT_TOKENS, reset_prefix_cache=False)[0]
-    assert _decode(de, fresh, _prefill(pe, other))["tokens"] != expected["tokens"]
+    right = plain_engine.generate([fresh], OUTPUT_TOKENS, reset_prefix_cache=False)[0]
+    assert _decode(de, fresh, _prefill(pe, other))["tokens"] != right["tokens"]
     poll(lambda: de.metric_total(counters[2][1]), lambda n: n == before[2] + prompt_blocks_tokens, 60,
          "the DE's pull of the other prompt's blocks")  # fmt: skip
     # Nothing stays held: the claimed hold ends at its claim's end.
