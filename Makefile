@@ -29,7 +29,7 @@ test: setup
 	$(PY) -m pytest tests -v -n 2 --dist loadfile --durations=25
 
 # Two workers stealing each other's queued tests: the tier is CPU-bound (vLLM's import alone is ~13 s of it) and
-# has no servers; whole files per worker left one worker on test_gpu_scripts' subprocesses at the end (45 s vs 37 s).
+# starts no server (the GPU scripts' CPU self-tests, each a fresh interpreter with torch and NIXL: integration tier).
 test-unit: setup
 	$(PY) -m pytest tests/unit -v -n 2 --dist worksteal
 
