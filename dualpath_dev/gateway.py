@@ -15,15 +15,15 @@ from typing import Any
 import yaml
 
 from dualpath_dev.processes import ServiceProcess, free_port
-from dualpath_dev.seaweedfs import SeaweedFS
+from dualpath_dev.s3_server import S3Server
 
 
-def gateway_config(seaweedfs: SeaweedFS, bucket: str, client_access_key: str, client_secret_key: str,
+def gateway_config(server: S3Server, bucket: str, client_access_key: str, client_secret_key: str,
                    **settings: Any) -> dict[str, Any]:
-    """A gateway config serving ``bucket`` of ``seaweedfs``; ``settings`` are further top-level keys."""
+    """A gateway config serving ``bucket`` of ``server``; ``settings`` are further top-level keys."""
     return {
-        # The store section a connector would use for this bucket.
-        "store": seaweedfs.store_config(bucket),
+        # The store section a connector would use for this bucket (with the server's CA where it speaks TLS).
+        "store": server.store_config(bucket),
         "client_access_key": client_access_key,
         "client_secret_key": client_secret_key,
         **settings,

@@ -35,6 +35,7 @@ from nixl_backends.configuration import ConfigError
 from nixl_backends.layout import HASH_HEX_CHARS, BlockLayout, chunk_key
 from nixl_backends.rdma_devices import RdmaUnavailable, rdma_device_names, rdma_ports
 from nixl_backends.registry import for_rank, parse_store_config
+from nixl_backends.s3_endpoint import UntrustedServer
 from nixl_backends.traffic_isolation import UcxTraffic
 
 OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"
@@ -257,6 +258,9 @@ def check_plugins(agent: Any, target: Target | None) -> Iterator[CheckResult]:
 
 def _open_failure(config: Any, exc: BaseException) -> CheckResult:
     where = describe(config)
+    if isinstance(exc, UntrustedServer):
+        return CheckResult(f"store {where}", FAIL, str(exc),
+                           "set store.ca_bundle to the PEM file of the CA that signed the endpoint's certificate")
     if isinstance(exc, ConfigError):
         fix = ("check AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or the AWS config files, an instance role), the "
                "endpoint and the bucket's policy") if hasattr(config, "bucket") or hasattr(config, "gateway") \

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import boto3
 from botocore.config import Config as BotoConfig
-from botocore.exceptions import BotoCoreError, ClientError
+from botocore.exceptions import BotoCoreError, ClientError, SSLError
 
 from nixl_backends.configuration import ConfigError
 
@@ -80,6 +80,10 @@ class S3StoreConfig:
                 raise ConfigError(f"store.{name} must be when_supported or when_required, got {getattr(self, name)!r}")
 
 
+class UntrustedServer(ConfigError):
+    """The S3 endpoint's TLS certificate does not verify against ``store.ca_bundle`` (or the system's CAs)."""
+
+
 def s3_session(config: S3StoreConfig) -> boto3.session.Session:
     """The session of the configured keys, or of the standard AWS credential chain without them."""
     return boto3.session.Session(
@@ -134,7 +138,10 @@ def ensure_bucket(client: Any, bucket: str, create: bool = True) -> None:
             ) from None
         if code not in _NOT_FOUND:
             raise ConfigError(f"{where}: checking the bucket failed ({code})") from None
-    except BotoCoreError as exc:  # unreachable endpoint, TLS failure, no credentials at all
+    except SSLError as exc:
+        raise UntrustedServer(f"{where}: the server's TLS certificate is not trusted ({exc}); set store.ca_bundle "
+                              "to the file of the CA that signed it") from None
+    except BotoCoreError as exc:  # unreachable endpoint, no credentials at all
         raise ConfigError(f"{where}: {exc}") from None
     if not create:
         return  # a lookup-only client may come before the bucket's first writer

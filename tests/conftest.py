@@ -28,6 +28,7 @@ from dualpath_dev.cluster import netns_supported, remove
 from dualpath_dev.engines import VLLMServer
 from dualpath_dev.processes import ServiceProcess, free_port, start_all
 from dualpath_dev.seaweedfs import SeaweedFS
+from dualpath_dev.versitygw import VersityGW
 from dualpath_dev.tiny_model import make_tiny_deepseek_v2, make_tiny_llama
 from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout
@@ -91,6 +92,14 @@ def prefix():
 @pytest.fixture(scope="session")
 def seaweedfs(tmp_path_factory):
     server = SeaweedFS(tmp_path_factory.mktemp("seaweedfs")).start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def versitygw(tmp_path_factory):
+    """The second S3 server: versitygw over TLS, trusted through its per-run CA (``ca_bundle``)."""
+    server = VersityGW(tmp_path_factory.mktemp("versitygw")).start()
     yield server
     server.stop()
 

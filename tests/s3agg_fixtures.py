@@ -19,10 +19,16 @@ THETA = 64 * 1024  # small, so tests exercise both modes with small payloads
 
 
 @pytest.fixture(scope="module")
-def s3agg_bucket(seaweedfs):
+def s3agg_server(seaweedfs):
+    """The S3 server behind the module's gateways; a module overrides it to run on another server."""
+    return seaweedfs
+
+
+@pytest.fixture(scope="module")
+def s3agg_bucket(s3agg_server):
     """A bucket for the module, emptied and deleted afterwards (SeaweedFS has room for few buckets)."""
     name = f"agg-{uuid.uuid4().hex[:12]}"
-    client = seaweedfs.client()
+    client = s3agg_server.client()
     client.create_bucket(Bucket=name)
     yield name
     try:
@@ -35,13 +41,13 @@ def s3agg_bucket(seaweedfs):
 
 
 @pytest.fixture(scope="module")
-def start_gateway(seaweedfs, s3agg_bucket, tmp_path_factory) -> Callable[..., GatewayProcess]:
+def start_gateway(s3agg_server, s3agg_bucket, tmp_path_factory) -> Callable[..., GatewayProcess]:
     """Start gateways with config overrides; all are stopped when the module ends, also on failure."""
     started: list[GatewayProcess] = []
     workdir = tmp_path_factory.mktemp("gateway")
 
     def start(**overrides) -> GatewayProcess:
-        config = gateway_config(seaweedfs, s3agg_bucket, CLIENT_ACCESS_KEY, CLIENT_SECRET_KEY,
+        config = gateway_config(s3agg_server, s3agg_bucket, CLIENT_ACCESS_KEY, CLIENT_SECRET_KEY,
                                 theta_bytes=THETA, io_threads=4, io_timeout_s=20.0, **overrides)
         gateway = GatewayProcess(config, workdir)
         started.append(gateway)
@@ -57,12 +63,12 @@ def gateway(start_gateway) -> GatewayProcess:
     return start_gateway()
 
 
-def open_store(seaweedfs, bucket: str, gateway_url: str, layout: BlockLayout, agent, **overrides):
+def open_store(server, bucket: str, gateway_url: str, layout: BlockLayout, agent, **overrides):
     """An ``s3agg`` store, parsed from config exactly as a user would write it."""
     config = parse_store_config({
         "backend": "s3agg",
         "gateway": gateway_url,
-        "s3": {**seaweedfs.store_config(bucket), "create_bucket": False},
+        "s3": {**server.store_config(bucket), "create_bucket": False},
         "access_key": CLIENT_ACCESS_KEY,
         "secret_key": CLIENT_SECRET_KEY,
         "request_timeout_s": 30.0,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dualpath_dev.seaweedfs import S3_SECRET_KEY
+from dualpath_dev.s3_server import S3_SECRET_KEY
 from tests.conftest import load_example
 
 pytestmark = pytest.mark.engine

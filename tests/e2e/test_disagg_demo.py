@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from dualpath_dev.seaweedfs import S3_SECRET_KEY
+from dualpath_dev.s3_server import S3_SECRET_KEY
 from tests.conftest import REPO_ROOT
 
 pytestmark = pytest.mark.engine

@@ -1,4 +1,5 @@
-"""``dualpath-kv doctor`` against real stores: SeaweedFS on 127.0.0.1 with good and wrong credentials, a POSIX
+"""``dualpath-kv doctor`` against real stores: SeaweedFS on 127.0.0.1 with good and wrong credentials, versitygw
+over TLS with its CA and another, a POSIX
 root that cannot be written. The command runs as a user runs it (a subprocess; its whole stdout and stderr,
 NIXL's own log lines included, are searched for the secret)."""
 
@@ -15,9 +16,17 @@ import pytest
 from botocore.exceptions import ClientError
 
 from dualpath_dev.processes import free_port
+from dualpath_dev.tls import make_server_tls
 from nixl_backends.doctor import diagnose, exit_code, format_report
 from tests.conftest import REPO_ROOT
-from tests.s3agg_fixtures import CLIENT_ACCESS_KEY, CLIENT_SECRET_KEY, gateway, s3agg_bucket, start_gateway  # noqa: F401
+from tests.s3agg_fixtures import (  # noqa: F401  (fixtures)
+    CLIENT_ACCESS_KEY,
+    CLIENT_SECRET_KEY,
+    gateway,
+    s3agg_bucket,
+    s3agg_server,
+    start_gateway,
+)
 
 CLUSTER_KEY = "doctor-test-cluster-key-0123456789abcdef"
 WRONG_SECRET = "wrong-secret-for-doctor-test-0123456789"
@@ -91,6 +100,27 @@ def test_a_wrong_secret_fails_the_store_check_without_showing_it(seaweedfs, s3_b
     assert proc.returncode == 1 and report["ok"] is False
     assert [c["status"] for c in report["checks"] if c["name"] == store] == ["fail"]
     assert WRONG_SECRET not in proc.stdout + proc.stderr
+
+
+def test_a_tls_store_passes_with_its_ca_and_fails_naming_ca_bundle_with_another(versitygw, s3_bucket, tmp_path):
+    """The second S3 server over TLS: trusted through ``ca_bundle`` every check passes (the probe object goes
+    through NIXL OBJ over TLS); with a CA that did not sign its certificate the store check fails, saying so."""
+    pe = json.loads((REPO_ROOT / "configs" / "pe.json").read_text())
+    pe["kv_connector_extra_config"]["store"].update(endpoint=versitygw.endpoint, bucket=s3_bucket,
+                                                    ca_bundle=versitygw.ca_bundle)  # fmt: skip
+    env = environment(versitygw.access_key, versitygw.secret_key)
+    store = f"store s3 {versitygw.endpoint} bucket {s3_bucket!r}"
+    proc = doctor("--kv-transfer-config", json.dumps(pe), env=env)
+    found = lines(proc)
+    assert proc.returncode == 0 and found[f"{store} writable"].startswith("[OK  ] "), proc.stdout + proc.stderr[-3000:]
+    assert versitygw.client().list_objects_v2(Bucket=s3_bucket).get("KeyCount") == 0
+
+    pe["kv_connector_extra_config"]["store"]["ca_bundle"] = str(make_server_tls(tmp_path, ["127.0.0.1"]).ca_file)
+    proc = doctor("--kv-transfer-config", json.dumps(pe), env=env)
+    found = lines(proc)
+    assert proc.returncode == 1 and found[store].startswith("[FAIL] "), proc.stdout
+    assert "TLS certificate is not trusted" in found[store] and "-> set store.ca_bundle" in found[store]
+    assert versitygw.secret_key not in proc.stdout + proc.stderr
 
 
 def test_no_cluster_key_fails_a_pd_role(seaweedfs, pe_config):

@@ -106,20 +106,27 @@ def same_bytes(a: TensorMemoryObj, b: TensorMemoryObj) -> bool:
     return bytes(a.byte_array) == bytes(b.byte_array)
 
 
-@pytest.fixture
-def s3_env(seaweedfs, monkeypatch):
-    # Credentials from the environment: adapter_params refuse a secret_key.
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", seaweedfs.access_key)
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", seaweedfs.secret_key)
-    return seaweedfs
-
-
-@pytest.fixture(params=["posix", "s3"])
-def store_section(request, tmp_path) -> dict:
+# "s3-tls": the second S3 server, over TLS (its CA in ca_bundle).
+@pytest.fixture(params=["posix", "s3", "s3-tls"])
+def store_section(request, tmp_path, monkeypatch) -> dict:
     if request.param == "posix":
         return {"backend": "posix", "root": str(tmp_path / "l2")}
-    seaweedfs = request.getfixturevalue("s3_env")
-    return {"backend": "s3", "endpoint": seaweedfs.endpoint, "bucket": request.getfixturevalue("s3_bucket")}
+    server = request.getfixturevalue("versitygw" if request.param == "s3-tls" else "seaweedfs")
+    # Credentials from the environment: adapter_params refuse a secret_key.
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
+    section = {"backend": "s3", "endpoint": server.endpoint, "bucket": request.getfixturevalue("s3_bucket")}
+    if server.ca_bundle:
+        section["ca_bundle"] = server.ca_bundle
+    return section
+
+
+@pytest.fixture
+def section_server(store_section, request):
+    """The S3 server behind ``store_section``; None for a POSIX one."""
+    if store_section["backend"] == "posix":
+        return None
+    return request.getfixturevalue("versitygw" if "ca_bundle" in store_section else "seaweedfs")
 
 
 @pytest.fixture
@@ -188,14 +195,14 @@ def test_models_ranks_groups_salts_and_modes_never_collide(adapter, store_sectio
         keyed.close()
 
 
-def _tamper(section: dict, seaweedfs, key: ObjectKey, edit) -> None:
+def _tamper(section: dict, server, key: ObjectKey, edit) -> None:
     """Rewrite the stored object of ``key`` as ``edit(bytes)`` (an attacker or bit rot below the adapter)."""
     name = store_key("lmcache", key, OBJECT_BYTES, "xxh3-128")[0]
     if section["backend"] == "posix":
         path = Path(section["root"]) / name
         path.write_bytes(edit(path.read_bytes()))
     else:
-        client = seaweedfs.client()
+        client = server.client()
         body = client.get_object(Bucket=section["bucket"], Key=name)["Body"].read()
         client.put_object(Bucket=section["bucket"], Key=name, Body=edit(body))
 
@@ -206,12 +213,11 @@ def _flip(data: bytes) -> bytes:
     return bytes(buf)
 
 
-def test_corrupt_and_truncated_objects_are_failed_bits(adapter, store_section, request):
-    seaweedfs = request.getfixturevalue("seaweedfs") if store_section["backend"] == "s3" else None
+def test_corrupt_and_truncated_objects_are_failed_bits(adapter, store_section, section_server):
     stored = memory_objects(3, seed=4)
     assert store(adapter, keys(3), stored).is_successful()
-    _tamper(store_section, seaweedfs, keys(3)[1], _flip)
-    _tamper(store_section, seaweedfs, keys(3)[2], lambda data: data[:-100])
+    _tamper(store_section, section_server, keys(3)[1], _flip)
+    _tamper(store_section, section_server, keys(3)[2], lambda data: data[:-100])
 
     # This adapter stored all three and remembers them as present; only the load finds out.
     assert lookup(adapter, keys(3)) == [1, 1, 1]

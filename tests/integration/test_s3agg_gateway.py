@@ -47,6 +47,7 @@ from tests.s3agg_fixtures import (  # noqa: F401  (fixtures)
     gateway,
     open_store,
     s3agg_bucket,
+    s3agg_server,
     start_gateway,
 )
 

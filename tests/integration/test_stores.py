@@ -1,4 +1,5 @@
-"""Full Block round trips through NIXL for every store backend (POSIX files, S3 on SeaweedFS)."""
+"""Full Block round trips through NIXL for every store backend: POSIX files, S3 on SeaweedFS (plain HTTP) and on
+versitygw (TLS, trusted through ``ca_bundle``)."""
 
 from __future__ import annotations
 
@@ -9,11 +10,13 @@ import numpy as np
 import pytest
 from botocore.exceptions import ClientError
 
+from dualpath_dev.tls import make_server_tls
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout, KVNamespace, chunk_hashes, chunk_key
 from nixl_backends.posix import PosixStore
 from nixl_backends.s3 import S3Store
 from nixl_backends.registry import make_store, parse_store_config
+from nixl_backends.s3_endpoint import UntrustedServer
 from tests.conftest import poll
 
 LAYOUT = BlockLayout(num_layers=4, layer_block_bytes=16384)
@@ -37,14 +40,21 @@ NAMESPACE = KVNamespace(
 # --- fixtures ------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["posix", "s3"])
+# "s3-tls": the s3 store against the second S3 server, over TLS.
+@pytest.fixture(params=["posix", "s3", "s3-tls"])
 def backend(request) -> str:
     return request.param
 
 
 @pytest.fixture
-def s3_client(request):
-    return request.getfixturevalue("seaweedfs").client()
+def s3_server(backend, request):
+    """The S3 server of ``backend`` (started only by the tests that need it)."""
+    return request.getfixturevalue("versitygw" if backend == "s3-tls" else "seaweedfs")
+
+
+@pytest.fixture
+def s3_client(s3_server):
+    return s3_server.client()
 
 
 @pytest.fixture
@@ -69,9 +79,8 @@ def bucket(s3_bucket, s3_client):
 def store_config(backend, tmp_path, request):
     if backend == "posix":
         return parse_store_config({"backend": "posix", "root": str(tmp_path / "store")})
-    # Only S3 tests start SeaweedFS.
-    seaweedfs = request.getfixturevalue("seaweedfs")
-    return parse_store_config(seaweedfs.store_config(request.getfixturevalue("bucket")))
+    # Only S3 tests start an S3 server.
+    return parse_store_config(request.getfixturevalue("s3_server").store_config(request.getfixturevalue("bucket")))
 
 
 @pytest.fixture
@@ -315,6 +324,7 @@ def test_s3_reads_each_object_in_one_request(store, pool, seaweedfs):
     assert not pool.slot_view(5)[FULL - DIGEST_BYTES:].any()
 
 
+@pytest.mark.parametrize("backend", ["s3"])  # counts GETs with SeaweedFS's metrics
 @pytest.mark.parametrize("retries", [1, 0])
 def test_s3_sends_a_failed_request_again(seaweedfs, bucket, nixl_agent, monkeypatch, retries):
     """A request that failed (a dropped connection, a 5xx the SDK gave up on) is sent again ``io_retries``
@@ -489,15 +499,27 @@ def test_posix_write_mixes_existing_and_new_keys(posix_store, posix_pool):
         assert Path(posix_store.path(key)).read_bytes() == posix_pool.slot_view(slot).tobytes()
 
 
-def test_s3_store_creates_its_bucket(seaweedfs, bucket, s3_client):
+@pytest.mark.parametrize("backend", ["s3", "s3-tls"])
+def test_s3_store_creates_its_bucket(s3_server, bucket, s3_client):
     assert bucket not in {b["Name"] for b in s3_client.list_buckets()["Buckets"]}
-    opened = make_store(parse_store_config(seaweedfs.store_config(bucket)), LAYOUT, None)
+    opened = make_store(parse_store_config(s3_server.store_config(bucket)), LAYOUT, None)
     try:
         assert bucket in {b["Name"] for b in s3_client.list_buckets()["Buckets"]}
         # Opening again on an existing bucket is fine.
-        make_store(parse_store_config(seaweedfs.store_config(bucket)), LAYOUT, None).close()
+        make_store(parse_store_config(s3_server.store_config(bucket)), LAYOUT, None).close()
     finally:
         opened.close()
+
+
+@pytest.mark.parametrize("trusted", ["another CA", "the system's CAs"])
+def test_s3_store_over_tls_refuses_a_server_its_ca_bundle_did_not_sign(versitygw, s3_bucket, tmp_path, trusted):
+    section = versitygw.store_config(s3_bucket)
+    if trusted == "another CA":
+        section["ca_bundle"] = str(make_server_tls(tmp_path, ["127.0.0.1"]).ca_file)
+    else:
+        del section["ca_bundle"]
+    with pytest.raises(UntrustedServer, match=r"TLS certificate is not trusted .*set store.ca_bundle"):
+        make_store(parse_store_config(section), LAYOUT, None)
 
 
 # --- host buffer pool ----------------------------------------------------------------------------
@@ -619,6 +641,7 @@ def test_reads_into_a_layer_major_pool(store, pool, nixl_agent, truncate):
         striped.close()
 
 
+@pytest.mark.parametrize("backend", ["s3"])  # the relay speaks plain HTTP to its store
 def test_s3_rides_out_throttling_and_connection_resets(seaweedfs, bucket, nixl_agent):
     """A store that answers a fifth of object requests 503 SlowDown and resets a tenth of its connections (a
     relay in front of SeaweedFS): every chunk still round-trips byte-equal. NIXL OBJ fails a GET the store
