@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from dualpath_dev.processes import omp_threads_bind, stop_process_group
-from dualpath_dev.seaweedfs import SeaweedFS
+from dualpath_dev.s3_server import S3Server
 
 RUNNER = Path(__file__).with_name("engine_runner.py")
 ENGINE_START_TIMEOUT_S = 600
@@ -28,7 +28,7 @@ class EngineFailed(RuntimeError):
 
 class Engine:
     def __init__(
-        self, model: Path, kv_transfer_config: dict[str, Any] | None = None, s3: SeaweedFS | None = None, **options: Any
+        self, model: Path, kv_transfer_config: dict[str, Any] | None = None, s3: S3Server | None = None, **options: Any
     ) -> None:
         args = [sys.executable, str(RUNNER), "--model", str(model)]
         if kv_transfer_config is not None:
@@ -119,7 +119,7 @@ def start_side_by_side(*starts: Callable[[], Engine]) -> list[Engine]:
     return started
 
 
-def start_engine_expecting_failure(model: Path, kv_transfer_config: dict[str, Any], s3: SeaweedFS | None = None) -> str:
+def start_engine_expecting_failure(model: Path, kv_transfer_config: dict[str, Any], s3: S3Server | None = None) -> str:
     """Start an engine that must fail during start-up; return its log."""
     try:
         engine = Engine(model, kv_transfer_config, s3)

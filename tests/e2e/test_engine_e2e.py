@@ -18,6 +18,7 @@ from nixl_backends.buffers import align_up
 from nixl_backends.dualblade.store import JOURNAL
 from nixl_backends.layout import BlockLayout, chunk_hashes, chunk_key, isolated_chain
 from nixl_backends.lookup import wait_stored
+from nixl_backends.s3_endpoint import object_size
 from tests.conftest import poll, resealed, same
 from tests.lora_adapter import write_lora_adapter
 from tests.vllm_engine import Engine, start_engine_expecting_failure
@@ -40,14 +41,17 @@ BATCH = [SHARED + [_rng.randrange(1024) for _ in range(50)] for _ in range(3)]
 SALTED = [_rng.randrange(1024) for _ in range(600)]
 
 
-def kv_config(seaweedfs, bucket: str = BUCKET, **extra) -> dict:
+def kv_config(server, bucket: str = BUCKET, **extra) -> dict:
+    store = {"backend": "s3", "endpoint": server.endpoint, "bucket": bucket}
+    if server.ca_bundle:
+        store["ca_bundle"] = server.ca_bundle
     return {
         "kv_connector": "DualPathConnector",
         "kv_connector_module_path": "dualpath_connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         # Credentials reach the engine through the AWS variables (Engine's env).
-        "kv_connector_extra_config": {"store": {"backend": "s3", "endpoint": seaweedfs.endpoint, "bucket": bucket}, **extra},
+        "kv_connector_extra_config": {"store": store, **extra},
     }
 
 
@@ -130,16 +134,27 @@ def assert_fresh_engine_hits_and_matches(engine: Engine, baseline: dict) -> None
         assert same(first_token(out), first_token(expected), BATCH_LOGPROB_TOLERANCE)
 
 
-def test_bulk_load_hits_stored_prefix_and_matches(tiny_model, seaweedfs, baseline, populated, s3):
-    """``load_mode: bulk`` (every layer lands before the load is reported) gives the same outputs."""
-    # On a copy of the populated bucket: serving A and the BATCH stores their
-    # chunks past the populated ones, which would lengthen the other tests' hits.
-    bucket = _copy_of_populated(s3, f"{BUCKET}-bulk")
-    with Engine(tiny_model, kv_config(seaweedfs, bucket, load_mode="bulk"), s3=seaweedfs) as engine:
+def test_bulk_load_from_the_tls_store_hits_stored_prefix_and_matches(tiny_model, versitygw, baseline, populated,
+                                                                     s3):
+    """``load_mode: bulk`` (every layer lands before the load is reported) gives the same outputs, here with the
+    chunks on the second S3 server, reached over TLS through ``ca_bundle`` (loads and the saves of A and the
+    BATCH both go there)."""
+    tls = versitygw.client()
+    tls.create_bucket(Bucket=f"{BUCKET}-bulk")
+    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
+        for stored in page.get("Contents", []):
+            body = s3.get_object(Bucket=BUCKET, Key=stored["Key"])["Body"].read()
+            tls.put_object(Bucket=f"{BUCKET}-bulk", Key=stored["Key"], Body=body)
+    with Engine(tiny_model, kv_config(versitygw, f"{BUCKET}-bulk", load_mode="bulk"), s3=versitygw) as engine:
         assert_fresh_engine_hits_and_matches(engine, baseline)
+        # What the engine saves goes to the TLS store too: A's own last chunk (saved behind the answer).
+        poll(lambda: object_size(tls, f"{BUCKET}-bulk", populated["key"](A, len(A) // CHUNK - 1)),
+             lambda size: size is not None, 60, "A's last chunk on the TLS store")  # fmt: skip
 
 
 def _copy_of_populated(s3, bucket: str) -> str:
+    """The populated bucket copied: serving A and the BATCH stores their chunks past the populated ones, which
+    would lengthen the other tests' hits."""
     s3.create_bucket(Bucket=bucket)
     for page in s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET):
         for stored in page.get("Contents", []):
