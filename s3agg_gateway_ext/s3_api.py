@@ -196,14 +196,16 @@ def decode_aws_chunked(body: bytes, headers) -> bytes:
         end = body.find(b"\r\n", at)
         if end < 0:
             raise bad("a chunk header is not terminated")
-        try:
-            size = int(body[at:end].split(b";")[0], 16)
-        except ValueError:
-            raise bad("a chunk size is not hexadecimal") from None
+        # Hex digits only: int(..., 16) also takes a sign, "0x", spaces and "_", and a negative size would walk
+        # the parser backwards for ever.
+        digits = body[at:end].split(b";")[0]
+        if not 0 < len(digits) <= 16 or digits.strip(b"0123456789abcdefABCDEF"):
+            raise bad("a chunk size is not hexadecimal")
+        size = int(digits, 16)
         at = end + 2
         if size == 0:
             break
-        if body[at + size : at + size + 2] != b"\r\n":
+        if size > len(body) - at or body[at + size : at + size + 2] != b"\r\n":
             raise bad("a chunk is shorter than its size")
         parts.append(memoryview(body)[at : at + size])
         at += size + 2

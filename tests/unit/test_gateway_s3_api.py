@@ -45,6 +45,17 @@ def test_bad_bodies_are_refused(mangle, headers, code):
     assert refused.value.code == code and refused.value.status == 400
 
 
+# Each of these looped for ever or read past the body before sizes were checked (a negative size walks back).
+@pytest.mark.parametrize("body", [b"1\r\nA\r\n-6\r\n", b"-1\r\n\r\n", b"+1\r\nA\r\n0\r\n\r\n",
+                                  b"0x1\r\nA\r\n0\r\n\r\n", b"1_0\r\n" + b"A" * 16 + b"\r\n0\r\n\r\n",
+                                  b" 1\r\nA\r\n0\r\n\r\n", b"\r\n", b"ffffffffffffffff\r\nA\r\n",
+                                  b"1" * 17 + b"\r\n"])  # fmt: skip
+def test_chunk_sizes_other_than_hex_digits_within_the_body_are_refused(body):
+    with pytest.raises(DescriptorError) as refused:
+        decode_aws_chunked(body, {})
+    assert refused.value.code == "IncompleteBody" and refused.value.status == 400
+
+
 @pytest.mark.parametrize("key", ["", "/abs", "a/../b", "..", "a//b", "a/./b", "a\0b", "x" * 1025])
 def test_keys_that_leave_the_root_are_refused(key):
     with pytest.raises(DescriptorError) as refused:
