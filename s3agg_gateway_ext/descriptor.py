@@ -62,6 +62,8 @@ from nixl_backends.s3agg_protocol import (
 from s3agg_gateway_ext.config import GatewayConfig
 
 _MAX_KEY_BYTES = 1024  # S3's own limit on key length
+# A per-layer compute window longer than this is no window (a layer of a forward is milliseconds to a second).
+_MAX_COMPUTE_WINDOW_S = 60.0
 _ADDR_LIMIT = 1 << 64
 
 
@@ -253,10 +255,15 @@ def _check_version(raw: dict[str, Any]) -> None:
             f"descriptor has {got}; this gateway speaks s3agg protocol version {PROTOCOL_VERSION}")
 
 
+def _refuse_constant(name: str) -> None:
+    # Python's json takes NaN, Infinity and -Infinity, which JSON does not have.
+    raise _bad(f"{name} is not a JSON number")
+
+
 def parse_descriptor(bucket: str, body: bytes, config: GatewayConfig) -> Descriptor:
     """Parse and validate a request body; raises :class:`DescriptorError` naming the problem."""
     try:
-        raw = json.loads(body)
+        raw = json.loads(body, parse_constant=_refuse_constant)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _bad(f"body is not JSON: {exc}") from None
     if not isinstance(raw, dict):
@@ -289,8 +296,10 @@ def parse_descriptor(bucket: str, body: bytes, config: GatewayConfig) -> Descrip
     if raw.get(DELIVERY, DELIVERY_LAYER_MAJOR) != DELIVERY_LAYER_MAJOR:
         raise _bad(f"{DELIVERY} must be {DELIVERY_LAYER_MAJOR!r}, got {raw.get(DELIVERY)!r}")
     window = raw.get(COMPUTE_WINDOW)
-    if window is not None and (not isinstance(window, (int, float)) or isinstance(window, bool) or window <= 0):
-        raise _bad(f"{COMPUTE_WINDOW} must be a positive number, got {window!r}")
+    # Finite and bounded: 1e999 parses as inf, and an infinite window stopped the bandwidth scheduler's thread.
+    if window is not None and (not isinstance(window, (int, float)) or isinstance(window, bool)
+                               or not 0 < window <= _MAX_COMPUTE_WINDOW_S):  # fmt: skip
+        raise _bad(f"{COMPUTE_WINDOW} must be a number of seconds in (0, {_MAX_COMPUTE_WINDOW_S}], got {window!r}")
     target = _parse_target(raw.get(TARGET), len(keys), num_layers, layer_bytes, digest_bytes)
     return Descriptor(bucket, tuple(keys), num_layers, chunk_tokens, layer_bytes, digest_bytes,
                       float(window) if window is not None else None, target)

@@ -67,6 +67,18 @@ def test_the_gateway_parses_what_the_client_writes_chunk_major_and_http():
     assert isinstance(http.target, HttpTarget) and http.compute_window_s is None
 
 
+# Non-finite windows (NaN, Infinity, 1e999 parses as inf) stopped the bandwidth scheduler's thread.
+@pytest.mark.parametrize("window", ["NaN", "Infinity", "-Infinity", "1e999", "-1", "0", "61", '"0.1"', "true"])
+def test_a_compute_window_not_a_number_of_seconds_is_refused(window):
+    body = descriptor_body(KEYS, 4, 16, 256, http_target(), 0.01).decode()
+    assert body.count("0.01") == 1
+    with pytest.raises(DescriptorError) as refused:
+        parse_descriptor("kv-bucket", body.replace("0.01", window).encode(), CONFIG)
+    assert refused.value.status == 400
+    message = refused.value.message  # names the field, or the token JSON does not have
+    assert "compute_window_s must be a number of seconds" in message or f"{window} is not a JSON number" in message
+
+
 def _with_version(version) -> bytes:
     body = json.loads(descriptor_body(KEYS, 4, 16, 256, http_target()))
     if version is None:
