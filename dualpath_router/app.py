@@ -33,7 +33,7 @@ from dualpath_connector.protocol import PrefillHandoff, PrefillRequest, Protocol
 
 from dualpath_router.accounting import Accounting
 from dualpath_router.config import RouterConfig, load_router_config
-from dualpath_router.credentials import EngineCredential
+from dualpath_router.credentials import EngineCredential, MetricsAccess
 from dualpath_router.dispatcher import Dispatcher, Placement, QueueFull, QueueTimeout
 from dualpath_router.holds import HoldReleaser
 from dualpath_router.lookup import HitLookup
@@ -139,6 +139,7 @@ class Router:
         self.config = config
         # Read once at start-up: a router without it could not reach a guarded engine.
         self.credential = EngineCredential.from_env(config.engine_api_key_env)
+        self.metrics_access = MetricsAccess(config.metrics_token_env)
         accounting = Accounting.build(
             config.prefill_engines,
             config.decode_engines,
@@ -193,7 +194,13 @@ class Router:
                                 status_code=503)
         return JSONResponse({"status": "ok", "engines": engines})
 
-    async def prometheus(self) -> Response:
+    async def prometheus(self, request: Request) -> Response:
+        refused = self.metrics_access.refusal(request.client.host if request.client else None,
+                                              request.headers.get("authorization"))  # fmt: skip
+        if refused is not None:
+            why = (f"/metrics needs the bearer token in ${self.config.metrics_token_env}" if refused == 401 else
+                   f"/metrics answers loopback clients only unless ${self.config.metrics_token_env} holds a token")
+            return JSONResponse({"error": why}, status_code=refused)
         return Response(generate_latest(self.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     async def models(self) -> Response:
@@ -525,8 +532,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"dualpath-router: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     logger.info("policy %s, read side %s, %d prefill and %d decode engines, listening on %s:%d; "
-                "engine API key from $%s", config.policy, config.read_side, len(config.prefill_engines),
-                len(config.decode_engines), config.host, config.port, config.engine_api_key_env)
+                "engine API key from $%s; /metrics: %s", config.policy, config.read_side, len(config.prefill_engines),
+                len(config.decode_engines), config.host, config.port, config.engine_api_key_env,
+                f"bearer token from ${config.metrics_token_env}" if router.metrics_access.needs_token
+                else f"loopback clients only (no ${config.metrics_token_env})")  # fmt: skip
     # Bounded: connections served at once, idle keep-alives, and a request head's size (a slow or huge
     # header waits in h11's buffer, which this caps).
     uvicorn.run(router.build_app(), host=config.host, port=config.port, log_level=args.log_level,

@@ -19,7 +19,7 @@ from nixl_backends.registry import parse_store_config
 
 from dualpath_connector.protocol import ProtocolError, StoreKeySpace
 
-from dualpath_router.credentials import DEFAULT_ENGINE_API_KEY_ENV, ENV_NAME
+from dualpath_router.credentials import DEFAULT_ENGINE_API_KEY_ENV, DEFAULT_METRICS_TOKEN_ENV, ENV_NAME
 
 NO_VOCABULARY = (
     "the router needs the model's vocabulary size to check prompt token ids before an engine sees them: "
@@ -135,6 +135,10 @@ class RouterConfig:
     max_model_len: int | None = None
     # The environment variable holding the engines' API key (never the key itself).
     engine_api_key_env: str = DEFAULT_ENGINE_API_KEY_ENV
+    # The environment variable holding the bearer token /metrics demands. Unset: /metrics answers loopback
+    # clients only, since its counters (hit tokens before and after one request) tell whether a prompt's prefix
+    # is stored.
+    metrics_token_env: str = DEFAULT_METRICS_TOKEN_ENV
     metrics_refresh_interval_s: float = 1.0
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
@@ -172,6 +176,9 @@ class RouterConfig:
         for name in ("vocab_size", "max_prompt_tokens", "max_model_len"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)
+        if not ENV_NAME.fullmatch(self.metrics_token_env):
+            raise ConfigError("metrics_token_env must name an environment variable (letters, digits, _) holding "
+                              "the token /metrics demands, never the token itself")
         if not ENV_NAME.fullmatch(self.engine_api_key_env):
             # It may be the key itself pasted in by mistake: not shown.
             raise ConfigError("engine_api_key_env must name an environment variable (letters, digits, _) "

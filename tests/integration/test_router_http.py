@@ -11,6 +11,7 @@ are covered by the 1P1D end-to-end test (tests/e2e/test_pd_e2e.py).
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import secrets
@@ -41,6 +42,7 @@ from dualpath_connector.protocol import (
 )
 from dualpath_connector.side_channel import SideChannelServer
 from dualpath_dev.processes import free_port, stop_process_group
+from dualpath_router.credentials import DEFAULT_METRICS_TOKEN_ENV
 
 MODEL = "tiny-llama"
 PROMPT = list(range(100, 170))
@@ -210,9 +212,10 @@ class RouterProcess:
     With ``cluster_key`` it has ``CLUSTER_SECRET`` too, and sends ``release_hold`` messages.
     """
 
-    def __init__(self, config: dict, workdir: Path, api_key: str = API_KEY, cluster_key: bool = False) -> None:
+    def __init__(self, config: dict, workdir: Path, api_key: str = API_KEY, cluster_key: bool = False,
+                 host: str = "127.0.0.1") -> None:  # fmt: skip
         self.port = free_port()
-        config = {**config, "host": "127.0.0.1", "port": self.port}
+        config = {**config, "host": host, "port": self.port}
         self.config_path = workdir / "router.yaml"
         self.config_path.write_text(yaml.safe_dump(config))
         self.log_path = workdir / "router.log"
@@ -584,6 +587,47 @@ def test_health_and_metrics(engines, start_router):
     metrics = httpx.get(f"{router.url}/metrics").text
     assert 'dualpath_router_requests_total{policy="dualpath",read_side=' in metrics
     assert "dualpath_router_beta_tokens" in metrics
+
+
+def _non_loopback_address() -> str | None:
+    """This machine's address on its default route, if it has one (a UDP connect sends nothing)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.254", 9))
+        except OSError:
+            return None
+        address = probe.getsockname()[0]
+    return None if ipaddress.ip_address(address).is_loopback else address
+
+
+def test_metrics_answer_loopback_clients_or_the_token_holder_only(engines, tmp_path):
+    """/metrics counts hit tokens: before and after one request, it tells whether the prompt's prefix was
+    stored. So a client from another host reads it only with the operator's token."""
+    address = _non_loopback_address()
+    if address is None:
+        pytest.skip("no non-loopback address to reach the router from")
+    config = router_config([engines("pe0", "prefill")], [engines("de0", "decode")])
+    (tmp_path / "open").mkdir()
+    (tmp_path / "token").mkdir()
+    open_router = RouterProcess(config, tmp_path / "open", host="0.0.0.0")
+    token_router = RouterProcess(config, tmp_path / "token", host="0.0.0.0")
+    token_router.env[DEFAULT_METRICS_TOKEN_ENV] = "metrics-token-0123"
+    try:
+        open_router.start()
+        assert "dualpath_router_hit_tokens_total" in httpx.get(f"{open_router.url}/metrics").text
+        far = httpx.get(f"http://{address}:{open_router.port}/metrics")
+        assert far.status_code == 403 and "loopback clients only" in far.json()["error"]
+
+        token_router.start()
+        far = f"http://{address}:{token_router.port}/metrics"
+        assert httpx.get(f"{token_router.url}/metrics").status_code == 401  # loopback too, once a token is set
+        assert httpx.get(far, headers={"Authorization": "Bearer metrics-token-012"}).status_code == 401
+        allowed = httpx.get(far, headers={"Authorization": "Bearer metrics-token-0123"})
+        assert allowed.status_code == 200 and "dualpath_router_hit_tokens_total" in allowed.text
+        assert "metrics-token-0123" not in token_router.log()
+    finally:
+        open_router.stop()
+        token_router.stop()
 
 
 def test_client_leaving_mid_stream_releases_the_booking(engines, start_router):
