@@ -191,7 +191,7 @@ class SideChannelServer:
         try:
             message = json.loads(body)
             handler = self._handlers[message["op"]]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # RecursionError: nested past ~1000 levels
             reply({"error": "malformed side-channel message or unknown op"})
             return
         try:

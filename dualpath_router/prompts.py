@@ -174,6 +174,8 @@ class PromptBuilder:
             body = json.loads(raw)
         except ValueError as exc:
             raise BadRequest(f"request body is not valid JSON: {exc}", reason="malformed_json") from None
+        except RecursionError:  # nesting deeper than the interpreter's recursion limit (~1000): the bound
+            raise BadRequest("request body is nested too deeply", reason="malformed_json") from None
         if not isinstance(body, dict):
             raise BadRequest("request body must be a JSON object", reason="malformed_json")
         self._check_model(body)

@@ -24,6 +24,7 @@ import zmq
 from dualpath_connector.cluster_auth import (
     CLUSTER_KEY_ENV,
     ClusterKey,
+    open_answer,
     open_request,
     seal_answer,
     seal_request,
@@ -533,6 +534,17 @@ def raw_peer(pair):
     peer = RawPeer(pair[1].address)
     yield peer
     peer.close()
+
+
+def test_a_keyholder_nesting_past_the_bound_gets_an_error_and_the_channel_serves_on(pair, raw_peer):
+    _, de = pair
+    body = b'{"op": "hello", "x": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    frame, nonce = seal_request(KEY, body)
+    raw_peer.send(b"", frame)
+    assert raw_peer.answered(10)
+    answer = json.loads(open_answer(KEY, raw_peer.socket.recv_multipart()[1], nonce))
+    assert answer == {"error": "malformed side-channel message or unknown op"}
+    assert "error" not in request(de.address, hello_message(), 5, KEY)
 
 
 def test_unauthenticated_peers_get_nothing_and_one_warning(pair, raw_peer, caplog):

@@ -515,6 +515,7 @@ def test_unusable_handoff_sends_the_plain_request(engines, start_router, change,
         (json.dumps({"model": MODEL, "prompt": [1, 2], "max_tokens": "5"}).encode(), 400, "`max_tokens`"),
         (json.dumps({"model": "gpt-5", "prompt": [1, 2]}).encode(), 404, "The model `gpt-5` does not exist"),
         (json.dumps({"model": MODEL, "prompt": "hello"}).encode(), 400, "text prompts need `tokenizer`"),
+        (b'{"model": "m", "prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}", 400, "nested too deeply"),
     ],
 )
 def test_bad_requests_get_4xx_with_the_reason(engines, start_router, body, status, reason):
