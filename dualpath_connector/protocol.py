@@ -102,6 +102,12 @@ def _nonempty_str(value: Any, name: str) -> str:
 
 # -- kv_transfer_params --------------------------------------------------------
 
+
+def _require_object(params: Any) -> None:
+    # vLLM takes kv_transfer_params from vllm_xargs too, where a client may put a string or a list.
+    if params is not None and not isinstance(params, dict):
+        raise ProtocolError(f"kv_transfer_params must be a JSON object, got {type(params).__name__}")
+
 ReadSide = Literal["pe", "de"]
 READ_SIDES: tuple[str, ...] = ("pe", "de")
 
@@ -137,6 +143,7 @@ class PrefillRequest:
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> PrefillRequest | None:
         """The request in ``params``; None if it asks for no remote decode."""
+        _require_object(params)
         if not params or not params.get("do_remote_decode"):
             return None
         if VERSION_KEY in params:
@@ -202,6 +209,7 @@ class PrefillHandoff:
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> PrefillHandoff | None:
         """The hand-off in ``params``; None if it carries no remote prefill."""
+        _require_object(params)
         if not params or not params.get("do_remote_prefill"):
             return None
         check_version(params, "the prefill engine's kv_transfer_params")

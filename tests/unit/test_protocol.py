@@ -140,6 +140,15 @@ def test_params_without_the_flag_are_none(params):
     assert PrefillHandoff.from_dict(params) is None
 
 
+# vLLM reads kv_transfer_params from vllm_xargs too, whose values may be strings or lists: before this check a
+# string reached params.get() in the scheduler (AttributeError on vLLM's scheduler thread).
+@pytest.mark.parametrize("params", ["do_remote_prefill", ["do_remote_decode"], 1, True])
+def test_params_that_are_not_an_object_are_refused(params):
+    for message in (PrefillRequest, PrefillHandoff):
+        with pytest.raises(ProtocolError, match="kv_transfer_params must be a JSON object"):
+            message.from_dict(params)
+
+
 @pytest.mark.parametrize("message", [PrefillRequest().to_dict(), HANDOFF.to_dict()])
 @pytest.mark.parametrize("version", [PROTOCOL_VERSION + 1, "1", None])
 def test_another_or_missing_version_is_refused_naming_both(message, version):
