@@ -8,6 +8,7 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from dualpath_connector import engine_guard
 from dualpath_connector.engine_guard import KEY_ENV, EngineKeyGuard
 
 KEY = "k" * 32
@@ -49,3 +50,30 @@ def test_an_engine_without_a_key_does_not_start(monkeypatch):
     with pytest.raises(RuntimeError, match=KEY_ENV):
         with TestClient(_app()):
             pass
+
+
+@pytest.mark.parametrize(("body", "why"), [
+    ({"prompt": [1], "kv_transfer_params": "do_remote_prefill"}, "kv_transfer_params must be a JSON object, got str"),
+    ({"prompt": [1], "kv_transfer_params": [1]}, "kv_transfer_params must be a JSON object, got list"),
+    ({"prompt": [1], "vllm_xargs": {"kv_transfer_params": "x"}}, "not in vllm_xargs"),
+])
+def test_kv_transfer_params_that_are_not_an_object_get_400_before_the_engine(client, body, why):
+    answer = client.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEY}"})
+    assert answer.status_code == 400 and why in answer.json()["error"]["message"]
+
+
+def test_deep_nesting_gets_400_and_usable_bodies_reach_the_engine(client):
+    auth = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    deep = b'{"prompt": ' + b"[" * 200_000 + b"]" * 200_000 + b"}"
+    answer = client.post("/v1/completions", content=deep, headers=auth)
+    assert answer.status_code == 400 and "nested too deeply" in answer.json()["error"]["message"]
+    # Negative controls: an object, none at all, a body that is not JSON (vLLM answers that one) all pass.
+    for body in (b'{"prompt": [1], "kv_transfer_params": {"do_remote_decode": true}}', b'{"prompt": [1]}', b"{oops"):
+        assert client.post("/v1/completions", content=body, headers=auth).text == "served"
+
+
+def test_a_body_over_the_bound_gets_413(client, monkeypatch):
+    monkeypatch.setattr(engine_guard, "MAX_BODY_BYTES", 100)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert client.post("/v1/completions", json={"prompt": [1] * 100}, headers=auth).status_code == 413
+    assert client.post("/v1/completions", json={"prompt": [1]}, headers=auth).text == "served"
