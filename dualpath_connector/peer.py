@@ -88,6 +88,8 @@ logger = logging.getLogger(__name__)
 # Pull notifications and router releases kept (each) for a hold not registered yet: a flood of forged ones
 # cannot grow memory past this.
 _MAX_EARLY = 4096
+# Tokens kept per request id for a pull that came before its hold: a forged one cannot displace the genuine.
+_TOKENS_PER_EARLY_PULL = 4
 
 
 class PeerLink:
@@ -122,7 +124,11 @@ class PeerLink:
         self._peers: dict[str, KVRegions] = {}
         # PE: requests whose blocks a DE may still pull; pulls reported (maybe before their hold registered).
         self._holds: dict[str, _Hold] = {}
-        self._pulled: dict[str, tuple[str, float]] = {}  # request id -> (hold token, time.monotonic())
+        # Pulls of registered holds whose token matched on arrival: request id -> (token, time.monotonic()).
+        self._pulled: dict[str, tuple[str, float]] = {}
+        # Pulls naming no registered hold (one may finish before this engine's next step registers it): request
+        # id -> (the tokens seen, at most _TOKENS_PER_EARLY_PULL, time.monotonic() of the first).
+        self._early_pulled: dict[str, tuple[list[str], float]] = {}
         self._released_holds: set[str] = set()
         # Releases from the router (maybe before their hold registered: the hold reaches this worker with the
         # engine's next step, and a DE can refuse the request sooner) and holds that ended, each with its time
@@ -285,6 +291,12 @@ class PeerLink:
         with self._lock:
             early = self._early_releases.pop(req_id, None)
             claim = self._early_claims.pop(req_id, None)
+            pulled = self._early_pulled.pop(req_id, None)
+            if pulled is not None:
+                matched = [t for t in pulled[0] if hmac.compare_digest(t, token)]
+                self.forged_notifications += len(pulled[0]) - len(matched)
+                if matched:
+                    self._pulled[req_id] = (token, pulled[1])
             released = early is not None and hmac.compare_digest(early[0], token)
             if released:
                 self._end_hold(req_id)
@@ -333,7 +345,7 @@ class PeerLink:
                     logger.warning("request %s: no DE pulled its KV within the lease; blocks released", req_id)
                 self._end_hold(req_id)
             # A pull or a release for no hold registers next step at the latest; one older than a lease names none.
-            for early in (self._pulled, self._early_releases):
+            for early in (self._early_pulled, self._early_releases):
                 for req_id in [r for r, (_, at) in early.items() if now - at > self._lease_s]:
                     del early[req_id]
                     self.forged_notifications += 1
@@ -358,14 +370,31 @@ class PeerLink:
             kept.pool.release(kept.slots)
 
     def _on_pulled(self, message: bytes) -> None:
+        """A DE's READ ended. Checked against its hold as it arrives, so that no number of forged notifications
+        can crowd out a genuine one: only a matching token is kept for a registered hold."""
         parsed = parse_pulled(message)
         with self._lock:
-            if parsed is None or len(self._pulled) >= _MAX_EARLY:
+            if parsed is None:
                 self.forged_notifications += 1
                 return
-            # A pull may finish before this engine's next step registers the hold.
             req_id, token = parsed
-            self._pulled[req_id] = (token, time.monotonic())
+            hold = self._holds.get(req_id)
+            if hold is not None:
+                if hmac.compare_digest(token, hold.claim_token if hold.claim_token is not None else hold.token):
+                    self._pulled[req_id] = (token, time.monotonic())
+                else:
+                    self.forged_notifications += 1
+                return
+            early = self._early_pulled.get(req_id)
+            if early is None:
+                if len(self._early_pulled) >= _MAX_EARLY:  # the oldest goes: a genuine early one lives one step
+                    del self._early_pulled[next(iter(self._early_pulled))]
+                    self.forged_notifications += 1
+                self._early_pulled[req_id] = ([token], time.monotonic())
+            elif len(early[0]) < _TOKENS_PER_EARLY_PULL:
+                early[0].append(token)
+            else:
+                self.forged_notifications += 1
 
     def _released(self, lease: str) -> None:
         """The PE is done with a lease: keep its slots for the decode if asked to, else free them."""
