@@ -148,11 +148,13 @@ class PosixBucketAPI:
 
     def _keys(self, prefix: str) -> Iterator[tuple[str, os.stat_result]]:
         """Every complete object under the root whose key starts with ``prefix``, in key order."""
-        root = self.backing.root
+        root = os.path.realpath(self.backing.root)
+        if prefix.startswith("/") or "\0" in prefix or ".." in prefix.split("/"):
+            return  # no key starts so (safe_path refuses them): and "/..." would walk from the file system's root
         # Only the directory the prefix names can hold matches: walk from there, not the whole root.
-        start = os.path.join(root, os.path.dirname(prefix)) if "/" in prefix else root
-        if ".." in prefix.split("/") or not os.path.isdir(start):
-            return
+        start = os.path.realpath(os.path.join(root, os.path.dirname(prefix)))
+        if os.path.commonpath([root, start]) != root or not os.path.isdir(start):
+            return  # a symlink out of the bucket
         found = []
         for directory, _, files in os.walk(start):
             relative = os.path.relpath(directory, root)

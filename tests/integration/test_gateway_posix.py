@@ -130,6 +130,22 @@ def test_boto3_refusals(gateway, root):
     assert other.value.response["Error"]["Code"] == "NoSuchBucket"
 
 
+def test_listing_stays_in_the_bucket(gateway, root):
+    """A prefix cannot walk the listing out of the root: from "/" it would walk the whole file system, and a
+    symlinked directory would list (and stat) what it points at."""
+    outside = root.parent / f"outside-{uuid.uuid4().hex[:6]}"
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"x" * 123)
+    (root / "t").mkdir(exist_ok=True)
+    (root / "t" / "link").symlink_to(outside, target_is_directory=True)
+    s3 = boto(gateway)
+    for prefix in ("/", "/etc/", str(outside) + "/", "t/link/", "t/../"):
+        assert s3.list_objects_v2(Bucket=BUCKET, Prefix=prefix).get("KeyCount") == 0, prefix
+    # Control: an object in the bucket is listed under its own prefix.
+    s3.put_object(Bucket=BUCKET, Key="t/listed", Body=b"y")
+    assert [o["Key"] for o in s3.list_objects_v2(Bucket=BUCKET, Prefix="t/l")["Contents"]] == ["t/listed"]
+
+
 # --- NIXL OBJ (the connector's s3 store) ------------------------------------------------------------
 
 
