@@ -48,6 +48,8 @@ _server_ids = itertools.count()
 # load buffer of chunk hashes); ZeroMQ drops a peer that sends more, before
 # it costs memory.
 MAX_MESSAGE_BYTES = 16 << 20
+# ZeroMQ's default queues 1,000 messages per peer: 16 GiB of 16 MiB frames.
+RECEIVE_QUEUE = 8
 # Requests handled between two ticks (notifications, expiry) at most.
 _FRAMES_PER_TICK = 64
 # A flood of bad frames must not flood the log: one warning, then at most one per interval.
@@ -101,6 +103,9 @@ class SideChannelServer:
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        # Messages ZeroMQ queues per peer before dropping more: with the size bound, a peer (authenticated or
+        # not: signatures are checked after receipt) pins at most RECEIVE_QUEUE x MAX_MESSAGE_BYTES here.
+        self._router.setsockopt(zmq.RCVHWM, RECEIVE_QUEUE)
         self._router.bind(f"tcp://{host}:{port}")
         self._replies_address = f"inproc://dualpath-replies-{next(_server_ids)}"
         self._replies = self._context.socket(zmq.PULL)

@@ -42,7 +42,7 @@ from dualpath_connector.protocol import (
     hello_message,
     pulled_notification,
 )
-from dualpath_connector.side_channel import PeerBusy, SideChannelError, request
+from dualpath_connector.side_channel import MAX_MESSAGE_BYTES, RECEIVE_QUEUE, PeerBusy, SideChannelError, request
 from nixl_backends.configuration import ConfigError
 from dualpath_dev.processes import free_port
 from nixl_backends.buffers import HostBufferPool
@@ -563,6 +563,14 @@ def test_a_keyholder_nesting_past_the_bound_gets_an_error_and_the_channel_serves
     assert raw_peer.answered(10)
     answer = json.loads(open_answer(KEY, raw_peer.socket.recv_multipart()[1], nonce))
     assert answer == {"error": "malformed side-channel message or unknown op"}
+    assert "error" not in request(de.address, hello_message(), 5, KEY)
+
+
+def test_a_frame_over_the_size_bound_drops_its_peer_and_the_channel_serves_on(pair, raw_peer):
+    _, de = pair
+    assert de.link._server._router.getsockopt(zmq.RCVHWM) == RECEIVE_QUEUE  # what bounds a peer's queue in count
+    raw_peer.send(b"", b"\0" * (MAX_MESSAGE_BYTES + 1))
+    assert not raw_peer.answered(1.0)
     assert "error" not in request(de.address, hello_message(), 5, KEY)
 
 
