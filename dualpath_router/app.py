@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import logging
 import sys
 from collections.abc import AsyncIterator
@@ -216,7 +217,8 @@ class Router:
     async def _serve(self, request: Request, *, chat: bool) -> Response:
         try:
             raw = await self._body(request)
-            routed = self.prompts.build(raw, chat=chat)
+            # Off the event loop: parsing and tokenizing a long prompt takes long enough to stall every stream.
+            routed = await anyio.to_thread.run_sync(functools.partial(self.prompts.build, raw, chat=chat))
         except BadRequest as exc:
             self.metrics.rejected.labels(exc.reason).inc()
             return error_response(exc.status, exc.message, err_type=exc.err_type, param=exc.param)

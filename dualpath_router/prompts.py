@@ -24,6 +24,7 @@ import numpy as np
 from nixl_backends.configuration import ConfigError
 
 from dualpath_router.config import RouterConfig
+from dualpath_router.detokenize import IncrementalDetokenizer
 from dualpath_router.model_limits import ModelLimits, model_limits
 
 NO_TOKENIZER = "text prompts need `tokenizer` in the router config"
@@ -312,20 +313,16 @@ class PromptBuilder:
     async def answer_stream(self, lines: AsyncIterator[str], form: AnswerForm) -> AsyncIterator[bytes]:
         """An engine's completions SSE stream (form "text" or "chat") in the client's form.
 
-        Text is decoded from all of a choice's tokens so far and only the new
-        suffix sent, so characters spanning several tokens come out whole.
+        Text is decoded incrementally per choice (:class:`IncrementalDetokenizer`),
+        so characters spanning several tokens come out whole.
         """
         chat_id = f"chatcmpl-{uuid.uuid4().hex}"
-        tokens: dict[int, list[int]] = {}
-        sent: dict[int, str] = {}
+        tokens: dict[int, IncrementalDetokenizer] = {}
 
         def new_text(index: int, token_ids: list[int]) -> str:
-            tokens.setdefault(index, []).extend(token_ids)
-            text = self._decode(tokens[index])
-            if text.endswith("\ufffd"):  # wait for the rest of a split character
-                return ""
-            delta, sent[index] = text[len(sent.get(index, "")):], text
-            return delta
+            if index not in tokens:
+                tokens[index] = IncrementalDetokenizer(self._decode)
+            return tokens[index].add(token_ids)
 
         async for line in lines:
             if not line.startswith("data:"):
