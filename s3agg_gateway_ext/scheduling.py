@@ -98,6 +98,8 @@ class Flow:
     admitted: threading.Event = field(default_factory=threading.Event)
     deficit: float = 0.0
     next_time: float = 0.0
+    # Set when the scheduler failed under this flow: its sends go at once, unpaced.
+    unpaced: bool = False
     # [bytes still to send, event set when all sent]
     pending: collections.deque = field(default_factory=collections.deque)
 
@@ -147,6 +149,8 @@ class LinkScheduler:
         """Block until ``nbytes`` of this flow have passed the link at its rate."""
         done = threading.Event()
         with self._cond:
+            if flow.unpaced:
+                return
             flow.pending.append([float(nbytes), done])
             self._cond.notify_all()
         if not done.wait(timeout_s):
@@ -165,8 +169,9 @@ class LinkScheduler:
         share = self.cap * len(self._waiting) / (len(self._active) + len(self._waiting) or 1)
         if not self._waiting or free < _ADMIT_FRACTION * share:
             return
+        # Allocated before the batch leaves the waiting list: a failure here still finds its flows.
+        rates = allocate(self.policy, [f.demand for f in self._waiting], free, self.margin)
         batch, self._waiting = self._waiting, []
-        rates = allocate(self.policy, [f.demand for f in batch], free, self.margin)
         for flow, rate in zip(batch, rates):
             flow.rate = rate
             flow.next_time = now
@@ -176,6 +181,31 @@ class LinkScheduler:
                     len(batch), [round(f.rate) for f in batch], self.policy, free, self.cap)
 
     def _run(self) -> None:
+        # Pacing shares the link; it must never be what stops a transfer. A failure here (a bug, an input no
+        # check foresaw) releases every flow unpaced and scheduling starts over, instead of ending the thread
+        # and leaving each request to run into its timeout.
+        while True:
+            try:
+                self._schedule()
+                return
+            except Exception:
+                logger.exception("link scheduler failed; its flows go on unpaced and scheduling starts over")
+                with self._cond:
+                    self._release_unpaced()
+
+    def _release_unpaced(self) -> None:
+        for flow in (*self._waiting, *self._active):
+            flow.unpaced = True
+            flow.rate = flow.rate or self.cap
+            flow.admitted.set()
+            for entry in flow.pending:
+                entry[1].set()
+            flow.pending.clear()
+        for _, event in self._finishing:
+            event.set()
+        self._waiting, self._active, self._finishing = [], [], []
+
+    def _schedule(self) -> None:
         # Epochs tick while the link is busy; the first arrival at an idle link
         # opens a batch window of one epoch, so requests arriving together share it.
         next_epoch: float | None = None

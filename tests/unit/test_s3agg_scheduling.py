@@ -6,6 +6,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from s3agg_gateway_ext import scheduling
 from s3agg_gateway_ext.scheduling import Demand, LinkScheduler, allocate
 
 GBPS = 1e9 / 8  # bytes/s
@@ -91,5 +92,32 @@ def test_epoch_rates_are_held_and_freed_bandwidth_waits_for_the_next_epoch() -> 
         # Layer sends pass the WDRR link at the flow's rate (here: well under a second).
         link.send(late, 100, timeout_s=5)
         link.send(flows[1], 250, timeout_s=5)
+    finally:
+        link.close()
+
+
+def test_a_failure_in_the_scheduler_lets_its_flows_go_unpaced_and_scheduling_goes_on(monkeypatch) -> None:
+    """An allocation that raises (any failure no check foresaw) no longer ends the scheduler's thread and leaves
+    every request to run into its timeout: its flows go on unpaced, and the next arrivals are paced again."""
+    real = scheduling.allocate
+    failures = []
+
+    def fails_once(*args, **kwargs):
+        if not failures:
+            failures.append(1)
+            raise ValueError("an allocation no check foresaw")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(scheduling, "allocate", fails_once)
+    link = LinkScheduler("equal", cap=1000.0, margin=0.0, epoch_s=0.05, quantum=100)
+    one = Demand(layer_bytes=100, compute_window_s=1.0, total_bytes=1000)
+    try:
+        hit = link.admit(one, timeout_s=5)
+        assert failures and hit.unpaced
+        link.send(hit, 10_000, timeout_s=0.5)  # ten seconds at the cap: unpaced, it returns at once
+        paced = link.admit(one, timeout_s=5)
+        assert not paced.unpaced and paced.rate == pytest.approx(1000.0)
+        link.send(paced, 100, timeout_s=5)
+        assert link._thread.is_alive()
     finally:
         link.close()
