@@ -86,6 +86,9 @@ from nixl_backends.store import KVStore, StoreMetrics
 
 logger = logging.getLogger(__name__)
 
+# An HTTP-delivery frame holding a summary (FRAME_END) or an error (FRAME_ERROR): far below this.
+_MAX_TEXT_FRAME_BYTES = 1 << 20
+
 FALLBACKS = Counter("s3agg_client_fallbacks_total", "Reads served by plain S3 because the gateway was unreachable",
                     ["op"])
 RETIRED = Counter("s3agg_client_retired_total",
@@ -560,6 +563,9 @@ class S3AggStore(KVStore):
                 elif kind == FRAME_CHUNKS and length == n * layout.object_bytes:
                     target.receive_objects(lambda view: _readinto_exact(response, view))
                     on_token(ALL_LAYERS)
+                elif kind in (FRAME_END, FRAME_ERROR) and length > _MAX_TEXT_FRAME_BYTES:
+                    # A summary or an error is small: a gateway naming more is not one to allocate it for.
+                    raise GatewayUnavailable(f"frame kind={kind} of {length} bytes exceeds {_MAX_TEXT_FRAME_BYTES}")
                 elif kind == FRAME_END:
                     summary = json.loads(_read_exact(response, length))
                     response.read()  # the stream's end: the connection can serve the next request

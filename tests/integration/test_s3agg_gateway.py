@@ -19,6 +19,7 @@ import signal
 import socket
 import urllib.request
 import uuid
+from http.server import BaseHTTPRequestHandler
 from urllib.parse import urlsplit
 
 import boto3
@@ -32,12 +33,20 @@ from botocore.exceptions import ClientError
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
+from dualpath_dev.threaded_http import ThreadedHTTPService
 from nixl_backends.integrity import ChunkIntegrity, chunk_hash_of
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout
 from nixl_backends.nixl_io import TransferAbandoned
 from nixl_backends.notifications import dispatcher_for
 from nixl_backends.s3agg import GatewayConnections, GatewayRefused, GatewayWritesAbandoned, parse_error, post_signed
-from nixl_backends.s3agg_protocol import CANCEL_QUERY, EXTENSION_QUERY, PROTOCOL_VERSION, layer_region_bytes
+from nixl_backends.s3agg_protocol import (
+    CANCEL_QUERY,
+    EXTENSION_QUERY,
+    FRAME,
+    FRAME_END,
+    PROTOCOL_VERSION,
+    layer_region_bytes,
+)
 from tests.conftest import poll
 from tests.s3agg_fixtures import (  # noqa: F401  (fixtures)
     CLIENT_ACCESS_KEY,
@@ -552,6 +561,39 @@ def test_unreachable_gateway_falls_back(seaweedfs, s3agg_bucket, stored, agent):
     result, handed = read_all(store, keys, buffers)
     # Refused, or reset when something else grabbed the free port meanwhile: either way a fallback.
     assert result.mode == "fallback" and result.error.startswith(f"gateway {store.config.gateway}")
+    assert handed == [0, 1, 2, 3]
+    assert_delivered(STORED, keys, objects, buffers)
+
+
+class HugeFrameGateway(ThreadedHTTPService):
+    """A gateway that answers every aggregate with a summary frame naming 2^40 bytes (a broken or hostile one)."""
+
+    name = "huge-frame-gateway"
+
+    def handler(self):
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                # No Content-Length (the body ends with the connection): the client's read sizes nothing for it.
+                self.send_response(200)
+                self.end_headers()
+                self.wfile.write(FRAME.pack(FRAME_END, 0, 1 << 40))
+
+            def log_message(self, *args):
+                pass
+
+        return Handler
+
+
+def test_a_frame_longer_than_any_summary_is_refused_and_the_read_falls_back(seaweedfs, s3agg_bucket, stored, agent):
+    """The frame's length is checked before anything is allocated for it (reading 2^40 bytes raised
+    MemoryError in the load); the hit is read by plain S3 instead."""
+    keys, objects = stored
+    with HugeFrameGateway() as fake:
+        store = open_store(seaweedfs, s3agg_bucket, f"http://127.0.0.1:{fake.port}", STORED, agent, delivery="http")
+        buffers = layer_buffers(agent, STORED, len(keys))
+        result, handed = read_all(store, keys, buffers)
+    assert result.mode == "fallback" and f"exceeds {1 << 20}" in result.error
     assert handed == [0, 1, 2, 3]
     assert_delivered(STORED, keys, objects, buffers)
 
