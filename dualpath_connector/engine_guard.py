@@ -20,6 +20,8 @@ import logging
 import os
 from typing import Any
 
+from dualpath_connector.protocol import ProtocolError, require_object
+
 logger = logging.getLogger(__name__)
 
 KEY_ENV = "VLLM_API_KEY"
@@ -77,9 +79,10 @@ def kv_transfer_params_fault(body: bytes) -> str | None:
         return "request body is nested too deeply"
     if not isinstance(request, dict):
         return None
-    params = request.get("kv_transfer_params")
-    if params is not None and not isinstance(params, dict):
-        return f"kv_transfer_params must be a JSON object, got {type(params).__name__}"
+    try:
+        require_object(request.get("kv_transfer_params"))
+    except ProtocolError as exc:
+        return str(exc)
     xargs = request.get("vllm_xargs")
     if isinstance(xargs, dict) and "kv_transfer_params" in xargs:
         # vLLM would take it from there as a string or a list: only the body's own field is an object.

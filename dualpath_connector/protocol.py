@@ -103,8 +103,9 @@ def _nonempty_str(value: Any, name: str) -> str:
 # -- kv_transfer_params --------------------------------------------------------
 
 
-def _require_object(params: Any) -> None:
-    # vLLM takes kv_transfer_params from vllm_xargs too, where a client may put a string or a list.
+def require_object(params: Any) -> None:
+    """``kv_transfer_params`` are absent or a JSON object: vLLM also takes them from ``vllm_xargs``, where a
+    client may put a string or a list. Raises :class:`ProtocolError`."""
     if params is not None and not isinstance(params, dict):
         raise ProtocolError(f"kv_transfer_params must be a JSON object, got {type(params).__name__}")
 
@@ -143,7 +144,7 @@ class PrefillRequest:
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> PrefillRequest | None:
         """The request in ``params``; None if it asks for no remote decode."""
-        _require_object(params)
+        require_object(params)
         if not params or not params.get("do_remote_decode"):
             return None
         if VERSION_KEY in params:
@@ -209,7 +210,7 @@ class PrefillHandoff:
     @classmethod
     def from_dict(cls, params: dict[str, Any] | None) -> PrefillHandoff | None:
         """The hand-off in ``params``; None if it carries no remote prefill."""
-        _require_object(params)
+        require_object(params)
         if not params or not params.get("do_remote_prefill"):
             return None
         check_version(params, "the prefill engine's kv_transfer_params")
