@@ -50,8 +50,6 @@ _DROPPED = _HOP_BY_HOP | {"authorization", "x-amz-security-token", "x-amz-date",
 
 class S3Relay(ThreadedHTTPService):
     name = "s3-relay"
-    # Clients reach it over plain HTTP, as they reach an S3 server (dualpath_dev.s3_server.S3Server.ca_bundle).
-    ca_bundle: str | None = None
 
     def __init__(self, upstream: str, access_key: str, secret_key: str,
                  credentials: RotatingCredentials | None = None, region: str = "us-east-1",

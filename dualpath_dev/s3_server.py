@@ -44,13 +44,17 @@ class S3Server:
     def endpoint(self) -> str:
         return f"{'https' if self.ca_bundle else 'http'}://{self.host}:{self.s3_port}"
 
-    def store_config(self, bucket: str) -> dict[str, object]:
-        """A ``store`` section for this server, as a user would write it."""
-        section: dict[str, object] = {"backend": "s3", "endpoint": self.endpoint, "bucket": bucket,
-                                      "access_key": self.access_key, "secret_key": self.secret_key}  # fmt: skip
+    def bucket_section(self, bucket: str) -> dict[str, object]:
+        """A ``store`` section for ``bucket`` without keys (an engine takes them from the AWS variables), with
+        this server's CA where it speaks TLS."""
+        section: dict[str, object] = {"backend": "s3", "endpoint": self.endpoint, "bucket": bucket}
         if self.ca_bundle:
             section["ca_bundle"] = self.ca_bundle
         return section
+
+    def store_config(self, bucket: str) -> dict[str, object]:
+        """A ``store`` section for this server, as a user would write it: :meth:`bucket_section` and the keys."""
+        return {**self.bucket_section(bucket), "access_key": self.access_key, "secret_key": self.secret_key}
 
     def lookup_store(self, section: dict[str, object], layout: BlockLayout) -> KVStore:
         """A lookup-only store on ``section``'s bucket as this process reaches it: this server's endpoint and keys.
@@ -63,10 +67,7 @@ class S3Server:
             section = section["tiers"][-1]  # saves write through: the shared tier holds every stored chunk
         if section.get("backend") == "s3agg":
             section = section["s3"]  # lookups of an s3agg store go to its bucket
-        config = {**section, "endpoint": self.endpoint, "access_key": self.access_key, "secret_key": self.secret_key}
-        if self.ca_bundle:
-            config["ca_bundle"] = self.ca_bundle
-        return make_store(parse_store_config(config), layout)
+        return make_store(parse_store_config({**section, **self.store_config(section["bucket"])}), layout)
 
     def client(self, max_attempts: int = 3):
         """A boto3 S3 client for this server (path-style, its credentials, its CA)."""

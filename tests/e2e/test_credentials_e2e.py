@@ -46,7 +46,9 @@ def test_an_engine_serves_hits_and_saves_through_credential_rotations(tiny_model
         relay = stack.enter_context(S3Relay(seaweedfs.endpoint, seaweedfs.access_key, seaweedfs.secret_key,
                                             credentials))  # fmt: skip
         isolate_aws_chain(monkeypatch, credentials.env)  # the engine inherits this process's environment
-        engine = stack.enter_context(Engine(tiny_model, kv_config(relay, BUCKET)))
+        config = kv_config(seaweedfs, BUCKET)
+        config["kv_connector_extra_config"]["store"]["endpoint"] = relay.endpoint  # the engine goes through the relay
+        engine = stack.enter_context(Engine(tiny_model, config))
         namespace, prefix = engine.ready["namespace"], engine.ready["key_prefix"]
         # The test's own view of the bucket: SeaweedFS's static key, not through the relay.
         stored = stack.enter_context(contextlib.closing(seaweedfs.lookup_store(seaweedfs.store_config(BUCKET), LAYOUT)))

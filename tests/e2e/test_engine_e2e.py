@@ -42,16 +42,13 @@ SALTED = [_rng.randrange(1024) for _ in range(600)]
 
 
 def kv_config(server, bucket: str = BUCKET, **extra) -> dict:
-    store = {"backend": "s3", "endpoint": server.endpoint, "bucket": bucket}
-    if server.ca_bundle:
-        store["ca_bundle"] = server.ca_bundle
     return {
         "kv_connector": "DualPathConnector",
         "kv_connector_module_path": "dualpath_connector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         # Credentials reach the engine through the AWS variables (Engine's env).
-        "kv_connector_extra_config": {"store": store, **extra},
+        "kv_connector_extra_config": {"store": server.bucket_section(bucket), **extra},
     }
 
 

@@ -115,10 +115,7 @@ def store_section(request, tmp_path, monkeypatch) -> dict:
     # Credentials from the environment: adapter_params refuse a secret_key.
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", server.access_key)
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", server.secret_key)
-    section = {"backend": "s3", "endpoint": server.endpoint, "bucket": request.getfixturevalue("s3_bucket")}
-    if server.ca_bundle:
-        section["ca_bundle"] = server.ca_bundle
-    return section
+    return server.bucket_section(request.getfixturevalue("s3_bucket"))
 
 
 @pytest.fixture
