@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml setup.py overrides.txt nixl_backends/csrc/cuobj_compat.
 	touch $(STAMP)
 
 # The second S3 server of the tests (dualpath_dev/versitygw.py): versitygw, Apache-2.0, built from the Go module
-# proxy with the machine's Go (~3 min of CPU the first time, then cached), into .venv/bin.
+# proxy with the machine's Go (minutes the first time, then Go's build cache), into .venv/bin.
 $(VERSITYGW): | $(STAMP)
 	GOBIN=$(abspath $(VENV)/bin) GOFLAGS=-trimpath go install -ldflags='-s -w' github.com/versity/versitygw/cmd/versitygw@$(VERSITYGW_VERSION)
 
