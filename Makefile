@@ -8,6 +8,7 @@ VERSITYGW := $(VENV)/bin/versitygw
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
+.PHONY: docs docs-check
 .PHONY: setup test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak gpu-connector-check device-check
 
 setup: $(STAMP) mma $(VERSITYGW)
@@ -118,6 +119,16 @@ gpu-connector-check: mma
 # `make setup`): scripts/device_check.sh OUTDIR. The H100 figures: benchmarks/results/gpu_*.
 device-check:
 	bash scripts/device_check.sh benchmarks/results/device-check
+
+# The README tables that come from result files, rewritten from those files between their markers
+# (scripts/render_docs.py; the marker syntax: benchmarks/README.md).
+docs: setup
+	$(PY) scripts/render_docs.py
+
+# Changes nothing: a diff and exit status 1 where a README differs from what its files render
+# (tests/unit/test_docs.py runs the same check in the unit tier).
+docs-check: setup
+	$(PY) scripts/render_docs.py --check
 
 clean:
 	rm -rf $(VENV) build *.egg-info
