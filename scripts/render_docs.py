@@ -75,20 +75,19 @@ def json_table(path: Path, options: dict[str, str]) -> str:
     return data["table"]
 
 
-@renderer("section", "heading")
-def markdown_section(path: Path, options: dict[str, str]) -> str:
-    """The body of one `## heading` section of a result `.md` file (simulate-*.md, dualpath-bench*.md, ...)."""
+@renderer("markdown", "heading")
+def markdown_file(path: Path, options: dict[str, str]) -> str:
+    """A result `.md` file (dualpath-bench*.md, simulate-*.md, ...) without its title: with `heading`, the body of
+    that `## ` section alone, else what precedes the first `## ` section."""
     heading = options.get("heading")
-    if not heading:
-        raise RenderError("renderer 'section' needs heading=...")
-    body: list[str] | None = None
+    body: list[str] | None = None if heading else []
     for line in path.read_text().splitlines():
         if line.startswith("## "):
             if body is not None:
                 break
             if line[3:].strip() == heading:
                 body = []
-        elif body is not None:
+        elif body is not None and not line.startswith("# "):
             body.append(line)
     if body is None:
         raise RenderError(f"{path.name} has no section '## {heading}'")
