@@ -104,7 +104,10 @@ MMA_COPIES = {"small_h2d_gbps": "1 MiB H2D", "small_d2h_gbps": "1 MiB D2H",
 def mma_gpu_check(path: Path, options: dict[str, str]) -> str:
     """mma_preload/gpu_check.sh's copy rates, native vs preloaded vs the engine forced on the one link."""
     runs: dict[str, dict] = {}
+    checks = []  # the correctness run's verdict line, quoted as gpu_check.sh printed it
     for line in path.read_text().splitlines():
+        if line.strip().startswith("byte mismatches:"):
+            checks.append(line.strip())
         for name, prefix in MMA_RUNS.items():
             if line.startswith(prefix):
                 runs[name] = json.loads(line[len(prefix):])
@@ -112,12 +115,12 @@ def mma_gpu_check(path: Path, options: dict[str, str]) -> str:
     if missing:
         raise RenderError(f"{path.name} has no line starting {', '.join(missing)}")
     native = runs["native"]
-    rows = [[copy, f"{native[key]:.2f}",
-             *(f"{runs[name][key]:.2f} ({runs[name][key] / native[key]:.1%})" for name in list(MMA_RUNS)[1:])]
+    others = list(MMA_RUNS)[1:]
+    rows = [[copy, f"{native[key]:.2f}", *(f"{runs[name][key]:.2f} ({runs[name][key] / native[key]:.1%})" for name in others)]
             for key, copy in MMA_COPIES.items()]
-    return markdown_table(["copy (pinned, one stream)", "native GB/s", *(f"{name} GB/s" for name in list(MMA_RUNS)[1:])],
-                          rows, caption=f"{native['device']}, {native['ndev']} GPU(s); the engine forced on the "
-                                                "GPU's one link by `MMA_SINGLE_PATH=1`; preloaded / native in brackets.")
+    caption = (f"{native['device']}, {native['ndev']} GPU(s). Correctness (preloaded): {'; '.join(checks) or 'not in the log'}. "
+               "Copy rates: the engine forced on the GPU's one link by `MMA_SINGLE_PATH=1`; preloaded / native in brackets.")
+    return markdown_table(["copy (pinned, one stream)", "native GB/s", *(f"{name} GB/s" for name in others)], rows, caption)
 
 
 def only_table(text: str, number: int) -> str:
