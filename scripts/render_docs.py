@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 OPEN = re.compile(r"^<!-- render: (?P<spec>.+) -->$")
 CLOSE = "<!-- /render -->"
-# Never holds a README with markers; walking .venv or .git would cost seconds.
+# Hold no Markdown with markers; dot folders (.venv, .git: seconds to walk) are skipped as well.
 SKIPPED_DIRS = {"build", "results", "node_modules", "__pycache__"}
 
 
@@ -139,7 +139,10 @@ class Marker:
 
     @classmethod
     def parse(cls, spec: str) -> Marker:
-        words = shlex.split(spec)
+        try:
+            words = shlex.split(spec)
+        except ValueError as error:
+            raise RenderError(f"marker '{spec}': {error}") from None
         if len(words) < 2:
             raise RenderError(f"marker '{spec}' needs a result file and a renderer")
         options = {}
@@ -162,6 +165,8 @@ class Marker:
             raise RenderError(f"renderer '{self.renderer}' takes no option {', '.join(sorted(unknown))}")
         text = chosen.render(path, self.options).strip()
         if "only" in self.options:
+            if not self.options["only"].isdigit():
+                raise RenderError(f"only={self.options['only']} is not a table number")
             text = only_table(text, int(self.options["only"]))
         link = os.path.relpath(path, markdown_file.parent)
         return f"*From [`{self.source}`]({link}), rendered by `make docs`.*\n\n{text}\n"
