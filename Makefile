@@ -98,6 +98,11 @@ bench-injection: setup
 bench-lookup-latency: setup
 	$(PY) benchmarks/bench_lookup_latency.py $(BENCH_ARGS)
 
+# A store hit read by the PE vs by the DE (read side forced by two routers), one request at a time on idle links;
+# BENCH_ARGS adds options (e.g. BENCH_ARGS="--store-rtt-ms 0 20"). Results: benchmarks/results/read-sides.*
+bench-read-sides: setup
+	$(PY) benchmarks/bench_read_sides.py $(BENCH_ARGS)
+
 # Basic vs DualPath vs Oracle, 1P1D, on an emulated cluster (root: network namespaces, tc storage NICs);
 # BENCH_ARGS adds options, e.g. BENCH_ARGS="--topologies 1P1D,1P2D,2P1D". Results: benchmarks/results/dualpath-bench.*
 bench-dualpath: setup

@@ -171,6 +171,11 @@ class VLLMServer(ServiceProcess):
         self.args += vllm_args
         self.health_url = f"{self.base_url}/health"
 
+    @property
+    def s3(self) -> SeaweedFS:
+        """The S3 server whose keys the engine has (its store endpoint may be a relay in front of it)."""
+        return self._s3
+
     def _request(self, path: str, body: dict) -> urllib.request.Request:
         """A POST to the server carrying the cluster's API key (without it the /v1 paths answer 401)."""
         headers = {"Content-Type": "application/json", **self.keys.auth_headers()}
