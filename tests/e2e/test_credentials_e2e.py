@@ -1,4 +1,4 @@
-"""An engine whose S3 credentials rotate while it serves: a multi-turn session through three rotations.
+"""An engine whose S3 credentials rotate while its store throttles: a multi-turn session through three rotations.
 
 The engine finds its credentials the way a pod does: only
 ``AWS_CONTAINER_CREDENTIALS_FULL_URI`` (a :class:`RotatingCredentials`
@@ -8,7 +8,10 @@ that refuses any request not signed by an unexpired pair with its token. Every
 turn hits the previous turns' chunks (loads) and saves its own, through NIXL
 OBJ and boto3 both: no request is refused, every hit is whole, and every output
 equals the engine's without the connector that served the same session from
-its own prefix cache. The control (credentials frozen when the store opened
+its own prefix cache. The same relay answers a tenth of object GETs and PUTs
+``503 SlowDown`` and resets a twentieth of their connections (issue 39, part 3):
+the store sends those requests again after a backoff (logged and counted as
+``s3_requests_retried``), so the session neither hangs nor loses a hit. The control (credentials frozen when the store opened
 fail once they expire) is the integration tier's
 (``tests/integration/test_rotating_credentials.py``), where it costs no engine.
 """
@@ -32,22 +35,28 @@ pytestmark = pytest.mark.engine
 
 ROTATE_S, EXPIRY_S = 6.0, 12.0
 ROTATIONS = 3
+THROTTLED, RESET = 0.1, 0.05  # shares of object GETs and PUTs the relay answers 503 SlowDown / resets
+# A request fails an attempt with p = 0.15: seven failed attempts in a row, 2e-6 per object, for the session's
+# few hundred objects 1e-3.
+IO_RETRIES = 6
 BUCKET = "dualpath-rotating"
 # Each turn appends two chunks to the history (the previous prompt and its output).
 APPEND = 2 * CHUNK
 MAX_TURNS = 30
 
 
-def test_an_engine_serves_hits_and_saves_through_credential_rotations(tiny_model, seaweedfs, plain_engine,
-                                                                       monkeypatch):  # fmt: skip
+def test_an_engine_serves_hits_and_saves_through_credential_rotations_and_throttling(tiny_model, seaweedfs,
+                                                                                      plain_engine, monkeypatch):  # fmt: skip
     rng = random.Random(39)
     with contextlib.ExitStack() as stack:
         credentials = stack.enter_context(RotatingCredentials(ROTATE_S, EXPIRY_S))
         relay = stack.enter_context(S3Relay(seaweedfs.endpoint, seaweedfs.access_key, seaweedfs.secret_key,
-                                            credentials))  # fmt: skip
+                                            credentials, throttle_fraction=THROTTLED, reset_fraction=RESET,
+                                            seed=39))  # fmt: skip
         isolate_aws_chain(monkeypatch, credentials.env)  # the engine inherits this process's environment
         config = kv_config(seaweedfs, BUCKET)
-        config["kv_connector_extra_config"]["store"]["endpoint"] = relay.endpoint  # the engine goes through the relay
+        # The engine goes through the relay.
+        config["kv_connector_extra_config"]["store"].update(endpoint=relay.endpoint, io_retries=IO_RETRIES)
         engine = stack.enter_context(Engine(tiny_model, config))
         namespace, prefix = engine.ready["namespace"], engine.ready["key_prefix"]
         # The test's own view of the bucket: SeaweedFS's static key, not through the relay.
@@ -69,4 +78,7 @@ def test_an_engine_serves_hits_and_saves_through_credential_rotations(tiny_model
             wait_stored(stored, keys, 120)
             turn += 1
         assert relay.refused_total() == 0 and relay.forwarded > 0
-        assert "write of" not in engine.log_text() and "unreadable" not in engine.log_text()
+        log = engine.log_text()
+        assert "write of" not in log and "unreadable" not in log
+        assert relay.throttled >= 1 and relay.resets >= 1  # the faults happened ...
+        assert "sending them again" in log  # ... and the store sent what failed again
