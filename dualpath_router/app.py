@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 from prometheus_client.core import GaugeMetricFamily
 
 from nixl_backends.configuration import ConfigError
+from nixl_backends.http_head_timeout import head_timeout_protocol
 
 from dualpath_connector.protocol import PrefillHandoff, PrefillRequest, ProtocolError, sse_lines
 
@@ -538,9 +539,10 @@ def main(argv: list[str] | None = None) -> None:
                 len(config.decode_engines), config.host, config.port, config.engine_api_key_env,
                 f"bearer token from ${config.metrics_token_env}" if router.metrics_access.needs_token
                 else f"loopback clients only (no ${config.metrics_token_env})")  # fmt: skip
-    # Bounded: connections served at once, idle keep-alives, and a request head's size (a slow or huge
+    # Bounded: connections served at once, idle keep-alives, a request head's time and size (a slow or huge
     # header waits in h11's buffer, which this caps).
     uvicorn.run(router.build_app(), host=config.host, port=config.port, log_level=args.log_level,
+                http=head_timeout_protocol(config.head_timeout_s, config.max_connections),
                 limit_concurrency=config.max_connections, timeout_keep_alive=5, h11_max_incomplete_event_size=64 << 10)
 
 

@@ -114,8 +114,11 @@ class RouterConfig:
     port: int = 8000
     # A request body above this gets 413 before it is parsed (a 128k-token prompt as JSON ids is ~1 MiB).
     max_request_bytes: int = 8 << 20
-    # Connections served at once; more get 503 from the HTTP server (uvicorn's limit_concurrency).
+    # Connections served at once; more get 503 from the HTTP server (uvicorn's limit_concurrency), after the
+    # connections that sent no complete request head made room (nixl_backends.http_head_timeout).
     max_connections: int = 1024
+    # A connection whose request head is not complete this long after its first byte was awaited is closed (408).
+    head_timeout_s: float = 5.0
     policy: PolicyName = "dualpath"
     # Forces every request's read side (tests, demos); "auto" lets the policy choose.
     read_side: ReadSideOverride = "auto"
@@ -172,7 +175,7 @@ class RouterConfig:
         _require_positive(self, "metrics_refresh_interval_s", "lookup_cache_chunks", "lookup_cache_ttl_s")
         if self.tokenizer is None and self.model_config is None and self.vocab_size is None:
             raise ConfigError(NO_VOCABULARY)
-        _require_positive(self, "max_request_bytes", "max_connections")
+        _require_positive(self, "max_request_bytes", "max_connections", "head_timeout_s")
         for name in ("vocab_size", "max_prompt_tokens", "max_model_len"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)

@@ -35,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from nixl_backends.http_head_timeout import head_timeout_protocol
 from nixl_backends.nixl_io import TransferAbandoned
 from nixl_backends.s3agg_protocol import (
     CANCEL_QUERY,
@@ -294,6 +295,7 @@ def main(argv: list[str] | None = None) -> None:
     gateway = Gateway(config, Aggregator(config))
     # Bounded as the router is: connections, idle keep-alive, an unfinished request head.
     uvicorn.run(gateway.app(), host=config.host, port=config.port, log_level="warning", access_log=False,
+                http=head_timeout_protocol(config.head_timeout_s, config.max_connections),
                 limit_concurrency=config.max_connections, timeout_keep_alive=5,
                 h11_max_incomplete_event_size=64 << 10)
 

@@ -64,6 +64,9 @@ class GatewayConfig:
     # signed headers verified. Connections served at once (more get 503).
     max_body_bytes: int = 256 * MIB
     max_connections: int = 1024
+    # A connection whose request head is not complete this long after its first byte was awaited is closed
+    # (408); at max_connections, those make room for new ones (nixl_backends.http_head_timeout).
+    head_timeout_s: float = 5.0
     # Mode selection: payloads W = N*L*S below theta are served chunkwise.
     theta_bytes: int = 512 * MIB
     # Descriptor limits: anything larger is refused before a byte is read.
@@ -97,7 +100,7 @@ class GatewayConfig:
             raise ConfigError("client_access_key and client_secret_key are required (SigV4 identity of clients)")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
-        positive = ("max_body_bytes", "max_connections", "theta_bytes", "max_layers", "max_layer_chunk_bytes", "max_chunks", "max_payload_bytes",
+        positive = ("max_body_bytes", "max_connections", "head_timeout_s", "theta_bytes", "max_layers", "max_layer_chunk_bytes", "max_chunks", "max_payload_bytes",
                     "io_threads", "io_timeout_s", "epoch_s", "quantum_bytes", "default_compute_window_s")
         for name in positive:
             if getattr(self, name) <= 0:
