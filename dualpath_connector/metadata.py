@@ -98,6 +98,8 @@ class DualPathMetadata(KVConnectorMetadata):
     saves: list[SaveSpec] = field(default_factory=list)
     pulls: list[PullSpec] = field(default_factory=list)
     sends: list[SendSpec] = field(default_factory=list)
+    # Tokens this step's forward computes (all requests): the worker learns its recompute rate from them.
+    computed_tokens: int = 0
     # Requests that ended before their loaded KV was injected: their blocks
     # may already belong to another request, so the injection is dropped.
     dropped_req_ids: list[str] = field(default_factory=list)

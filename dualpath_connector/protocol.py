@@ -430,6 +430,8 @@ COUNTERS = {
     "engine's within a lease, or with the wrong hold token",
     "s3_requests_retried": "S3 payload requests (GETs, PUTs through NIXL OBJ) that failed after the AWS SDK's own "
     "retries and were sent again, after a jittered backoff (store.io_retries); NIXL reports no cause",
+    "s3_retries_past_deadline": "Failed S3 payload requests not sent again because their load's deadline (the "
+    "hit's estimated recompute time from the load's start) would pass first: those chunks were recomputed",
     "refused_hold_claims": "DE claims of this PE's holds refused: the hold had ended (lease, release, pull), another "
     "DE had claimed it, or the hold token was wrong; that DE recomputed the prompt instead of reading the blocks",
     "side_channel_rejected_messages": "Side-channel messages dropped unanswered: unsigned, wrong key, stale, "

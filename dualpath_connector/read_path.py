@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
+from nixl_backends.deadlines import load_deadline
 from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.s3agg_protocol import LAYOUT_CHUNK_MAJOR, LAYOUT_STRIDED
 from nixl_backends.store import KVStore, TransferAbandoned
@@ -117,6 +118,7 @@ class HitReader:
         timeline: ReadTimeline | None = None,
         layer_arrival: bool = False,
         compute_window_s: Callable[[], float | None] = lambda: None,
+        recompute_s: Callable[[int], float | None] = lambda tokens: None,
     ) -> None:
         self.store = store
         self.pool = pool
@@ -135,6 +137,8 @@ class HitReader:
         self.layer_arrival = layer_arrival and store.delivers_layers
         # The forward's measured per-layer compute time, declared to the store's bandwidth scheduler.
         self.compute_window_s = compute_window_s
+        # This engine's estimated time to recompute n tokens: a load's store retries end by then.
+        self.recompute_s = recompute_s
         self.read_queue = StoreReadQueue()
         # From a slot's layer l to its layer l + 1, as a PE reading this engine's buffer must step.
         self._layer_stride = pool.layer_stride if pool.layer_major else key_space.layout.layer_block_bytes
@@ -154,18 +158,23 @@ class HitReader:
         tokens = spec.num_blocks() * self.block_size
         self._count_queue(tokens)
         timed = ReadSpan(self.timeline, "own", tokens)
+        # Recompute would have started now: failed store requests are not sent again past the time it would take.
+        recompute_s = self.recompute_s(tokens)
+        deadline = None if recompute_s is None else time.monotonic() + recompute_s
 
         def job() -> None:
             timed.started()
             if self.layer_arrival:
                 try:
-                    self.read_arriving(spec, on_read)
+                    with load_deadline(deadline):
+                        self.read_arriving(spec, on_read)
                 finally:
                     self._count_queue(-tokens)
                     timed.finished("read", len(spec.chunks))
                 return
             try:
-                hit = self._guarded(spec, lambda: self.read_here(spec))
+                with load_deadline(deadline):
+                    hit = self._guarded(spec, lambda: self.read_here(spec))
             finally:
                 self._count_queue(-tokens)
             timed.finished("read" if hit.chunks else "failed", len(hit.chunks))
@@ -445,7 +454,9 @@ class HitReader:
                     self._decline(late, reply)
                     timed.finished("declined")
                 else:
-                    answer = self._read_for_peer(request, received)
+                    # The PE reads the hit itself after its deadline: retries past it would be wasted.
+                    with load_deadline(received + request.deadline_s):
+                        answer = self._read_for_peer(request, received)
                     reply(answer)
                     readable = answer.get("readable", 0)
                     timed.finished("read" if readable else "failed", readable)

@@ -388,7 +388,8 @@ class DualPathScheduler:
         return chunks
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> DualPathMetadata:
-        meta = DualPathMetadata(loads=self._loads, pulls=self._pulls, sends=self._sends, dropped_req_ids=self._dropped)
+        meta = DualPathMetadata(loads=self._loads, pulls=self._pulls, sends=self._sends, dropped_req_ids=self._dropped,
+                                computed_tokens=sum(scheduler_output.num_scheduled_tokens.values()))  # fmt: skip
         self._loads, self._pulls, self._sends, self._dropped = [], [], [], []
         self._engine_busy = bool(scheduler_output.num_scheduled_tokens)
         for new in scheduler_output.scheduled_new_reqs:

@@ -58,6 +58,7 @@ from dualpath_connector.metadata import DualPathMetadata, LoadSpec, PullSpec, Sa
 from dualpath_connector.peer import PeerLink
 from dualpath_connector.protocol import COUNTERS, GAUGES, RankKeySpace
 from dualpath_connector.pulls import PromptPuller
+from dualpath_connector.recompute_time import RecomputeTime
 from dualpath_connector.read_path import HitReader, LoadedHit
 from dualpath_connector.read_timeline import ReadTimeline
 from dualpath_connector.saves import ChunkSaver
@@ -117,6 +118,7 @@ class DualPathWorker:
         self.integrity = ChunkIntegrity(self.layout, config.integrity_key)
         self.stats = StatsRecorder()
         self.compute_window = ComputeWindow()
+        self.recompute_time = RecomputeTime()
         self.timeline = None
         if config.read_timeline_dir is not None:
             engine = f"{config.side_channel_host}:{config.side_channel_port}" if kv_role != "kv_both" else f"pid-{os.getpid()}"
@@ -187,6 +189,7 @@ class DualPathWorker:
             move_queued_reads=self.config.move_queued_reads, split_read_min_tokens=self.config.split_read_min_tokens,
             timeline=self.timeline,
             layer_arrival=self.config.load_mode == "layerwise", compute_window_s=lambda: self.compute_window.seconds,
+            recompute_s=self.recompute_time.seconds,
         )  # fmt: skip
         # On a GPU, loads and saves each get a copy stream beside the forward's (the CPU path copies inline).
         on_cuda = view.device.type == "cuda"
@@ -216,6 +219,7 @@ class DualPathWorker:
     # -- loads --------------------------------------------------------------------
 
     def start_load_kv(self, meta: DualPathMetadata) -> None:
+        self.recompute_time.step_started(meta.computed_tokens)
         self._note_ended(meta)
         for send in meta.sends:
             self.peers.hold(send.req_id, send.expires_at, send.hold_token, send.num_blocks)
@@ -407,6 +411,7 @@ class DualPathWorker:
     # -- saves ------------------------------------------------------------------------
 
     def wait_for_save(self, meta: DualPathMetadata) -> None:
+        self.recompute_time.step_ended()  # the forward is over: its saves below run on the save lane
         if self.saves_chunks:
             self.saver.save(meta.saves)
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from nixl_backends.deadlines import seconds_left
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout
 from nixl_backends.nixl_io import descriptors, run_nixl_transfers
 from nixl_backends.obj_backend import OBJ, add_obj_backend, obj_device_ids
@@ -49,6 +50,7 @@ class S3Store(KVStore):
         self._agent = agent
         self._counts_lock = threading.Lock()
         self._retried = 0  # payload requests sent again after they failed
+        self._not_retried = 0  # failed payload requests not sent again: their load's deadline was too near
         self._lookup_pool = ThreadPoolExecutor(_LOOKUP_WINDOW, thread_name_prefix="s3-lookup")
         if agent is not None:
             add_obj_backend(agent, config, session)
@@ -73,8 +75,9 @@ class S3Store(KVStore):
     def _transfer(self, op: str, keys: Sequence[str], addrs: Sequence[int],
                   before: Callable[[int], None] = lambda i: None,
                   landed: Callable[[int], bool] = lambda i: True) -> list[bool]:  # fmt: skip
-        """One request per object, those that failed sent again (``io_retries``); ``before(i)`` runs before each
-        attempt at object ``i``, ``landed(i)`` says whether one NIXL reported done really is."""
+        """One request per object, those that failed sent again (``io_retries``, never past the load's deadline:
+        :mod:`nixl_backends.deadlines`); ``before(i)`` runs before each attempt at object ``i``, ``landed(i)``
+        says whether one NIXL reported done really is."""
         if self._agent is None:
             raise RuntimeError("S3Store was opened without a NIXL agent: lookup only")
         if not keys:
@@ -91,6 +94,14 @@ class S3Store(KVStore):
         for attempt in range(1 + self.config.io_retries):
             if attempt:
                 pause = random.uniform(0, min(self.config.io_retry_cap_s, self.config.io_retry_base_s * 2 ** (attempt - 1)))
+                left = seconds_left()
+                if left is not None and left <= pause:
+                    # The forward waits for this load: recomputing what failed is sooner than another round.
+                    logger.info("s3 store: %d of %d %s requests failed; not sent again, %.3fs left of their load's "
+                                "deadline", len(failed), len(keys), op, left)  # fmt: skip
+                    with self._counts_lock:
+                        self._not_retried += len(failed)
+                    break
                 logger.info("s3 store: %d of %d %s requests failed; sending them again in %.3fs", len(failed),
                             len(keys), op, pause)  # fmt: skip
                 with self._counts_lock:
@@ -138,7 +149,8 @@ class S3Store(KVStore):
 
     def metrics(self) -> StoreMetrics:
         with self._counts_lock:
-            return StoreMetrics(counters={"s3_requests_retried": self._retried})
+            return StoreMetrics(counters={"s3_requests_retried": self._retried,
+                                          "s3_retries_past_deadline": self._not_retried})
 
     def delete(self, keys: Sequence[str]) -> None:
         for key, code in delete_objects(self._client, self.config.bucket, keys).items():

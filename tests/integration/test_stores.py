@@ -4,6 +4,7 @@ versitygw (TLS, trusted through ``ca_bundle``)."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,7 @@ from botocore.exceptions import ClientError
 
 from dualpath_dev.tls import make_server_tls
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
+from nixl_backends.deadlines import load_deadline
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout, KVNamespace, chunk_hashes, chunk_key
 from nixl_backends.posix import PosixStore
 from nixl_backends.s3 import S3Store
@@ -325,10 +327,12 @@ def test_s3_reads_each_object_in_one_request(store, pool, seaweedfs):
 
 
 @pytest.mark.parametrize("backend", ["s3"])  # counts GETs with SeaweedFS's metrics
-@pytest.mark.parametrize("retries", [1, 0])
-def test_s3_sends_a_failed_request_again(seaweedfs, bucket, nixl_agent, monkeypatch, retries):
+@pytest.mark.parametrize("retries, deadline_passed", [(1, False), (0, False), (1, True)],
+                         ids=["retried", "no-retries", "past-the-load-deadline"])
+def test_s3_sends_a_failed_request_again(seaweedfs, bucket, nixl_agent, monkeypatch, retries, deadline_passed):
     """A request that failed (a dropped connection, a 5xx the SDK gave up on) is sent again ``io_retries``
-    times before its chunk counts as failed; without retries (the control) it fails the read.
+    times before its chunk counts as failed; without retries (the control) it fails the read, and so it does
+    when the load it serves is past its deadline (recomputing the chunk is then sooner: counted apart).
 
     The failure is injected at the NIXL boundary (the first round's request for chunk 1 is never posted and
     reports failure): a connection dropped at a chosen request cannot be had from a real server on demand.
@@ -355,15 +359,18 @@ def test_s3_sends_a_failed_request_again(seaweedfs, bucket, nixl_agent, monkeypa
         monkeypatch.setattr(s3_module, "run_nixl_transfers", first_round_loses_chunk_1)
         poison(pool, [4, 5, 6, 7])
         before = seaweedfs.s3_requests("GET", bucket)
-        got = store.read(keys, addrs(pool, [4, 5, 6, 7]))
-        sent = poll(lambda: seaweedfs.s3_requests("GET", bucket) - before, lambda n: n >= (4 if retries else 3), 10,
+        with load_deadline(time.monotonic() if deadline_passed else None):
+            got = store.read(keys, addrs(pool, [4, 5, 6, 7]))
+        resent = retries and not deadline_passed
+        sent = poll(lambda: seaweedfs.s3_requests("GET", bucket) - before, lambda n: n >= (4 if resent else 3), 10,
                     "GETs counted")  # fmt: skip
-        if retries:
+        if resent:
             assert got == [True] * 4 and rounds == [4, 1] and sent == 4  # only the failed request went again
             assert_slots_equal(pool, [0, 1, 2, 3], [4, 5, 6, 7])
         else:
             assert got == [True, False, True, True] and rounds == [4] and sent == 3
-        assert store.metrics().counters == {"s3_requests_retried": 1 if retries else 0}
+        assert store.metrics().counters == {"s3_requests_retried": int(resent),
+                                            "s3_retries_past_deadline": int(deadline_passed)}
     finally:
         pool.close()
         store.close()

@@ -28,6 +28,7 @@ from dualpath_connector.read_timeline import ReadTimeline, load
 from dualpath_connector.side_channel import PeerBusy, PeerTimeout, SideChannelError
 from dualpath_connector.stats_recorder import StatsRecorder
 from nixl_backends.buffers import HostBufferPool
+from nixl_backends.deadlines import seconds_left
 from nixl_backends.integrity import ChunkIntegrity
 from tests.unit.test_layer_arrival_injection import BLOCK, CHUNKS, HASHES, KEY_SPACE, LAYOUT, FakeAgent, LayerwiseStore
 
@@ -256,3 +257,17 @@ PLAN = {"num_chunks": 10, "chunk_tokens": 100, "tokens_per_s": 100.0, "max_deadl
 )  # fmt: skip
 def test_plan_read(case, options, expected):
     assert plan_read(**{**PLAN, **options}) == expected, case
+
+
+@pytest.mark.parametrize("recompute_s", [None, 5.0])
+def test_a_read_here_carries_its_recompute_deadline_to_the_store(made, recompute_s):
+    """The store sees the load's deadline (the hit's estimated recompute time from the submission), so its
+    retries end by then; with no estimate yet there is none."""
+    make, store = made
+    reader = make(ACCEPTED, move=False)
+    reader.recompute_s = lambda tokens: None if recompute_s is None else recompute_s
+    seen, read = [], store.read
+    store.read = lambda keys, dst_addrs: seen.append(seconds_left()) or read(keys, dst_addrs)
+    hit = _submit(reader, _spec())
+    assert hit.chunks == CHUNKS and len(seen) == 1
+    assert seen[0] is None if recompute_s is None else 0 < seen[0] <= recompute_s
