@@ -93,6 +93,10 @@ class DualPathConfig:
     # own window of requests in flight: while one read verifies its chunks or waits for its last object,
     # the next keeps the storage link busy. 1: one read after another.
     store_reads_in_flight: int = 2
+    # A load's failed store requests are sent again (store.io_retries) only until the hit's estimated recompute
+    # time from the load's start has passed (recompute_time.py): past it, recomputing is sooner. False: retry as
+    # store.io_retries allows, whatever it costs the forward (a deployment that prefers loads to recomputes).
+    retries_within_recompute: bool = True
     # A directory for per-read timestamps (queued, started, finished), one
     # JSON-lines file per engine process (read_timeline.py); unset: none.
     read_timeline_dir: str | None = None

@@ -189,7 +189,7 @@ class DualPathWorker:
             move_queued_reads=self.config.move_queued_reads, split_read_min_tokens=self.config.split_read_min_tokens,
             timeline=self.timeline,
             layer_arrival=self.config.load_mode == "layerwise", compute_window_s=lambda: self.compute_window.seconds,
-            recompute_s=self.recompute_time.seconds,
+            recompute_s=self.recompute_time.seconds if self.config.retries_within_recompute else lambda tokens: None,
         )  # fmt: skip
         # On a GPU, loads and saves each get a copy stream beside the forward's (the CPU path copies inline).
         on_cuda = view.device.type == "cuda"
