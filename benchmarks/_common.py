@@ -125,6 +125,19 @@ def add_server_args(parser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def add_store_rtt_arg(parser) -> None:
+    """``--store-rtt-ms``: the store round trips a benchmark measures at, through :func:`vllm_stack`'s relays."""
+    parser.add_argument("--store-rtt-ms", type=float, nargs="+", default=[],
+                        help="store round trips to measure at (e.g. 0 5 20): every engine request to S3 and to the "
+                             "gateway waits this long in a relay first; default: no relay")
+
+
+def set_store_rtt(relays: list | None, rtt_ms: float | None) -> None:
+    """Every request through ``relays`` (those :func:`vllm_stack` opened) waits ``rtt_ms`` from now on."""
+    for relay in relays or ():
+        relay.delay_s = rtt_ms / 1000
+
+
 def start_side_by_side(servers: list, timeout_s: float) -> None:
     """Start servers at once (an engine's start-up is mostly single-threaded imports) and wait until all are
     healthy; the first failure raises at once (the caller's stopping of the others ends their waits)."""

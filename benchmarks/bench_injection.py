@@ -48,6 +48,7 @@ from _common import (  # noqa: E402
     VOCAB,
     SaveWaiter,
     add_server_args,
+    add_store_rtt_arg,
     bar_chart,
     chunk_tokens,
     exit_on_sigterm,
@@ -55,6 +56,7 @@ from _common import (  # noqa: E402
     median,
     result_payload,
     run_and_report,
+    set_store_rtt,
     size_label,
     store_traffic,
     vllm_stack,
@@ -212,8 +214,7 @@ def run(args: argparse.Namespace) -> dict:
             bench.rep(length, 1, recompute=False)
 
         for rtt_ms in args.store_rtt_ms or [None]:
-            for relay in relays or ():
-                relay.delay_s = rtt_ms / 1000  # every request to the store and the gateway, from here on
+            set_store_rtt(relays, rtt_ms)
             for length in args.sizes:
                 samples: dict[str, list[dict]] = {}
                 for rep in range(args.reps):
@@ -308,9 +309,7 @@ def main() -> None:
     parser.add_argument("--store-io-timeout", type=float, default=120.0,
                         help="the store's io_timeout_s (connector default 30 s: a loaded 2-core box reads a "
                              "32k hit's 900 chunks from SeaweedFS slower than that)")
-    parser.add_argument("--store-rtt-ms", type=float, nargs="+", default=[],
-                        help="store round trips to measure at (e.g. 0 5 20): every engine request to S3 and to the "
-                             "gateway waits this long in a relay first; default: no relay")
+    add_store_rtt_arg(parser)
     add_server_args(parser)
     parser.add_argument("--output", default="injection", help="base name under benchmarks/results/ (.json, .png)")
     args = parser.parse_args()

@@ -31,12 +31,14 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: th
 from _common import (  # noqa: E402
     VOCAB,
     add_server_args,
+    add_store_rtt_arg,
     bar_chart,
     exit_on_sigterm,
     markdown_table,
     median,
     result_payload,
     run_and_report,
+    set_store_rtt,
     size_label,
     vllm_stack,
 )
@@ -148,8 +150,7 @@ def run(args: argparse.Namespace) -> dict:
             if args.warmup:  # first requests pay one-time costs (NIXL connections, kernels): discarded
                 bench.rep(min(args.sizes), 0)
             for rtt_ms in args.store_rtt_ms or [None]:
-                for relay in relays or ():
-                    relay.delay_s = rtt_ms / 1000
+                set_store_rtt(relays, rtt_ms)
                 for length in args.sizes:
                     samples = []
                     for rep in range(args.reps):
@@ -216,8 +217,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="repetitions per length (the median is reported)")
     parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--store-io-timeout", type=float, default=60.0, help="the store's io_timeout_s")
-    parser.add_argument("--store-rtt-ms", type=float, nargs="+", default=[],
-                        help="store round trips to measure at (e.g. 0 5 20); default: no relay")
+    add_store_rtt_arg(parser)
     add_server_args(parser)
     parser.add_argument("--output", default="read-sides", help="base name under benchmarks/results/ (.json, .png)")
     args = parser.parse_args()
