@@ -138,6 +138,16 @@ class DualPathConnector(KVConnectorBase_V1):
         return expected_kv_cache_layout(parse_config(kv_transfer.kv_connector_extra_config, kv_transfer.kv_role))
 
     @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any) -> bool:
+        """vLLM 0.33 asks before ``--enable-sleep-mode`` (0.32 never does): no, in every role. The worker keeps
+        tensor views of the KV cache (loads copy into it, saves out of it) and, in a PD role, a NIXL registration
+        of it that peers READ; after a wake-up those would name memory vLLM remapped. Refusing makes vLLM stop at
+        start-up with its own error instead of serving KV from the wrong memory."""
+        logger.warning("DualPathConnector does not support vLLM's sleep mode: its KV cache views and NIXL "
+                       "registration would outlive the remapped KV cache; start without --enable-sleep-mode")  # fmt: skip
+        return False
+
+    @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         # vLLM then turns FULL_AND_PIECEWISE into PIECEWISE: the per-layer waits run between graph pieces.
         return waits_per_layer(extra_config)
