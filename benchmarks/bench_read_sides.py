@@ -33,6 +33,7 @@ from _common import (  # noqa: E402
     add_server_args,
     add_store_rtt_arg,
     bar_chart,
+    chunk_tokens,
     exit_on_sigterm,
     markdown_table,
     median,
@@ -65,7 +66,7 @@ class Bench:
     def __init__(self, engines: dict[str, VLLMServer], routers: dict[str, RouterProcess], args) -> None:
         self.engines, self.routers, self.args = engines, routers, args
         self.rng = random.Random(args.seed)
-        self.chunk_tokens = engines["pe"].kv_config["kv_connector_extra_config"].get("chunk_tokens", 32)
+        self.chunk_tokens = chunk_tokens(engines["pe"])
 
     def fresh(self, n: int) -> list[int]:
         return [self.rng.randrange(VOCAB) for _ in range(n)]
