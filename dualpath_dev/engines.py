@@ -146,8 +146,8 @@ class VLLMServer(ServiceProcess):
         )
         # The size comes from --kv-cache-memory-bytes; vLLM's legacy variable (whole GiB) would override it.
         self.env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        if tensor_parallel_size > 1:
-            self.env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(tensor_parallel_size)
+        # Bound as tests/vllm_engine.py binds its engines, whose outputs these must equal bit for bit.
+        self.env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(tensor_parallel_size)
         # The engine loads the model directory's tokenizer, as `vllm serve MODEL` does in production:
         # token-id prompts and `return_token_ids` answer as without one (the router asks for token ids
         # and writes the client's text itself), and vLLM checks prompt ids against it too.

@@ -60,6 +60,10 @@ def omp_threads_bind(ranks: int) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` for a CPU engine of ``ranks`` TP workers: this process's cores but the last
     split among them (ranks share cores when there are fewer than ranks).
 
+    Every engine the harness starts computes on these cores, one rank or more: the thread count of a
+    forward sets the bf16 rounding of its GEMMs, so engines compared bit for bit must agree on it
+    (vLLM's own choice differs between one-rank and TP engines, and on SMT machines).
+
     Unless told which cores, vLLM's CPU workers each bind to a NUMA node: on a
     one-node machine the second refuses to start ("Not enough allowed NUMA
     nodes to bind threads of 2 local CPUWorkers"). The last core stays free,
