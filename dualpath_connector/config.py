@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nixl_backends.configuration import ConfigError, from_dict, refuse_secret
-from nixl_backends.integrity import integrity_key_from_env, integrity_tag
+from nixl_backends.integrity import DEFAULT_INTEGRITY, integrity_key_from_env, integrity_tag
 from nixl_backends.layout import KVNamespace
 from nixl_backends.registry import parse_store_config
 from nixl_backends.traffic_isolation import UcxTraffic, parse_traffic
@@ -105,10 +105,11 @@ class DualPathConfig:
     # environment says DUALPATH_BENCHMARK=1.
     benchmark_oracle: bool = False
     # How stored chunks are verified before their bytes reach the KV cache:
-    # "checksum" (XXH3 per Layer Block: corruption, truncation) or "keyed"
-    # (a BLAKE3 MAC under $DUALPATH_INTEGRITY_KEY, shared by the deployment's
-    # engines: a writer without the key cannot poison the cache).
-    integrity: str = "checksum"
+    # "keyed" (a BLAKE3 MAC under $DUALPATH_INTEGRITY_KEY, shared by the
+    # deployment's engines: a writer without the key cannot poison the cache)
+    # or "checksum" (XXH3 per Layer Block: corruption and truncation only;
+    # warned about at start-up).
+    integrity: str = DEFAULT_INTEGRITY
     # The physical KV cache layout this connector asks vLLM for (one of
     # KV_CACHE_LAYOUTS); VLLM_KV_CACHE_LAYOUT overrides it, as it overrides any
     # connector's wish. It is part of the namespace, so engines whose blocks

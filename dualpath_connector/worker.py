@@ -100,8 +100,10 @@ class DualPathWorker:
                 ),
             )
             if kv_role != "kv_both":
-                # Before any registration: pools and KV cache must be readable by peers.
-                add_ucx_backend(self.agent, config.transport_config, TRANSPORT_WHERE)
+                # Before any registration: pools and KV cache must be readable by peers, on the side
+                # channel's interface only.
+                traffic = config.transport_config.listening_on(config.side_channel_host)
+                add_ucx_backend(self.agent, traffic, TRANSPORT_WHERE)
             # The backend must exist before the pools register memory with the agent.
             self.store = make_store(for_rank(config.store_config, tp_rank, pp_rank), self.layout, self.agent)
             # A slot holds a whole stored object: the Full Block and its integrity trailer. Where the store

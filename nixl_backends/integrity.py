@@ -32,6 +32,7 @@ the key starts a new (cold) namespace.
 from __future__ import annotations
 
 import hmac
+import logging
 import os
 from collections.abc import Sequence
 from typing import Literal
@@ -43,9 +44,13 @@ import xxhash
 from nixl_backends.configuration import ConfigError
 from nixl_backends.layout import DIGEST_BYTES, HASH_HEX_CHARS, BlockLayout
 
+logger = logging.getLogger(__name__)
+
 INTEGRITY_KEY_ENV = "DUALPATH_INTEGRITY_KEY"
 INTEGRITY_MODES = ("checksum", "keyed")
 IntegrityMode = Literal["checksum", "keyed"]
+# As the shipped configs: a store anyone else can write to must not be able to put KV in front of a forward.
+DEFAULT_INTEGRITY: IntegrityMode = "keyed"
 ALGORITHMS = {"checksum": "xxh3-128", "keyed": "blake3-keyed"}
 _MIN_SECRET_BYTES = 16
 _KEY_CONTEXT = "dualpath-kv 2026 chunk integrity v1"
@@ -68,12 +73,16 @@ def integrity_key_from_env(mode: IntegrityMode, where: str = "") -> bytes | None
     if mode not in INTEGRITY_MODES:
         raise ConfigError(f"bad value for {where}'integrity': {mode!r}; supported: {INTEGRITY_MODES}")
     if mode == "checksum":
+        logger.warning("%sintegrity is 'checksum': XXH3 catches corruption and truncation, but anyone who can "
+                       "write to the store can make a chunk that passes it and is served as KV; 'keyed' (the "
+                       "default, with $%s) stops that", where, INTEGRITY_KEY_ENV)  # fmt: skip
         return None
     secret = os.environ.get(INTEGRITY_KEY_ENV, "")
     if len(secret.encode()) < _MIN_SECRET_BYTES:
         raise ConfigError(
-            f"{where}integrity 'keyed' needs a secret of at least {_MIN_SECRET_BYTES} bytes in "
-            f"${INTEGRITY_KEY_ENV} (the same on every engine of the deployment)"
+            f"{where}integrity 'keyed' (the default) needs a secret of at least {_MIN_SECRET_BYTES} bytes in "
+            f"${INTEGRITY_KEY_ENV} (the same on every engine of the deployment); integrity 'checksum' checks "
+            "without one but does not stop a writer who means harm"
         )
     return derived_integrity_key(secret)
 

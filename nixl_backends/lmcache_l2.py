@@ -65,7 +65,7 @@ from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 from lmcache.lmcache_native import Bitmap
@@ -78,7 +78,7 @@ from lmcache.v1.platform import create_event_notifier
 
 from nixl_backends.buffers import HostBufferPool
 from nixl_backends.configuration import ConfigError, from_dict, refuse_secret
-from nixl_backends.integrity import ChunkIntegrity, integrity_key_from_env, integrity_tag
+from nixl_backends.integrity import DEFAULT_INTEGRITY, ChunkIntegrity, IntegrityMode, integrity_key_from_env, integrity_tag
 from nixl_backends.layout import BlockLayout, chunk_key
 from nixl_backends.lookup import PresentChunks
 from nixl_backends.registry import make_store, parse_store_config
@@ -102,8 +102,8 @@ class LMCacheL2Params:
     store: dict
     # First component of every object key; keeps LMCache's objects apart from the connector's ("dualpath").
     key_prefix: str = "lmcache"
-    # "checksum" (XXH3-128) or "keyed" (BLAKE3 MAC under $DUALPATH_INTEGRITY_KEY).
-    integrity: Literal["checksum", "keyed"] = "checksum"
+    # "keyed" (BLAKE3 MAC under $DUALPATH_INTEGRITY_KEY) or "checksum" (XXH3-128: no defence against a writer).
+    integrity: IntegrityMode = DEFAULT_INTEGRITY
     # Registered host memory per object size and direction (stores, loads) that objects pass through;
     # a task with more objects than fit runs in several rounds. At least one slot.
     staging_buffer_bytes: int = 128 << 20

@@ -14,9 +14,12 @@ at start-up (neither silently wins); the same value is accepted.
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
 from collections.abc import Mapping, MutableMapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from nixl_backends.configuration import ConfigError, from_dict
@@ -33,6 +36,36 @@ UCX_VARIABLES = {
     "ucx_tls": "UCX_TLS",
 }
 _RANGES = {"ucx_ib_sl": (0, 15), "ucx_ib_traffic_class": (0, 255)}
+RDMA_SYSFS = Path("/sys/class/infiniband")
+
+
+def interfaces_of(host: str) -> set[str] | None:
+    """The network interfaces holding ``host``'s addresses; None for a wildcard address (every interface).
+
+    Raises ConfigError when ``host`` is on no interface of this machine: nothing could bind there.
+    """
+    import psutil  # vLLM's dependency; the standard library cannot list interface addresses
+
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+    except socket.gaierror as exc:
+        raise ConfigError(f"side_channel_host {host!r} does not resolve: {exc}") from None
+    if any(ipaddress.ip_address(address.split("%")[0]).is_unspecified for address in addresses):
+        return None
+    interfaces = {name for name, entries in psutil.net_if_addrs().items()
+                  for entry in entries if entry.address.split("%")[0] in addresses}  # fmt: skip
+    if not interfaces:
+        raise ConfigError(f"side_channel_host {host!r} ({', '.join(sorted(addresses))}) is on no network "
+                          "interface of this machine")  # fmt: skip
+    return interfaces
+
+
+def rdma_ports_present(root: Path = RDMA_SYSFS) -> list[str]:
+    """Every RDMA port as UCX names it (``mlx5_0:1``), from sysfs; none on a host without HCAs."""
+    if not root.is_dir():
+        return []
+    return sorted(f"{device.name}:{port.name}" for device in root.iterdir() if (device / "ports").is_dir()
+                  for port in (device / "ports").iterdir())  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -57,6 +90,23 @@ class UcxTraffic:
                     f"{where}{name} is {value!r} but the environment sets {variable}={environ[variable]!r}; "
                     f"UCX would silently take one of them: unset {variable} or make the two agree"
                 )
+
+    def listening_on(self, host: str, environ: Mapping[str, str] = os.environ,
+                     rdma_root: Path = RDMA_SYSFS) -> UcxTraffic:
+        """These settings, with UCX's network devices narrowed to ``host``'s interface unless chosen already.
+
+        UCX's TCP transport listens on every network interface it may use, UCX's default being all of them: an
+        engine whose side channel binds to 127.0.0.1 would still take KV reads on its public address. Narrowed
+        to the interface that carries ``host`` (plus every RDMA port, whose transports do not listen on an IP
+        address), UCX listens where the side channel does. ``transport.ucx_net_devices`` or an exported
+        UCX_NET_DEVICES wins; a wildcard host (``0.0.0.0``, ``::``) leaves UCX's default.
+        """
+        if self.ucx_net_devices is not None or "UCX_NET_DEVICES" in environ:
+            return self
+        interfaces = interfaces_of(host)
+        if interfaces is None:
+            return self
+        return replace(self, ucx_net_devices=",".join(sorted(interfaces) + rdma_ports_present(rdma_root)))
 
     def apply(self, where: str, environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
         """Put the settings into ``environ``, before NIXL creates the UCX backend; returns the variables set."""

@@ -30,12 +30,44 @@ from dualpath_dev.processes import ServiceProcess, free_port, start_all
 from dualpath_dev.seaweedfs import SeaweedFS
 from dualpath_dev.versitygw import VersityGW
 from dualpath_dev.tiny_model import make_tiny_deepseek_v2, make_tiny_llama
-from nixl_backends.integrity import ChunkIntegrity
+from nixl_backends.integrity import INTEGRITY_KEY_ENV, ChunkIntegrity, derived_integrity_key
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout
 from tests.vllm_engine import Engine
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 _agent_names = itertools.count()
+
+# The deployment secret of every engine and store a test starts without its own: integrity defaults to
+# "keyed", which refuses to start without one. Set for the test session's processes; a test that needs it
+# absent removes it with monkeypatch (restored after). Engines of a PD cluster take their ClusterKeys' secret.
+TEST_INTEGRITY_SECRET = "dualpath-kv test suite integrity secret"
+os.environ.setdefault(INTEGRITY_KEY_ENV, TEST_INTEGRITY_SECRET)
+TEST_INTEGRITY_KEY = derived_integrity_key(os.environ[INTEGRITY_KEY_ENV])
+
+
+# Per test module, its seconds in the last timed `make test` (the file's "seconds per test module" section).
+MODULE_SECONDS_FILE = REPO_ROOT / "benchmarks" / "results" / "make-test-durations.txt"
+
+
+def measured_module_seconds(text: str) -> dict[str, float]:
+    """``module -> seconds`` from a durations file's per-module section (``  708.7 tests.e2e.test_x``)."""
+    _, _, section = text.partition("# seconds per test module")
+    seconds = {}
+    for line in section.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) == 2 and fields[1].startswith("tests."):
+            seconds[fields[1]] = float(fields[0])
+    return seconds
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    """Longest modules first, as last measured: xdist hands out whole files (``--dist loadfile``) in this order,
+    so the run ends with short modules on both workers instead of one long module on one of them."""
+    try:
+        seconds = measured_module_seconds(MODULE_SECONDS_FILE.read_text())
+    except OSError:
+        return
+    items.sort(key=lambda item: -seconds.get(item.module.__name__ if item.module else "", 0.0))
 
 
 def load_example(name: str):
@@ -166,13 +198,14 @@ def same(a: dict, b: dict, tolerance: float = 0.0) -> bool:
     return max((abs(x - y) for x, y in zip(a["logprobs"], b["logprobs"])), default=0.0) <= tolerance
 
 
-def resealed(stored: bytes, chunk_hash: str, num_layers: int, key: bytes | None = None) -> bytes:
-    """A stored object's KV under a trailer that verifies as ``chunk_hash``'s in checksum mode (``key`` None),
-    or in keyed mode under ``key``.
+def resealed(stored: bytes, chunk_hash: str, num_layers: int, key: bytes | None = TEST_INTEGRITY_KEY) -> bytes:
+    """A stored object's KV under a trailer that verifies as ``chunk_hash``'s in keyed mode under ``key`` (by
+    default the test session's), or in checksum mode (``key`` None).
 
-    Anyone who can write to the store can compute XXH3; only the keyed mode
-    stops this. Use another chunk's real KV, not noise: random bytes hold NaN
-    patterns, which the reader refuses on their own.
+    What a writer holding the key can do (and, in checksum mode, anyone who
+    can write to the store): the negative controls serve such a chunk to show
+    that a comparison catches wrong KV. Use another chunk's real KV, not noise:
+    random bytes hold NaN patterns, which the reader refuses on their own.
     """
     layout = BlockLayout(num_layers, len(stored) // num_layers - DIGEST_BYTES)
     assert layout.object_bytes == len(stored)

@@ -219,12 +219,12 @@ def test_fresh_engine_hits_stored_prefix_and_matches(tiny_model, seaweedfs, base
         s3.put_object(Bucket=BUCKET, Key=key(A, BOUNDARY_CHUNK), Body=noise)
         out = engine.generate([A], MAX_TOKENS)[0]
         assert same(out, baseline["A"])
-        assert f"store chunk {key(A, BOUNDARY_CHUNK)} failed its integrity check (xxh3-128)" in engine.log_text()
+        assert f"store chunk {key(A, BOUNDARY_CHUNK)} failed its integrity check (blake3-keyed)" in engine.log_text()
         assert _stored_or_none(s3, key(A, BOUNDARY_CHUNK)) != noise
 
-        # Negative control: another chunk's KV resealed with a valid checksum
-        # trailer for this one (anyone can compute XXH3; only the keyed mode
-        # stops a writer who means harm) is served as a hit, and the comparison must catch it.
+        # Negative control: another chunk's KV resealed with a valid trailer
+        # for this one (by a writer holding the deployment's key: integrity
+        # defaults to keyed) is served as a hit, and the comparison must catch it.
         original = s3.get_object(Bucket=BUCKET, Key=key(SHARED, 5))["Body"].read()
         other = s3.get_object(Bucket=BUCKET, Key=key(SHARED, 4))["Body"].read()
         bad = resealed(other, chunk_hashes_of(SHARED)[5], TINY_LLAMA["num_hidden_layers"])

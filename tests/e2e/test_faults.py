@@ -530,7 +530,7 @@ def test_corrupted_or_truncated_chunk_shortens_the_hit_on_either_read_side(stack
             body = {
                 "noise": lambda: _noise(len(originals[key]), 0),
                 "truncated": lambda: originals[key][: len(originals[key]) // 2],
-                "unkeyed": lambda: resealed(originals[keys[chunk + 1]], chunk_hash_of(key), layers),
+                "unkeyed": lambda: resealed(originals[keys[chunk + 1]], chunk_hash_of(key), layers, key=None),
             }[damage]()
             s3.put_object(Bucket=BUCKET, Key=key, Body=body)
             try:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import ipaddress
 import os
 import random
 import secrets
@@ -227,6 +228,20 @@ def test_engines_answer_only_requests_with_the_api_key(cluster):
     answer = pe.post("/v1/completions", {"model": str(pe.model), "prompt": [1, 2, 3], "max_tokens": 1,
                                          "return_token_ids": True})
     assert len(answer["choices"][0]["token_ids"]) == 1
+
+
+def test_engines_listen_on_the_side_channels_interface_only(cluster):
+    """Every listening socket of either engine (API server, engine core, worker: UCX, side channel) is on the
+    loopback addresses their side channel binds to; UCX alone would also listen on this machine's public one
+    (tests/unit/test_traffic_isolation.py's control)."""
+    import psutil
+
+    for server in cluster:
+        processes = [psutil.Process(server.proc.pid), *psutil.Process(server.proc.pid).children(recursive=True)]
+        listening = {(process.pid, c.laddr[:2]) for process in processes for c in process.net_connections("inet")
+                     if c.status == psutil.CONN_LISTEN}  # fmt: skip
+        assert any(port == server.port for _, (_, port) in listening)  # the listing sees the engine's own
+        assert all(ipaddress.ip_address(address).is_loopback for _, (address, _) in listening), listening
 
 
 # vLLM's --api-key guards only /v1, /v2, /inference and /cohere; its SageMaker route /invocations

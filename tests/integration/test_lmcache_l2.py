@@ -30,14 +30,17 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObjMetadata, Tensor
 from lmcache.v1.platform import consume_fd  # noqa: E402
 
 from nixl_backends.configuration import ConfigError  # noqa: E402
-from nixl_backends.integrity import INTEGRITY_KEY_ENV  # noqa: E402
+from nixl_backends.integrity import INTEGRITY_KEY_ENV, integrity_tag  # noqa: E402
 from nixl_backends.lmcache_l2 import DualPathL2Adapter, store_key  # noqa: E402
+from tests.conftest import TEST_INTEGRITY_KEY  # noqa: E402
 
 # A KV_2LTD chunk object as LMCache's MP server holds one: [K/V, layers, tokens, hidden] in bfloat16.
 SHAPE = torch.Size([2, 4, 16, 128])
 OBJECT_BYTES = SHAPE.numel() * 2
 LAYOUT = MemoryLayoutDesc(shapes=[SHAPE], dtypes=[torch.bfloat16])
 TIMEOUT_S = 60.0
+# The adapter's integrity tag in its default mode (keyed) under the test session's secret: part of each name.
+STORED_TAG = integrity_tag(TEST_INTEGRITY_KEY)
 
 
 def spec(store: dict, **params) -> dict:
@@ -180,21 +183,27 @@ def test_models_ranks_groups_salts_and_modes_never_collide(adapter, store_sectio
     for other in ({"model_name": "org/other"}, {"kv_rank": 1}, {"object_group_id": 1}, {"cache_salt": "tenant-b"}):
         layouts = {other.get("object_group_id", 0): LAYOUT}
         assert lookup(adapter, keys(2, **other), layouts) == [0, 0], other
-    names = {store_key("lmcache", key, OBJECT_BYTES, "xxh3-128")[0]
+    names = {store_key("lmcache", key, OBJECT_BYTES, STORED_TAG)[0]
              for key in [*keys(1), *keys(1, model_name="m2"), *keys(1, kv_rank=7), *keys(1, cache_salt="s")]}  # fmt: skip
     assert len(names) == 4
-    # Another integrity mode is another namespace: keyed readers do not see checksum objects.
-    monkeypatch.setenv(INTEGRITY_KEY_ENV, "k" * 32)
-    keyed = build(spec(store_section, integrity="keyed"))
+    # Another integrity mode is another namespace: checksum readers do not see keyed objects (the default).
+    checksum = build(spec(store_section, integrity="checksum"))
     try:
-        assert lookup(keyed, keys(2)) == [0, 0]
+        assert lookup(checksum, keys(2)) == [0, 0]
     finally:
-        keyed.close()
+        checksum.close()
+    # Nor does another key.
+    monkeypatch.setenv(INTEGRITY_KEY_ENV, "k" * 32)
+    other_key = build(spec(store_section))
+    try:
+        assert lookup(other_key, keys(2)) == [0, 0]
+    finally:
+        other_key.close()
 
 
 def _tamper(section: dict, server, key: ObjectKey, edit) -> None:
     """Rewrite the stored object of ``key`` as ``edit(bytes)`` (an attacker or bit rot below the adapter)."""
-    name = store_key("lmcache", key, OBJECT_BYTES, "xxh3-128")[0]
+    name = store_key("lmcache", key, OBJECT_BYTES, STORED_TAG)[0]
     if section["backend"] == "posix":
         path = Path(section["root"]) / name
         path.write_bytes(edit(path.read_bytes()))
@@ -305,10 +314,12 @@ def test_staging_rounds_and_two_sizes(tmp_path):
         ({"store": {"backend": "posix", "root": "/tmp/x"}, "lookup_cache_ttl_s": 0}, "adapter_params.lookup_cache_ttl_s must be positive"),
         ({"store": {"backend": "posix", "root": "/tmp/x"}, "integrity": "md5"}, "bad value for adapter_params.'integrity'"),
         ({"store": {"backend": "posix", "root": "/tmp/x"}, "integrity": "keyed"}, INTEGRITY_KEY_ENV),
+        ({"store": {"backend": "posix", "root": "/tmp/x"}}, INTEGRITY_KEY_ENV),  # keyed is the default
     ],
 )  # fmt: skip
 def test_bad_adapter_params_name_the_key(params, message, monkeypatch):
-    monkeypatch.delenv(INTEGRITY_KEY_ENV, raising=False)
+    if message == INTEGRITY_KEY_ENV:  # keyed without the deployment's secret
+        monkeypatch.delenv(INTEGRITY_KEY_ENV, raising=False)
     adapter_spec = {"type": "plugin", "module_path": "nixl_backends.lmcache_l2",
                     "class_name": "DualPathL2Adapter", "adapter_params": params}  # fmt: skip
     with pytest.raises(ConfigError) as caught:

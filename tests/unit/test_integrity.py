@@ -132,3 +132,19 @@ def test_chunk_hash_of_a_key():
     assert chunk_hash_of(chunk_key("p", "ns", HASH_A)) == HASH_A
     with pytest.raises(ValueError):
         chunk_hash_of("p/ns/ab/short")
+
+
+def test_keyed_is_the_default_everywhere_and_checksum_is_warned_about(monkeypatch, caplog):
+    """Code defaults equal the shipped configs' mode; choosing ``checksum`` starts, with a warning naming the key."""
+    from dualpath_connector.config import parse_config
+    from nixl_backends.lmcache_l2 import LMCacheL2Params
+
+    monkeypatch.delenv(INTEGRITY_KEY_ENV, raising=False)
+    posix = {"backend": "posix", "root": "/tmp/unused"}
+    for parse in (lambda extra: parse_config(extra), lambda extra: LMCacheL2Params(**extra).validate()):
+        with pytest.raises(ConfigError, match=f"'keyed' \\(the default\\) needs .*{INTEGRITY_KEY_ENV}"):
+            parse({"store": posix})
+        with caplog.at_level("WARNING", logger="nixl_backends.integrity"):
+            caplog.clear()
+            parse({"store": posix, "integrity": "checksum"})
+        assert "integrity is 'checksum'" in caplog.text and "anyone who can write to the store" in caplog.text

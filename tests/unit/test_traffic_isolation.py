@@ -7,8 +7,10 @@ setting reaches the UCX the backend creates is shown with UCX_TLS, which this ma
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
+import socket
 import sys
 import types
 
@@ -155,6 +157,64 @@ def test_a_conflict_appearing_after_start_up_is_still_refused_before_ucx_reads_i
     with pytest.raises(ConfigError, match="ucx_ib_sl is 3 but the environment sets UCX_IB_SL='5'"):
         traffic.apply(WHERE, environ)
     assert environ == {"UCX_IB_SL": "5"}
+
+
+# -- UCX listens where the side channel does ------------------------------------------------------------------
+
+
+def test_a_loopback_side_channel_narrows_ucx_to_the_loopback_interface(tmp_path):
+    no_hca = tmp_path / "infiniband"
+    assert UcxTraffic().listening_on("127.0.0.1", {}, no_hca).ucx_net_devices == "lo"
+    # RDMA ports stay usable: their transports do not listen on an IP address.
+    for device in ("mlx5_1", "mlx5_0"):
+        (no_hca / device / "ports" / "1").mkdir(parents=True)
+    traffic = UcxTraffic(ucx_ib_sl=3).listening_on("127.0.0.1", {}, no_hca)
+    assert (traffic.ucx_net_devices, traffic.ucx_ib_sl) == ("lo,mlx5_0:1,mlx5_1:1", 3)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_a_wildcard_side_channel_leaves_ucx_its_default(host):
+    assert UcxTraffic().listening_on(host, {}) == UcxTraffic()
+
+
+def test_devices_the_operator_chose_win_over_the_side_channels():
+    chosen = UcxTraffic(ucx_net_devices="mlx5_0:1")
+    assert chosen.listening_on("127.0.0.1", {}) is chosen
+    assert UcxTraffic().listening_on("127.0.0.1", {"UCX_NET_DEVICES": "eth1"}) == UcxTraffic()
+
+
+def test_a_side_channel_host_on_no_interface_is_refused_naming_it():
+    # 203.0.113.0/24 is documentation space: no interface of a test machine holds it.
+    with pytest.raises(ConfigError, match=r"^side_channel_host '203.0.113.7' \(203.0.113.7\) is on no network"):
+        UcxTraffic().listening_on("203.0.113.7", {})
+
+
+def _listening(pid: int) -> set[tuple[str, int]]:
+    import psutil
+
+    return {c.laddr[:2] for c in psutil.Process(pid).net_connections("inet") if c.status == psutil.CONN_LISTEN}
+
+
+def test_the_backend_listens_on_the_side_channels_interface_alone(nixl_agent):
+    """Real UCX: its TCP listeners after a backend narrowed to 127.0.0.1 are on loopback addresses only."""
+    before = _listening(os.getpid())
+    add_ucx_backend(nixl_agent, UcxTraffic().listening_on("127.0.0.1"), WHERE)
+    opened = _listening(os.getpid()) - before
+    assert opened and all(ipaddress.ip_address(address).is_loopback for address, _ in opened), opened
+
+
+def test_control_ucxs_default_listens_beyond_loopback(nixl_agent):
+    """Without the narrowing, UCX listens on every interface it may use: the test above can fail."""
+    import psutil
+
+    public = [e for entries in psutil.net_if_addrs().values() for e in entries
+              if e.family == socket.AF_INET and not ipaddress.ip_address(e.address).is_loopback]  # fmt: skip
+    if not public:
+        pytest.skip("this machine has no non-loopback IPv4 address for UCX to listen on")
+    before = _listening(os.getpid())
+    add_ucx_backend(nixl_agent, UcxTraffic(), WHERE)
+    opened = _listening(os.getpid()) - before
+    assert any(not ipaddress.ip_address(address).is_loopback for address, _ in opened), opened
 
 
 # -- RDMA devices (pyverbs) ---------------------------------------------------------------------------------------
