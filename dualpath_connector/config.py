@@ -79,7 +79,8 @@ class DualPathConfig:
     # A PE waits this long for a DE to read a hit into its buffer, then reads
     # the store itself.
     de_read_timeout_s: float = DE_READ_TIMEOUT_S
-    # Deadline of one NIXL transfer between engines.
+    # Deadline of one NIXL transfer between engines, and of the store read that replaces a READ failing
+    # mid-forward (the step fails past it instead of waiting without end).
     pd_transfer_timeout_s: float = 30.0
     # PE: a hit it would read behind its own queued reads is offered to the
     # request's DE, which reads it only if it can finish sooner (work stealing

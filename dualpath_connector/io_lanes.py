@@ -42,8 +42,9 @@ class IOLane:
     def submit(self, job: Callable[[], None], priority: int = JOB_PRIORITY) -> None:
         self._queue.put((priority, next(self._order), job))
 
-    def run_now(self, job: Callable[[], None]) -> None:
-        """Run ``job`` ahead of queued jobs and wait for it (repairs on a forward's critical path)."""
+    def run_now(self, job: Callable[[], None], timeout_s: float | None = None) -> bool:
+        """Run ``job`` ahead of queued jobs and wait for it, at most ``timeout_s`` (repairs on a forward's
+        critical path); False if it had not ended by then: it still runs, so it must make a late end harmless."""
         done = threading.Event()
 
         def wrapped() -> None:
@@ -53,7 +54,7 @@ class IOLane:
                 done.set()
 
         self.submit(wrapped, REPAIR_PRIORITY)
-        done.wait()
+        return done.wait(timeout_s)
 
     def _run(self) -> None:
         pin_current_thread(self._cores)

@@ -26,6 +26,7 @@ makes this engine read the hit itself.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -119,6 +120,7 @@ class HitReader:
         layer_arrival: bool = False,
         compute_window_s: Callable[[], float | None] = lambda: None,
         recompute_s: Callable[[int], float | None] = lambda tokens: None,
+        repair_timeout_s: float | None = None,
     ) -> None:
         self.store = store
         self.pool = pool
@@ -139,6 +141,8 @@ class HitReader:
         self.compute_window_s = compute_window_s
         # This engine's estimated time to recompute n tokens: a load's store retries end by then.
         self.recompute_s = recompute_s
+        # How long a forward waits for a repair's store read (a DE's READ failed mid-forward); None: unbounded.
+        self.repair_timeout_s = repair_timeout_s
         self.read_queue = StoreReadQueue()
         # From a slot's layer l to its layer l + 1, as a PE reading this engine's buffer must step.
         self._layer_stride = pool.layer_stride if pool.layer_major else key_space.layout.layer_block_bytes
@@ -407,11 +411,27 @@ class HitReader:
             self.peers.forget(remote.address)
         self.stats.add(de_read_fallbacks=1)
         result: list[LoadedHit] = []
-        self.lane.run_now(lambda: result.append(self.read_here(LoadSpec(hit.req_id, hit.chunks))))
+        given_up = False
+        lock = threading.Lock()
+
+        def read() -> None:
+            loaded = self.read_here(LoadSpec(hit.req_id, hit.chunks))
+            with lock:
+                if given_up:  # the forward stopped waiting: nobody will use or release these slots
+                    self.release([loaded])
+                else:
+                    result.append(loaded)
+
+        ended = self.lane.run_now(read, self.repair_timeout_s)
+        with lock:
+            given_up = not ended
+            if given_up:
+                result.clear()  # not ended by the deadline: read() releases what it loads
         if not result or len(result[0].chunks) != len(hit.chunks):
             if result:
                 self.release(result)
-            raise RuntimeError(f"request {hit.req_id}: hit KV lost with its DE and unreadable from the store")
+            why = "unreadable from the store" if ended else f"not read from the store in {self.repair_timeout_s} s"
+            raise RuntimeError(f"request {hit.req_id}: hit KV lost with its DE and {why}")
         hit.slots = result[0].slots
 
     def release(self, hits: list[LoadedHit]) -> None:

@@ -192,6 +192,8 @@ class DualPathWorker:
             timeline=self.timeline,
             layer_arrival=self.config.load_mode == "layerwise", compute_window_s=lambda: self.compute_window.seconds,
             recompute_s=self.recompute_time.seconds if self.config.retries_within_recompute else lambda tokens: None,
+            # A store read replacing a failed READ mid-forward gets the deadline the READ had.
+            repair_timeout_s=self.config.pd_transfer_timeout_s,
         )  # fmt: skip
         # On a GPU, loads and saves each get a copy stream beside the forward's (the CPU path copies inline).
         on_cuda = view.device.type == "cuda"

@@ -30,7 +30,7 @@ from dualpath_connector.io_lanes import IOLane
 from dualpath_connector.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import ChunkLoad, LoadSpec
 from dualpath_connector.protocol import StoreKeySpace
-from dualpath_connector.read_path import HitReader, LoadedHit
+from dualpath_connector.read_path import HitReader, LoadedHit, RemoteBuffer
 from dualpath_connector.stats_recorder import StatsRecorder
 from dualpath_dev import kv_layouts
 from dualpath_dev.kv_layouts import CacheShape
@@ -523,3 +523,60 @@ def test_reader_and_forward_together_put_the_stored_kv_in_the_cache(reader, stor
     # The read ends on the lane after its last layer; then the slots are back.
     reader.lane.run_now(lambda: None)
     assert pool.free_slots == POOL_SLOTS
+
+
+class HeldStore(LayerwiseStore):
+    """Whole reads only, each held until ``hold`` is set (a store slower than the repair's deadline)."""
+
+    delivers_layers = False
+
+    def __init__(self, pool: HostBufferPool) -> None:
+        super().__init__(pool)
+        self.hold = threading.Event()
+
+    def read(self, keys, dst_addrs):
+        assert self.hold.wait(PATIENT_S)
+        return super().read(keys, dst_addrs)
+
+
+@pytest.mark.parametrize("store_late", [True, False], ids=["store-late", "store-in-time"])
+def test_a_repair_waits_at_most_its_deadline_and_a_late_read_frees_its_slots(pool, store_late):
+    """A DE's READ failed mid-forward: the forward reads the hit from the store, within the deadline a READ had.
+    Past it the step fails (never waits without end), and the read ending later gives its slots back."""
+    store = HeldStore(pool)
+    lane = IOLane("test-read", None)
+    reader = HitReader(store=store, pool=pool, block_size=BLOCK, key_space=KEY_SPACE, integrity=ChunkIntegrity(LAYOUT),
+                       kv_dtype=torch.bfloat16, peers=None, lane=lane, stats=StatsRecorder(), de_read_timeout_s=1.0,
+                       cores=None, repair_timeout_s=0.5)  # fmt: skip
+    # The DE's lease already ended: no READ of its buffer is trusted, so the hit is read here.
+    remote = RemoteBuffer("10.0.0.2:5700", None, "lease-1", [0] * len(CHUNKS), 0, time.monotonic() - 1.0)
+    hit = LoadedHit("r1", list(CHUNKS), remote=remote)
+    if not store_late:
+        store.hold.set()
+    outcome: list[object] = []
+    forward = threading.Thread(target=lambda: outcome.append(_call(reader.repair, hit)))
+    forward.start()
+    forward.join(PATIENT_S)
+    assert not forward.is_alive(), "the forward still waits for the repair"
+    try:
+        if store_late:
+            assert isinstance(outcome[0], RuntimeError)
+            assert str(outcome[0]) == "request r1: hit KV lost with its DE and not read from the store in 0.5 s"
+            assert hit.slots == []
+            store.hold.set()
+        else:
+            assert outcome == [None] and len(hit.slots) == len(CHUNKS)
+            reader.release([hit])
+        assert lane.run_now(lambda: None, PATIENT_S)  # the held read has ended by now
+        assert pool.free_slots == POOL_SLOTS
+    finally:
+        store.hold.set()
+        reader.shutdown()
+        assert lane.stop(PATIENT_S)
+
+
+def _call(function, *args) -> object:
+    try:
+        return function(*args)
+    except Exception as exc:  # what the forward would see
+        return exc
