@@ -32,9 +32,11 @@ $(VERSITYGW): | $(STAMP)
 	GOBIN=$(abspath $(VENV)/bin) GOFLAGS=-trimpath go install -ldflags='-s -w' github.com/versity/versitygw/cmd/versitygw@$(VERSITYGW_VERSION)
 
 # Tiers: unit (no server, no engine: seconds), integration (NIXL, SeaweedFS, router/gateway
-# processes), e2e (vLLM engines). `make test` runs all three.
+# processes), e2e (vLLM engines). `make test` runs all three, whole files per worker in the order
+# tests/conftest.py gives them (longest first, as last measured): xdist's own reorder would put the
+# files with the most tests first, which leaves the longest e2e modules for the end.
 test: setup
-	$(PY) -m pytest tests -v -n 2 --dist loadfile --durations=25
+	$(PY) -m pytest tests -v -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 # Two workers stealing each other's queued tests: the tier is CPU-bound (vLLM's import alone is ~13 s of it) and
 # starts no server (the GPU scripts' CPU self-tests, each a fresh interpreter with torch and NIXL: integration tier).

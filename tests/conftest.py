@@ -61,8 +61,9 @@ def measured_module_seconds(text: str) -> dict[str, float]:
 
 
 def pytest_collection_modifyitems(session, config, items) -> None:
-    """Longest modules first, as last measured: xdist hands out whole files (``--dist loadfile``) in this order,
-    so the run ends with short modules on both workers instead of one long module on one of them."""
+    """Longest modules first, as last measured: xdist hands out whole files (``--dist loadfile
+    --no-loadscope-reorder``, the Makefile's) in this order, so the run ends with short modules on both
+    workers instead of one long module on one of them."""
     try:
         seconds = measured_module_seconds(MODULE_SECONDS_FILE.read_text())
     except OSError:
