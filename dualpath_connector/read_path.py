@@ -424,9 +424,9 @@ class HitReader:
 
         ended = self.lane.run_now(read, self.repair_timeout_s)
         with lock:
-            given_up = not ended
-            if given_up:
-                result.clear()  # not ended by the deadline: read() releases what it loads
+            # Nothing loaded yet: read() releases what it loads later. A read that ended between the deadline
+            # and this lock is used all the same (clearing it would leak its slots).
+            given_up = not result
         if not result or len(result[0].chunks) != len(hit.chunks):
             if result:
                 self.release(result)

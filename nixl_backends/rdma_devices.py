@@ -9,7 +9,10 @@ exist.
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from types import ModuleType
+
+RDMA_SYSFS = Path("/sys/class/infiniband")
 
 
 class RdmaUnavailable(RuntimeError):
@@ -42,3 +45,11 @@ def rdma_device_names() -> list[str]:
 def rdma_ports(ucx_net_devices: str) -> list[str]:
     """The RDMA devices in a UCX_NET_DEVICES value: its ``device:port`` entries (others are network interfaces)."""
     return [entry.split(":", 1)[0] for entry in ucx_net_devices.split(",") if ":" in entry]
+
+
+def rdma_ports_present(root: Path = RDMA_SYSFS) -> list[str]:
+    """Every RDMA port as UCX names it (``mlx5_0:1``), from sysfs (no pyverbs needed); none without HCAs."""
+    if not root.is_dir():
+        return []
+    return sorted(f"{device.name}:{port.name}" for device in root.iterdir() if (device / "ports").is_dir()
+                  for port in (device / "ports").iterdir())  # fmt: skip

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from nixl_backends.configuration import ConfigError, from_dict
+from nixl_backends.rdma_devices import RDMA_SYSFS, rdma_ports_present
 
 # Key in the connector's config -> the UCX variable it sets.
 UCX_VARIABLES = {
@@ -36,7 +37,6 @@ UCX_VARIABLES = {
     "ucx_tls": "UCX_TLS",
 }
 _RANGES = {"ucx_ib_sl": (0, 15), "ucx_ib_traffic_class": (0, 255)}
-RDMA_SYSFS = Path("/sys/class/infiniband")
 
 
 def interfaces_of(host: str) -> set[str] | None:
@@ -59,13 +59,6 @@ def interfaces_of(host: str) -> set[str] | None:
                           "interface of this machine")  # fmt: skip
     return interfaces
 
-
-def rdma_ports_present(root: Path = RDMA_SYSFS) -> list[str]:
-    """Every RDMA port as UCX names it (``mlx5_0:1``), from sysfs; none on a host without HCAs."""
-    if not root.is_dir():
-        return []
-    return sorted(f"{device.name}:{port.name}" for device in root.iterdir() if (device / "ports").is_dir()
-                  for port in (device / "ports").iterdir())  # fmt: skip
 
 
 @dataclass(frozen=True)

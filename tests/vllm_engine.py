@@ -62,11 +62,11 @@ class Engine:
         env = dict(os.environ, VLLM_CPU_NUM_OF_RESERVED_CPU="1", PYTHONUNBUFFERED="1")
         if s3 is not None:
             env.update(AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key)
-        bind = omp_threads_bind(options.get("tensor_parallel_size", 1))
-        if one_process and "|" not in bind:
-            env.update(one_process_engine_env(bind))
+        ranks = options.get("tensor_parallel_size", 1)
+        if one_process and ranks == 1:
+            env.update(one_process_engine_env(omp_threads_bind(ranks)))
         else:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = bind
+            env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(ranks)
         self.proc = subprocess.Popen(
             args,
             stdin=subprocess.PIPE,
