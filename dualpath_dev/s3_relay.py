@@ -16,6 +16,9 @@
   store across a network answers its first byte a round trip later (bodies
   still move at the relay's pace: it models per-request latency, not bandwidth).
   Settable while the relay runs.
+- :meth:`hold` / :meth:`release`: object GETs wait at the relay from ``hold``
+  until ``release`` (at most ``hold_limit_s``), as a store that stopped
+  answering does; ``held`` counts those waiting now.
 
 Bodies pass unchanged (aws-chunked ones too). Counts what it refused and
 forwarded. Runs on threads of the calling process, on a free port, until :meth:`stop`.
@@ -67,11 +70,33 @@ class S3Relay(ThreadedHTTPService):
         self._lock = threading.Lock()
         self.forwarded = 0
         self.refused: dict[str, int] = {}  # S3 error code -> requests refused with it
+        self._open = threading.Event()
+        self._open.set()
+        self.held = 0
+        self.hold_limit_s = 120.0
         self._local = threading.local()
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    def hold(self) -> None:
+        """Object GETs wait from now until :meth:`release`."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    def _wait_if_held(self, method: str, path: str) -> None:
+        if method != "GET" or path.strip("/").count("/") < 1 or self._open.is_set():
+            return
+        with self._lock:
+            self.held += 1
+        try:
+            self._open.wait(self.hold_limit_s)
+        finally:
+            with self._lock:
+                self.held -= 1
 
     def refused_total(self) -> int:
         with self._lock:
@@ -161,6 +186,7 @@ class S3Relay(ThreadedHTTPService):
                     self._answer(503, [("Content-Type", "application/xml")],
                                  error_xml("SlowDown", "Please reduce your request rate.", path, "relay").encode())
                     return
+                relay._wait_if_held(self.command, path)
                 if relay.delay_s:
                     time.sleep(relay.delay_s)  # the store's round trip
                 status, got, content = relay._forward(self.command, path, query, headers, body)
@@ -198,6 +224,10 @@ class S3Relay(ThreadedHTTPService):
                 pass
 
         return Handler
+
+    def stop(self) -> None:
+        self.release()  # held requests answer (or fail) instead of waiting out hold_limit_s
+        super().stop()
 
     def start(self) -> S3Relay:
         super().start()

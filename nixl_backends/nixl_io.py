@@ -27,10 +27,13 @@ class TransferAbandoned(RuntimeError):
 
     NIXL may still write their memory, so the caller must neither reuse nor
     deregister it; the store leaves its own registrations in place too.
+    ``handles`` are the NIXL handles still in flight (not released): whoever
+    holds the memory may poll them and free it once they all ended.
     """
 
-    def __init__(self, op: str, pending: int, timeout_s: float) -> None:
+    def __init__(self, op: str, pending: int, timeout_s: float, handles: Sequence[Any] = ()) -> None:
         super().__init__(f"NIXL {op}: {pending} transfers still in flight after {timeout_s:.1f}s")
+        self.handles = list(handles)
 
 
 def descriptors(addrs: Any, lengths: Any, dev_ids: Any = 0) -> np.ndarray:
@@ -155,9 +158,9 @@ def run_nixl_transfers(
             return ok
         if polling.expired:
             # A handle still in flight cannot be released safely: NIXL may still
-            # write its memory, so it is left to NIXL, and so is the memory (the
-            # caller must not reuse it).
-            raise TransferAbandoned(op, len(pending), timeout_s)
+            # write its memory, so it is handed to the caller with the error, and
+            # so is the memory (not to be reused before the handle ended).
+            raise TransferAbandoned(op, len(pending), timeout_s, [handles[i] for i in pending])
         # Back to the shortest sleep after a completion: with a window, the
         # next request waits on this poll to be posted.
         polling.sleep(progressed=ended > 0)

@@ -26,6 +26,9 @@ zero digests, a failed chunk there. Each window's digests are then placed right
 after its layers in staging (a copy of ``D`` bytes per chunk and layer), so a
 layer and its digests leave as one contiguous delivery. Two staging windows
 alternate: window ``w+1`` is read while window ``w``'s layers are delivered.
+Staging is bounded per request and in total (:mod:`~s3agg_gateway_ext.staging`):
+``k`` is lowered until a request's staging fits, and what abandoned transfers
+staged is freed once NIXL is done with it.
 Chunkwise mode reads whole objects, trailer included (one GET per chunk), and
 delivers them at once, in chunk order.
 
@@ -39,7 +42,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
-import math
 import threading
 import time
 from collections.abc import Iterator
@@ -56,6 +58,7 @@ from s3agg_gateway_ext.backing import Backing, make_backing
 from s3agg_gateway_ext.config import GatewayConfig
 from s3agg_gateway_ext.descriptor import Descriptor, DescriptorError, NixlTarget
 from s3agg_gateway_ext.scheduling import Demand, Flow, LinkScheduler
+from s3agg_gateway_ext.staging import StagingBudget, StagingPlan, StagingReaper, staging_plan
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +103,12 @@ class Job:
     io: Backing
     remote_agent: str | None
     flow: Flow | None
+    # How the request is staged (window size, bytes), from its descriptor.
+    plan: StagingPlan | None = None
     timings: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
-    # Set when a transfer outlived its deadline: staging must then never be freed.
+    # Set when a transfer outlived its deadline: staging is then freed only once the handles ended.
     abandoned: bool = False
+    abandoned_handles: list = field(default_factory=list, repr=False)
     # What a cancel needs to know, guarded by _writes: once canceled no WRITE into the client's buffer starts;
     # write_in_flight: one is posted and has not ended; write_abandoned: one outlived io_timeout_s, it may land
     # at any time (a storage read abandoned sets only ``abandoned``: it endangers staging, not the client).
@@ -157,8 +163,9 @@ class Aggregator:
                           config.epoch_s, config.quantum_bytes)
             if config.bandwidth_cap_bytes_s > 0 else None
         )
-        # Staging still referenced by NIXL after a deadline: kept alive, never reused.
-        self._abandoned: list[object] = []
+        self.staging_budget = StagingBudget(config.max_staging_bytes)
+        # Staging still referenced by NIXL after a deadline: kept until its transfers ended, never reused.
+        self.staging_reaper = StagingReaper(self.staging_budget)
 
     def prepare(self, request_id: str, desc: Descriptor) -> Job:
         """Control path: bucket, objects, mode, target registration; holds nothing that needs releasing."""
@@ -166,13 +173,15 @@ class Aggregator:
         io = self.backings.get(desc.bucket)
         if io is None:
             raise DescriptorError(404, "NoSuchBucket", f"bucket {desc.bucket} is not served by this gateway")
+        mode = MODE_LAYERWISE if desc.payload_bytes >= self.config.theta_bytes else MODE_CHUNKWISE
+        plan = staging_plan(desc, mode == MODE_LAYERWISE, self.config.min_read_bytes,
+                            self.config.max_request_staging_bytes)
         try:
             io.check_objects(desc)
         except (ClientError, BotoCoreError, OSError) as exc:
             raise DescriptorError(502, "StoreUnavailable", f"checking the chunk objects failed: {exc}") from None
-        mode = MODE_LAYERWISE if desc.payload_bytes >= self.config.theta_bytes else MODE_CHUNKWISE
         remote = self._attach_target(io, desc.target) if isinstance(desc.target, NixlTarget) else None
-        job = Job(request_id, desc, mode, io, remote, None)
+        job = Job(request_id, desc, mode, io, remote, None, plan)
         job.timings["control_s"] = time.monotonic() - started
         return job
 
@@ -229,25 +238,36 @@ class Aggregator:
                 self.scheduler.leave(job.flow)
 
     @contextlib.contextmanager
-    def _staging(self, job: Job, nbytes: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """A registered DRAM staging buffer and the chunk objects registered for reads (their device ids)."""
-        desc, agent = job.desc, job.io.agent
+    def _staging(self, job: Job) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The job's registered DRAM staging buffer (``plan.nbytes``, taken from the staging budget) and the chunk
+        objects registered for reads (their device ids)."""
+        desc, agent, nbytes = job.desc, job.io.agent, job.plan.nbytes
+        started = time.monotonic()
+        self.staging_budget.take(nbytes, self.config.staging_wait_s)
+        job.timings["staging_wait_s"] = time.monotonic() - started
         try:
             objects = job.io.objects(desc)
         except OSError as exc:  # a chunk removed since the check
+            self.staging_budget.give_back(nbytes)
             raise StorageError(f"opening the chunk objects failed: {exc}") from None
         staging = np.empty(nbytes, dtype=np.uint8)
         dram_reg = agent.register_memory([(staging.ctypes.data, staging.nbytes, 0, "")], "DRAM")
+
+        def free() -> None:
+            objects.release()
+            agent.deregister_memory(dram_reg)
+
         try:
             yield staging, objects.dev_ids
         finally:
             if job.abandoned:
-                self._abandoned.append((staging, dram_reg, objects))
-                logger.error("request %s: transfers abandoned; staging of %d bytes kept", job.request_id,
-                             staging.nbytes)
+                # The reaper keeps ``staging`` alive (NIXL may still write it) until every handle ended.
+                self.staging_reaper.hold(agent, job.abandoned_handles, staging, free, nbytes, job.request_id)
+                logger.error("request %s: transfers abandoned; staging of %d bytes kept until they end",
+                             job.request_id, nbytes)
             else:
-                objects.release()
-                agent.deregister_memory(dram_reg)
+                free()
+                self.staging_budget.give_back(nbytes)
 
     def _read(self, job: Job, local: np.ndarray, remote: np.ndarray, what: str) -> None:
         """Object ranges into staging (descriptor rows: staging <- object range) through the backing's NIXL backend."""
@@ -257,8 +277,9 @@ class Aggregator:
         try:
             ok = run_nixl_transfers(job.io.agent, "READ", [(local[g], remote[g]) for g in groups], job.io.mem_type,
                                     self.config.io_timeout_s)
-        except TransferAbandoned:
+        except TransferAbandoned as exc:
             job.abandoned = True  # NIXL may still write the staging buffer
+            job.abandoned_handles.extend(exc.handles)
             raise
         job.timings["storage_read_s"] += time.monotonic() - started
         if not all(ok):
@@ -283,7 +304,7 @@ class Aggregator:
     def _whole_objects(self, job: Job) -> Iterator[Unit]:
         """Chunkwise: each stored object in one GET (Full Block and trailer), all delivered at once."""
         desc = job.desc
-        with self._staging(job, desc.num_chunks * desc.object_bytes) as (staging, dev_column):
+        with self._staging(job) as (staging, dev_column):
             starts = self._read_objects(job, staging, dev_column)
             layers = np.arange(desc.num_layers, dtype=np.int64)[None, :]
             yield Unit("chunks", 0, [staging.reshape(desc.num_chunks, desc.object_bytes)],
@@ -294,7 +315,7 @@ class Aggregator:
         """Layerwise with one window of every layer: one GET per object, then its layers one by one."""
         desc = job.desc
         s, d, full = desc.layer_bytes, desc.digest_bytes, desc.full_block_bytes
-        with self._staging(job, desc.num_chunks * desc.object_bytes) as (staging, dev_column):
+        with self._staging(job) as (staging, dev_column):
             starts = self._read_objects(job, staging, dev_column)
             objects = staging.reshape(desc.num_chunks, desc.object_bytes)
             for layer in range(desc.num_layers):
@@ -304,20 +325,20 @@ class Aggregator:
 
     def _layer_windows(self, job: Job) -> Iterator[Unit]:
         """Layerwise: windows of k layers, window w+1 read while window w is delivered, layer by layer."""
-        desc = job.desc
+        desc, plan = job.desc, job.plan
         n, num_layers, s, d = desc.num_chunks, desc.num_layers, desc.layer_bytes, desc.digest_bytes
-        k = min(num_layers, max(1, math.ceil(self.config.min_read_bytes / s)))
-        if k == num_layers:
+        if plan.whole_objects:
             # The trailer follows the last layer: one window of every layer is the whole object, one GET.
             yield from self._layers_of_whole_objects(job)
             return
+        k = plan.window_layers
         windows = [(l0, min(k, num_layers - l0)) for l0 in range(0, num_layers, k)]
-        nbuf = min(2, len(windows))
-        # A window holds its layers (N, kw, S), then their digests (kw, N, D); the trailers
-        # (N, L, D) follow all windows.
+        # Two buffers alternate; a window holds its layers (N, kw, S), then their digests (kw, N, D); the
+        # trailers (N, L, D) follow both.
         window_bytes = n * k * (s + d)
-        trailers_at = nbuf * window_bytes
-        with self._staging(job, trailers_at + n * num_layers * d) as (staging, dev_column):
+        nbuf, trailers_at = 2, 2 * window_bytes
+        assert trailers_at + n * num_layers * d == plan.nbytes, "staging_plan and the windows disagree"
+        with self._staging(job) as (staging, dev_column):
             base = staging.ctypes.data
             trailers = staging[trailers_at:].reshape(n, num_layers, d)
             chunks = np.arange(n, dtype=np.int64)
@@ -390,6 +411,7 @@ class Aggregator:
                 state = agent.transfer(handle)
                 if state == "PROC" and not wait_until(ended, self.config.io_timeout_s):
                     job.abandoned = True
+                    job.abandoned_handles.append(handle)  # the reaper releases it once it ended
                     raise TransferAbandoned("WRITE", 1, self.config.io_timeout_s)
             except TransferAbandoned:
                 raise
@@ -404,5 +426,6 @@ class Aggregator:
         if self.scheduler is not None:
             self.scheduler.close()
         self._readers.shutdown(wait=True)
+        self.staging_reaper.close()
         for io in self.backings.values():
             io.close()

@@ -82,6 +82,11 @@ class Metrics:
                              registry=self.registry)
         self.cancels = Counter("s3agg_cancels_total", "Cancels by answer: stopped, or a WRITE may still land",
                                ["answer"], registry=self.registry)
+        self.staging = Gauge("s3agg_staging_bytes", "Staging memory taken from max_staging_bytes, abandoned included",
+                             registry=self.registry)
+        self.staging_abandoned = Gauge("s3agg_staging_abandoned_bytes",
+                                       "Staging kept for transfers abandoned at io_timeout_s until they end",
+                                       registry=self.registry)
 
 
 def _runtime_code(exc: Exception) -> str:
@@ -107,6 +112,8 @@ class Gateway:
         self.aggregator = aggregator
         self.metrics = Metrics()
         self.cancellations = Cancellations()
+        self.metrics.staging.set_function(lambda: aggregator.staging_budget.in_use)
+        self.metrics.staging_abandoned.set_function(lambda: aggregator.staging_reaper.held_bytes)
         # Buckets whose backing the gateway serves as plain S3 too (posix): bucket -> its S3 API.
         self.files = {bucket: PosixBucketAPI(backing) for bucket, backing in aggregator.backings.items()
                       if backing.serves_s3}
@@ -178,7 +185,8 @@ class Gateway:
         except RequestCanceled as exc:
             outcome, status, code, message = "canceled", 409, "RequestCanceled", str(exc)
         except _RUNTIME_ERRORS as exc:
-            outcome, status, code, message = "error", 502, _runtime_code(exc), str(exc)
+            code = _runtime_code(exc)
+            outcome, status, message = "error", 503 if code == "SlowDown" else 502, str(exc)
         else:
             outcome = "ok"
         finally:

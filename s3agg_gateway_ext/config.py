@@ -82,6 +82,13 @@ class GatewayConfig:
     io_threads: int = 16
     io_timeout_s: float = 60.0
     min_read_bytes: int = 4 * MIB
+    # Staging memory (s3agg_gateway_ext.staging): a request needing more than max_request_staging_bytes is
+    # refused (413; layerwise reads first use smaller windows to fit); all requests together stage at most
+    # max_staging_bytes, a request waits staging_wait_s for room, then ends SlowDown (its client reads the
+    # bucket). What abandoned transfers staged counts until NIXL ended them.
+    max_request_staging_bytes: int = 2 * GIB
+    max_staging_bytes: int = 8 * GIB
+    staging_wait_s: float = 2.0
     # Bandwidth scheduling of layerwise deliveries (0 = no cap, no pacing).
     policy: Policy = "calibrated_stall_opt"
     bandwidth_cap_bytes_s: float = 0.0
@@ -101,13 +108,17 @@ class GatewayConfig:
         if not 0 < self.port < 65536:
             raise ConfigError(f"port must be in 1..65535, got {self.port}")
         positive = ("max_body_bytes", "max_connections", "head_timeout_s", "theta_bytes", "max_layers", "max_layer_chunk_bytes", "max_chunks", "max_payload_bytes",
-                    "io_threads", "io_timeout_s", "epoch_s", "quantum_bytes", "default_compute_window_s")
+                    "io_threads", "io_timeout_s", "epoch_s", "quantum_bytes", "default_compute_window_s",
+                    "max_request_staging_bytes", "max_staging_bytes", "staging_wait_s")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("min_read_bytes", "bandwidth_cap_bytes_s", "margin_bytes_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
+        if self.max_request_staging_bytes > self.max_staging_bytes:
+            raise ConfigError(f"max_request_staging_bytes ({self.max_request_staging_bytes}) must not exceed "
+                              f"max_staging_bytes ({self.max_staging_bytes})")
         self.backing = self.store.get("backend")
         if self.backing == "posix":
             self.store_config = parse_store_config(self.store, "store.")

@@ -48,7 +48,7 @@ def start_gateway(s3agg_server, s3agg_bucket, tmp_path_factory) -> Callable[...,
 
     def start(**overrides) -> GatewayProcess:
         config = gateway_config(s3agg_server, s3agg_bucket, CLIENT_ACCESS_KEY, CLIENT_SECRET_KEY,
-                                theta_bytes=THETA, io_threads=4, io_timeout_s=20.0, **overrides)
+                                **{"theta_bytes": THETA, "io_threads": 4, "io_timeout_s": 20.0, **overrides})
         gateway = GatewayProcess(config, workdir)
         started.append(gateway)
         return gateway.start()

@@ -33,6 +33,7 @@ from botocore.exceptions import ClientError
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
+from dualpath_dev.s3_relay import S3Relay
 from dualpath_dev.threaded_http import ThreadedHTTPService
 from nixl_backends.integrity import ChunkIntegrity, chunk_hash_of
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout
@@ -773,3 +774,59 @@ def test_requests_to_the_gateway_reuse_one_kept_alive_connection(gateway, s3agg_
         assert ask() == 200 and connections.opened == 2
     finally:
         connections.close()
+
+
+# --- staging memory: bounded in total, and what abandoned reads staged freed once they ended ------------------
+
+
+def test_staging_is_bounded_and_an_abandoned_reads_staging_is_freed_once_the_read_ended(
+        seaweedfs, s3agg_bucket, start_gateway, stored, agent):
+    """A store that stops answering: the gateway abandons its read at io_timeout_s and keeps that staging (NIXL
+    may still write it), counted in the budget; a second request finds no room and ends SlowDown, its client
+    reading the bucket; once the store answers, the staging is freed and the gateway serves again."""
+    keys, objects = stored
+    one_request = len(keys) * STORED.object_bytes  # layerwise in one window of every layer: whole objects
+    with S3Relay(seaweedfs.endpoint, seaweedfs.access_key, seaweedfs.secret_key) as relay:
+        bounded = start_gateway(store={**seaweedfs.store_config(s3agg_bucket), "endpoint": relay.endpoint},
+                                io_timeout_s=1.0, max_staging_bytes=one_request,
+                                max_request_staging_bytes=one_request, staging_wait_s=0.2)
+        store = open_store(seaweedfs, s3agg_bucket, bounded.url, STORED, agent)  # falls back to SeaweedFS itself
+        relay.hold()
+        try:
+            buffers = layer_buffers(agent, STORED, len(keys))
+            abandoned, _ = read_all(store, keys, buffers)
+            assert abandoned.mode == "fallback" and "still in flight" in abandoned.error
+            assert_delivered(STORED, keys, objects, buffers)
+            assert relay.held >= 1  # the abandoned read still waits at the store
+            assert gateway_metric(bounded, "s3agg_staging_bytes") == one_request
+            busy_buffers = layer_buffers(agent, STORED, len(keys))
+            busy, _ = read_all(store, keys, busy_buffers)
+            assert busy.mode == "fallback" and "SlowDown" in busy.error and "max_staging_bytes" in busy.error
+            assert_delivered(STORED, keys, objects, busy_buffers)
+        finally:
+            relay.release()
+        poll(lambda: (gateway_metric(bounded, "s3agg_staging_bytes"),
+                      gateway_metric(bounded, "s3agg_staging_abandoned_bytes")),
+             lambda v: v == (0, 0), 60, "staging in use and abandoned after the store answered")
+        served_buffers = layer_buffers(agent, STORED, len(keys))
+        served, _ = read_all(store, keys, served_buffers)
+        assert served.mode == "layerwise"
+        assert_delivered(STORED, keys, objects, served_buffers)
+
+
+def test_a_request_whose_staging_exceeds_the_request_limit_is_refused_before_any_read(
+        seaweedfs, s3agg_bucket, start_gateway, stored, agent, ucx_agent):
+    keys, objects = stored
+    small = start_gateway(max_request_staging_bytes=len(keys) * STORED.object_bytes - 1)
+    # Even one layer per window (two windows and the trailers) is more than the limit allows for this request.
+    tiny = start_gateway(max_request_staging_bytes=2 * len(keys) * (STORED.layer_block_bytes + DIGEST_BYTES) - 1)
+    windowed = open_store(seaweedfs, s3agg_bucket, small.url, STORED, agent)
+    windowed_buffers = layer_buffers(agent, STORED, len(keys))
+    result, _ = read_all(windowed, keys, windowed_buffers)
+    assert result.mode == "layerwise"  # served, in windows that fit
+    assert_delivered(STORED, keys, objects, windowed_buffers)
+    buffers = layer_buffers(ucx_agent, STORED, len(keys))
+    body = json.dumps(descriptor(keys, buffers, ucx_agent)).encode()
+    status, code, message = send_signed(tiny.url, f"/{s3agg_bucket}?{EXTENSION_QUERY}", body)
+    assert (status, code) == (400, "InvalidArgument") and "max_request_staging_bytes" in message
+    assert buffers.untouched()

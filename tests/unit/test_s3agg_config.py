@@ -91,6 +91,9 @@ def test_buckets_default_to_the_store_sections_bucket():
     ({"store": "http://127.0.0.1:8333"}, "bad value for 'store'"),
     ({"theta_bytes": 0}, "theta_bytes must be positive"),
     ({"bandwidth_cap_bytes_s": -1.0}, "bandwidth_cap_bytes_s must not be negative"),
+    ({"staging_wait_s": 0}, "staging_wait_s must be positive"),
+    ({"max_request_staging_bytes": 2 << 30, "max_staging_bytes": 1 << 30},
+     r"max_request_staging_bytes \(2147483648\) must not exceed max_staging_bytes"),
 ])
 def test_bad_values_name_the_key(change, message):
     with pytest.raises(ConfigError, match=message):
