@@ -16,6 +16,7 @@ import yaml
 
 from dualpath_dev.processes import ServiceProcess, free_port
 from dualpath_dev.s3_server import S3Server
+from dualpath_dev.tls import make_server_tls
 
 
 def gateway_config(server: S3Server, bucket: str, client_access_key: str, client_secret_key: str,
@@ -31,15 +32,24 @@ def gateway_config(server: S3Server, bucket: str, client_access_key: str, client
 
 
 class GatewayProcess(ServiceProcess):
-    """``s3agg-gateway`` with the given config; ``host``/``port`` are chosen here."""
+    """``s3agg-gateway`` with the given config; ``host``/``port`` are chosen here.
+
+    ``tls``: serve https with a certificate of a CA made for this gateway (``ca_bundle``: the file clients
+    trust); its config's ``tls_certfile``/``tls_keyfile`` are set here.
+    """
 
     stop_grace_s = 5.0
 
-    def __init__(self, config: dict[str, Any], workdir: Path) -> None:
+    def __init__(self, config: dict[str, Any], workdir: Path, tls: bool = False) -> None:
         workdir = Path(workdir)
         workdir.mkdir(parents=True, exist_ok=True)
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.ca_bundle: str | None = None
+        if tls:
+            certs = make_server_tls(workdir / f"tls-{self.port}", ["127.0.0.1", "localhost"], "s3agg-gateway test CA")
+            config = {**config, "tls_certfile": str(certs.cert_file), "tls_keyfile": str(certs.key_file)}
+            self.ca_bundle = self.health_ca = str(certs.ca_file)
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         config_path = workdir / f"gateway-{self.port}.yaml"
         config_path.write_text(yaml.safe_dump({**config, "host": "127.0.0.1", "port": self.port}))
         self.args = [sys.executable, "-m", "s3agg_gateway_ext.app", "--config", str(config_path)]

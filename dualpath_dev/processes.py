@@ -106,12 +106,16 @@ class ServiceProcess:
     env: dict[str, str] | None = None
     log_path: Path
     health_url: str
+    # The CA file an https health_url is checked against.
+    health_ca: str | None = None
     stop_grace_s = 20.0
     proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 600.0) -> ServiceProcess:
+        import ssl
         import urllib.request
 
+        context = ssl.create_default_context(cafile=self.health_ca) if self.health_ca else None
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 self.args, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
@@ -123,7 +127,7 @@ class ServiceProcess:
                     raise RuntimeError(f"{self.args[:3]} exited during start-up; see {self.log_path}"
                                        f"{self._log_tail()}")
                 try:
-                    if urllib.request.urlopen(self.health_url, timeout=5).status == 200:
+                    if urllib.request.urlopen(self.health_url, timeout=5, context=context).status == 200:
                         return self
                 except OSError:
                     pass  # not listening yet

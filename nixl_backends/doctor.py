@@ -292,12 +292,16 @@ def _s3_credentials(config: Any, redact: Redactor) -> CheckResult | None:
 
 def _check_gateway(config: Any) -> CheckResult:
     """An s3agg store's gateway answers ``/healthz``; without it reads still work, as plain S3 GETs."""
+    import ssl
     import urllib.error
     import urllib.request
 
     label = f"gateway {config.gateway}"
+    # An https gateway is checked as the store's reads check it: against gateway_ca_bundle (or the system's CAs).
+    tls = ssl.create_default_context(cafile=config.gateway_ca_bundle) if config.gateway.startswith("https") else None
     try:
-        with urllib.request.urlopen(f"{config.gateway.rstrip('/')}/healthz", timeout=config.connect_timeout_s) as answer:
+        with urllib.request.urlopen(f"{config.gateway.rstrip('/')}/healthz", timeout=config.connect_timeout_s,
+                                    context=tls) as answer:
             status = answer.status
     except urllib.error.HTTPError as exc:
         status = exc.code

@@ -36,6 +36,8 @@ import ctypes
 import http.client
 import json
 import logging
+import os
+import ssl
 import threading
 import uuid
 import xml.etree.ElementTree as ET
@@ -127,11 +129,13 @@ class GatewayRefused(RuntimeError):
 
 @dataclass
 class S3AggStoreConfig:
-    """``{"backend": "s3agg", "gateway": "http://host:port", "s3": {<an s3 store section>}, ...}``."""
+    """``{"backend": "s3agg", "gateway": "http(s)://host:port", "s3": {<an s3 store section>}, ...}``."""
 
     gateway: str
     # The bucket behind the gateway, as a plain s3 store: lookups, writes, fallback.
     s3: dict = field(repr=False)
+    # The CA file an https:// gateway's certificate is checked against (default: the system's trust store).
+    gateway_ca_bundle: str | None = None
     delivery: Literal["nixl", "http"] = "nixl"
     # SigV4 identity for the gateway; defaults to the s3 section's keys.
     access_key: str | None = None
@@ -149,8 +153,13 @@ class S3AggStoreConfig:
 
     def validate(self) -> None:
         parts = urlsplit(self.gateway)
-        if parts.scheme != "http" or not parts.hostname or parts.path not in ("", "/"):
-            raise ConfigError(f"store.gateway must be http://host:port, got {self.gateway!r}")
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.path not in ("", "/"):
+            raise ConfigError(f"store.gateway must be http://host:port or https://host:port, got {self.gateway!r}")
+        if self.gateway_ca_bundle is not None:
+            if parts.scheme != "https":
+                raise ConfigError("store.gateway_ca_bundle is for an https:// gateway")
+            if not os.path.isfile(self.gateway_ca_bundle):
+                raise ConfigError(f"store.gateway_ca_bundle: no such file {self.gateway_ca_bundle!r}")
         if (self.access_key is None) != (self.secret_key is None):
             raise ConfigError("store.access_key and store.secret_key must be given together")
         if self.chunk_tokens <= 0:
@@ -248,7 +257,8 @@ class S3AggStore(KVStore):
         # Buffers of transfers that outlived their deadline: NIXL may still write them, so never freed.
         self._abandoned: list[np.ndarray] = []
         self._path = f"/{config.s3_config.bucket}?{EXTENSION_QUERY}"
-        self._connections = GatewayConnections(config.gateway, config.connect_timeout_s)
+        self._connections = GatewayConnections(config.gateway, config.connect_timeout_s,
+                                               ca_bundle=config.gateway_ca_bundle)
         self._cancel_path = f"{self._path}&{CANCEL_QUERY}"
         if config.access_key is not None:
             self._credentials = Credentials(config.access_key, config.secret_key)
@@ -416,9 +426,10 @@ class S3AggStore(KVStore):
                                          self.config.connect_timeout_s, self.config.request_timeout_s,
                                          self._connections)  # fmt: skip
         except (OSError, http.client.HTTPException) as exc:
-            # Refused: nothing listened there, so no gateway got the request.
-            raise GatewayUnavailable(f"gateway {self.config.gateway}: {exc!r}",
-                                     writes_ended=isinstance(exc, ConnectionRefusedError)) from None
+            # Not connected (refused, a TLS handshake failed): no gateway got the request.
+            cause = exc.__cause__ if isinstance(exc, GatewayNotReached) else exc
+            raise GatewayUnavailable(f"gateway {self.config.gateway}: {cause!r}",
+                                     writes_ended=isinstance(exc, GatewayNotReached)) from None
         if response.status != 200:
             text = response.read()
             self._connections.give_back(conn, response)
@@ -725,13 +736,19 @@ def _strided_target(layout: BlockLayout, segments: Sequence[np.ndarray]) -> _Tar
     return _Target(layout, LAYOUT_STRIDED, firsts, len(segments), trailers, strides.pop())
 
 
+class GatewayNotReached(OSError):
+    """No connection to the gateway (refused, timed out, or its TLS handshake failed): nothing was sent."""
+
+
 class GatewayConnections:
     """Connections to the gateway kept open between requests, one request at a time each: a connect costs a
     round trip to a gateway across a network (more with TLS), and a hit is one request."""
 
-    def __init__(self, gateway: str, connect_timeout_s: float, keep: int = 8) -> None:
+    def __init__(self, gateway: str, connect_timeout_s: float, keep: int = 8, ca_bundle: str | None = None) -> None:
         url = urlsplit(gateway)
-        self._host, self._port = url.hostname, url.port or 80
+        self._host, self._port = url.hostname, url.port or (443 if url.scheme == "https" else 80)
+        # TLS: the certificate is checked against ca_bundle (or the system's CAs), host name included.
+        self._tls = ssl.create_default_context(cafile=ca_bundle) if url.scheme == "https" else None
         self._connect_timeout_s = connect_timeout_s
         self._keep = keep
         self._lock = threading.Lock()
@@ -744,6 +761,9 @@ class GatewayConnections:
             if self._idle:
                 return self._idle.pop(), True
             self.opened += 1
+        if self._tls is not None:
+            return http.client.HTTPSConnection(self._host, self._port, timeout=self._connect_timeout_s,
+                                               context=self._tls), False
         return http.client.HTTPConnection(self._host, self._port, timeout=self._connect_timeout_s), False
 
     def give_back(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
@@ -775,24 +795,26 @@ def post_signed(
 ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
     """POST ``body`` to ``gateway + path`` signed with SigV4; returns the connection and its response.
 
-    With ``connections``, an idle kept-alive connection is used first; one the
+    Without ``connections``, one new connection (an https:// gateway checked against the system's CAs). With
+    ``connections``, an idle kept-alive connection is used first; one the
     gateway closed meanwhile (its keep-alive ran out) fails before the gateway
     saw the request, which then goes once more on a new connection. The caller
     hands the connection back (:meth:`GatewayConnections.give_back`) or closes it.
     """
     url = urlsplit(gateway)
-    request = AWSRequest("POST", f"http://{url.netloc}{path}", data=body,
+    connections = connections or GatewayConnections(gateway, connect_timeout_s, keep=0)
+    request = AWSRequest("POST", f"{url.scheme}://{url.netloc}{path}", data=body,
                          headers={"content-type": "application/json", REQUEST_ID_HEADER: request_id})
     # A snapshot: refreshable credentials could renew between reading the key id and the secret.
     S3SigV4Auth(credentials.get_frozen_credentials(), "s3", region).add_auth(request)
     while True:
-        if connections is None:
-            conn, reused = http.client.HTTPConnection(url.hostname, url.port or 80, timeout=connect_timeout_s), False
-        else:
-            conn, reused = connections.take()
+        conn, reused = connections.take()
         try:
             if conn.sock is None:
-                conn.connect()
+                try:
+                    conn.connect()
+                except OSError as exc:
+                    raise GatewayNotReached(f"connecting to {gateway} failed") from exc
             conn.sock.settimeout(request_timeout_s)
             conn.request("POST", path, body=body, headers=dict(request.headers.items()))
             return conn, conn.getresponse()

@@ -95,13 +95,15 @@ def _runtime_code(exc: Exception) -> str:
     return "SlowDown" if isinstance(exc, TimeoutError) else "DeliveryFailed"
 
 
-# Payload forms accepted per method beside ?aggregate (signed only). A PUT is signed, or NIXL OBJ's form (the AWS
-# C++ SDK's aws-chunked body with a checksum trailer, headers signed): its body is a chunk object whose trailer
-# keyed integrity checks on every read. Bodiless requests may say UNSIGNED-PAYLOAD (a body they carry is unused).
+# Payload forms accepted per method beside ?aggregate (signed only). A PUT is signed; NIXL OBJ's form (the AWS
+# C++ SDK's aws-chunked body with a checksum trailer, headers signed) only where allow_unsigned_payload says so,
+# over TLS: its body is a chunk object whose trailer keyed integrity checks on every read. Bodiless requests may
+# say UNSIGNED-PAYLOAD (a body they carry is unused).
 _PAYLOADS = {
-    "PUT": ("signed", STREAMING_UNSIGNED_TRAILER),
+    "PUT": ("signed",),
     "GET": ("signed", UNSIGNED), "HEAD": ("signed", UNSIGNED), "DELETE": ("signed", UNSIGNED),
 }  # fmt: skip
+_UNSIGNED_PUT = ("signed", STREAMING_UNSIGNED_TRAILER)
 
 
 class Gateway:
@@ -117,6 +119,7 @@ class Gateway:
         # Buckets whose backing the gateway serves as plain S3 too (posix): bucket -> its S3 API.
         self.files = {bucket: PosixBucketAPI(backing) for bucket, backing in aggregator.backings.items()
                       if backing.serves_s3}
+        self.payloads = {**_PAYLOADS, "PUT": _UNSIGNED_PUT} if config.allow_unsigned_payload else _PAYLOADS
 
     def _error(self, exc: DescriptorError, resource: str, request_id: str) -> Response:
         self.metrics.refused.labels(exc.code).inc()
@@ -243,7 +246,7 @@ class Gateway:
     async def other(self, request: Request) -> Response:
         request_id = request.headers.get(REQUEST_ID_HEADER) or uuid.uuid4().hex
         try:
-            body = await self._authenticated_body(request, _PAYLOADS.get(request.method, ("signed",)))
+            body = await self._authenticated_body(request, self.payloads.get(request.method, ("signed",)))
             bucket, _, key = request.path_params["bucket"].partition("/")
             files = self.files.get(bucket)
             if files is not None:
@@ -305,7 +308,8 @@ def main(argv: list[str] | None = None) -> None:
     uvicorn.run(gateway.app(), host=config.host, port=config.port, log_level="warning", access_log=False,
                 http=head_timeout_protocol(config.head_timeout_s, config.max_connections),
                 limit_concurrency=config.max_connections, timeout_keep_alive=5,
-                h11_max_incomplete_event_size=64 << 10)
+                h11_max_incomplete_event_size=64 << 10,
+                ssl_certfile=config.tls_certfile, ssl_keyfile=config.tls_keyfile)
 
 
 if __name__ == "__main__":

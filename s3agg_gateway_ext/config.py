@@ -60,6 +60,14 @@ class GatewayConfig:
     client_secret_key: str = field(default="", repr=False)
     host: str = "127.0.0.1"
     port: int = 9100
+    # TLS: the server's certificate chain and key (PEM), both or neither; clients then use https:// and trust
+    # its CA (the s3agg store's gateway_ca_bundle, the s3 section's ca_bundle).
+    tls_certfile: str | None = None
+    tls_keyfile: str | None = None
+    # A PUT whose body the signature does not cover (NIXL OBJ's STREAMING-UNSIGNED-PAYLOAD-TRAILER: the AWS C++
+    # SDK signs headers only, with a checksum trailer) is refused unless allowed here, which needs TLS: over
+    # plain HTTP anyone on the path could replace the body of a request they did not sign.
+    allow_unsigned_payload: bool = False
     # A request body (descriptor, PUT object) above this gets 413 before it is read whole; read only after the
     # signed headers verified. Connections served at once (more get 503).
     max_body_bytes: int = 256 * MIB
@@ -116,6 +124,14 @@ class GatewayConfig:
         for name in ("min_read_bytes", "bandwidth_cap_bytes_s", "margin_bytes_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} must not be negative, got {getattr(self, name)}")
+        if (self.tls_certfile is None) != (self.tls_keyfile is None):
+            raise ConfigError("tls_certfile and tls_keyfile must be given together")
+        for name in ("tls_certfile", "tls_keyfile"):
+            if getattr(self, name) is not None and not Path(getattr(self, name)).is_file():
+                raise ConfigError(f"{name}: no such file {getattr(self, name)!r}")
+        if self.allow_unsigned_payload and self.tls_certfile is None:
+            raise ConfigError("allow_unsigned_payload needs TLS (tls_certfile and tls_keyfile): over plain HTTP a "
+                              "body the signature does not cover can be replaced on the way")
         if self.max_request_staging_bytes > self.max_staging_bytes:
             raise ConfigError(f"max_request_staging_bytes ({self.max_request_staging_bytes}) must not exceed "
                               f"max_staging_bytes ({self.max_staging_bytes})")

@@ -1,14 +1,17 @@
 """s3agg-gateway with a POSIX backing: a store root served as an S3 bucket and aggregated by NIXL POSIX reads.
 
-A real gateway process over a temporary root. boto3 and NIXL's OBJ plugin
-(the connector's ``s3`` store) use it as their S3 endpoint; chunk objects a
-``PosixStore`` wrote are delivered by the aggregated read byte for byte, with
-digests that verify; a corrupted file is delivered as stored and fails
-verification at the reader.
+A real gateway process over a temporary root, serving TLS with a CA made for the
+run (clients trust only that file). boto3 and NIXL's OBJ plugin (the connector's
+``s3`` store) use it as their S3 endpoint; chunk objects a ``PosixStore`` wrote are
+delivered by the aggregated read byte for byte, with digests that verify; a
+corrupted file is delivered as stored and fails verification at the reader.
+NIXL OBJ's PUTs, whose bodies the signature does not cover, are accepted only by
+a gateway that allows unsigned payloads, which needs TLS.
 """
 
 from __future__ import annotations
 
+import http.client
 import os
 import uuid
 
@@ -25,6 +28,7 @@ from nixl_backends.layout import DIGEST_BYTES, BlockLayout
 from nixl_backends.registry import make_store, parse_store_config
 from nixl_backends.s3agg import GatewayRefused, _Target
 from nixl_backends.s3agg_protocol import LAYOUT_CHUNK_MAJOR, LAYOUT_STRIDED
+from s3agg_gateway_ext.sigv4 import STREAMING_UNSIGNED_TRAILER, sign
 from tests.s3agg_fixtures import CLIENT_ACCESS_KEY, CLIENT_SECRET_KEY, LayerBuffers
 
 BUCKET = "kv-root"
@@ -43,25 +47,31 @@ def root(tmp_path_factory):
     return tmp_path_factory.mktemp("posix-root")
 
 
+def posix_gateway_config(root, **settings) -> dict:
+    return {"store": {"backend": "posix", "root": str(root)}, "buckets": [BUCKET],
+            "client_access_key": CLIENT_ACCESS_KEY, "client_secret_key": CLIENT_SECRET_KEY,
+            "theta_bytes": 1, "io_threads": 4, "io_timeout_s": 20.0, **settings}
+
+
 @pytest.fixture(scope="module")
 def gateway(root, tmp_path_factory):
-    config = {"store": {"backend": "posix", "root": str(root)}, "buckets": [BUCKET],
-              "client_access_key": CLIENT_ACCESS_KEY, "client_secret_key": CLIENT_SECRET_KEY,
-              "theta_bytes": 1, "io_threads": 4, "io_timeout_s": 20.0}
-    process = GatewayProcess(config, tmp_path_factory.mktemp("posix-gateway")).start()
+    """Over TLS, accepting NIXL OBJ's unsigned PUT bodies (as a deployment whose engines write through it must)."""
+    config = posix_gateway_config(root, allow_unsigned_payload=True)
+    process = GatewayProcess(config, tmp_path_factory.mktemp("posix-gateway"), tls=True).start()
     yield process
     process.stop()
 
 
 def boto(gateway, secret: str = CLIENT_SECRET_KEY):
     return boto3.client("s3", endpoint_url=gateway.url, aws_access_key_id=CLIENT_ACCESS_KEY,
-                        aws_secret_access_key=secret, region_name="us-east-1",
+                        aws_secret_access_key=secret, region_name="us-east-1", verify=gateway.ca_bundle,
                         config=BotoConfig(s3={"addressing_style": "path"}, retries={"max_attempts": 1}))
 
 
 def s3_section(gateway) -> dict:
-    return {"backend": "s3", "endpoint": gateway.url, "bucket": BUCKET, "addressing_style": "path",
-            "access_key": CLIENT_ACCESS_KEY, "secret_key": CLIENT_SECRET_KEY, "create_bucket": False}
+    section = {"backend": "s3", "endpoint": gateway.url, "bucket": BUCKET, "addressing_style": "path",
+               "access_key": CLIENT_ACCESS_KEY, "secret_key": CLIENT_SECRET_KEY, "create_bucket": False}
+    return {**section, "ca_bundle": gateway.ca_bundle} if gateway.ca_bundle else section
 
 
 def sealed_objects(count: int, seed: int) -> tuple[list[str], np.ndarray]:
@@ -178,12 +188,96 @@ def test_nixl_obj_store_writes_and_reads_through_the_gateway(gateway, root):
         store.close()
 
 
+def nixl_obj_writes(gateway, seed: int, **section) -> tuple[list[bool], list[str], np.ndarray]:
+    """Two sealed chunk objects written through ``gateway`` by NIXL OBJ (the connector's ``s3`` store)."""
+    agent = nixl_agent_for("obj-writer")
+    store = make_store(parse_store_config({**s3_section(gateway), **section}), LAYOUT, agent)
+    pool = HostBufferPool(agent, LAYOUT.object_bytes, 2)
+    try:
+        keys, objects = sealed_objects(2, seed=seed)
+        slots = pool.acquire(2)
+        for slot, obj in zip(slots, objects):
+            pool.slot_view(slot)[:] = obj
+        return store.write(keys, [pool.slot_addr(s) for s in slots]), keys, objects
+    finally:
+        pool.close()
+        store.close()
+
+
+# The AWS C++ SDK's default: a CRC64 trailer on every PUT, sent as an aws-chunked body the signature does not
+# cover (STREAMING-UNSIGNED-PAYLOAD-TRAILER); the s3 store's default ("when_required") signs the body instead.
+UNSIGNED_BODY = {"request_checksum_calculation": "when_supported"}
+
+
+def test_a_put_the_signature_does_not_cover_is_refused_unless_allowed_over_tls(gateway, root, tmp_path):
+    """A gateway that does not allow unsigned payloads refuses NIXL OBJ's unsigned-body PUTs, and nothing lands;
+    signed ones are accepted. The module's gateway (TLS, allow_unsigned_payload) is the control: they land."""
+    process = GatewayProcess(posix_gateway_config(root), tmp_path, tls=True).start()
+    try:
+        written, keys, _ = nixl_obj_writes(process, 11, **UNSIGNED_BODY)
+        assert written == [False, False] and not any((root / key).exists() for key in keys)
+        assert "PUT here needs x-amz-content-sha256: the body's SHA-256" in process.log_text()
+        written, keys, objects = nixl_obj_writes(process, 12)
+        assert written == [True, True] and (root / keys[0]).read_bytes() == objects[0].tobytes()
+    finally:
+        process.stop()
+    written, keys, objects = nixl_obj_writes(gateway, 13, **UNSIGNED_BODY)
+    assert written == [True, True] and (root / keys[1]).read_bytes() == objects[1].tobytes()
+
+
+def test_over_plain_http_an_unsigned_put_body_is_refused(root, tmp_path):
+    """A PUT in the unsigned-trailer form is refused before its body is read (allow_unsigned_payload cannot be set
+    without TLS: the config refuses it); NIXL OBJ's signed-body PUTs are accepted."""
+    process = GatewayProcess(posix_gateway_config(root), tmp_path).start()
+    try:
+        key = f"dualpath/{uuid.uuid4().hex}"
+        headers = {"host": f"127.0.0.1:{process.port}", "x-amz-content-sha256": STREAMING_UNSIGNED_TRAILER,
+                   "x-amz-decoded-content-length": "4", "x-amz-trailer": "x-amz-checksum-crc64nvme"}
+        headers.update(sign("PUT", f"/{BUCKET}/{key}", "", headers, CLIENT_ACCESS_KEY, CLIENT_SECRET_KEY,
+                            "us-east-1"))
+        conn = http.client.HTTPConnection("127.0.0.1", process.port, timeout=10)
+        try:
+            conn.request("PUT", f"/{BUCKET}/{key}", body=b"4\r\nabcd\r\n0\r\n\r\n",
+                         headers={**headers, "content-encoding": "aws-chunked"})
+            response = conn.getresponse()
+            assert response.status == 403 and b"the body&apos;s SHA-256" in response.read().replace(b"'", b"&apos;")
+        finally:
+            conn.close()
+        assert not (root / key).exists()
+        written, keys, objects = nixl_obj_writes(process, 14)
+        assert written == [True, True] and (root / keys[0]).read_bytes() == objects[0].tobytes()
+    finally:
+        process.stop()
+
+
+def test_an_https_gateway_with_another_ca_is_not_trusted(gateway, root, tmp_path):
+    """The s3agg store checks the gateway's certificate against gateway_ca_bundle: another CA's file fails the
+    TLS handshake, and the read falls back to the bucket's own endpoint (here that same gateway, trusted)."""
+    from dualpath_dev.tls import make_server_tls
+
+    keys, objects = sealed_objects(3, seed=12)
+    write_with_posix_store(root, keys, objects)
+    agent = nixl_agent_for("wrong-ca")
+    other_ca = make_server_tls(tmp_path / "other", ["127.0.0.1"]).ca_file
+    config = {"backend": "s3agg", "gateway": gateway.url, "s3": s3_section(gateway), "gateway_ca_bundle": str(other_ca)}
+    store = make_store(parse_store_config(config), LAYOUT, agent)
+    buffers = LayerBuffers(agent, LAYOUT.num_layers, len(keys), LAYOUT.layer_block_bytes + DIGEST_BYTES)
+    try:
+        result = store.read_layerwise(keys, buffers.addrs, lambda layer: None)
+        assert result.mode == "fallback" and "CERTIFICATE_VERIFY_FAILED" in result.error
+        integrity, hashes = ChunkIntegrity(LAYOUT), [chunk_hash_of(k) for k in keys]
+        assert [integrity.verify_layer_major(hashes, l, buffers.array[l]) for l in range(LAYOUT.num_layers)] == [3] * 4
+    finally:
+        buffers.close()
+        store.close()
+
+
 # --- the aggregated read over files -------------------------------------------------------------------
 
 
 def s3agg_store(gateway, agent, delivery: str):
     config = {"backend": "s3agg", "gateway": gateway.url, "s3": {**s3_section(gateway)}, "delivery": delivery,
-              "request_timeout_s": 30.0}
+              "request_timeout_s": 30.0, "gateway_ca_bundle": gateway.ca_bundle}
     return make_store(parse_store_config(config), LAYOUT, agent)
 
 

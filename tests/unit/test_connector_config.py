@@ -105,6 +105,20 @@ def test_bad_pd_settings_name_the_key(kv_role, extra, named):
             "store.s3.secret_key would be written to vLLM's start-up log",
         ),
         (
+            {"store": {"backend": "s3agg", "gateway": "ftp://127.0.0.1:1", "s3": {"bucket": "abc"}}},
+            "store.gateway must be http://host:port or https://host:port",
+        ),
+        (
+            {"store": {"backend": "s3agg", "gateway": "http://127.0.0.1:1", "gateway_ca_bundle": "/etc/hostname",
+                       "s3": {"bucket": "abc"}}},
+            "store.gateway_ca_bundle is for an https:// gateway",
+        ),
+        (
+            {"store": {"backend": "s3agg", "gateway": "https://127.0.0.1:1", "gateway_ca_bundle": "/no/such/ca.pem",
+                       "s3": {"bucket": "abc"}}},
+            "store.gateway_ca_bundle: no such file",
+        ),
+        (
             {"store": {"backend": "tiered", "tiers": [{"backend": "posix", "root": "/x"},
                                                       {"backend": "s3", "bucket": "abc", "secret_key": "SK"}]}},
             "store.tiers[1].secret_key would be written to vLLM's start-up log",

@@ -92,6 +92,9 @@ def test_buckets_default_to_the_store_sections_bucket():
     ({"theta_bytes": 0}, "theta_bytes must be positive"),
     ({"bandwidth_cap_bytes_s": -1.0}, "bandwidth_cap_bytes_s must not be negative"),
     ({"staging_wait_s": 0}, "staging_wait_s must be positive"),
+    ({"allow_unsigned_payload": True}, "allow_unsigned_payload needs TLS"),
+    ({"tls_certfile": "/etc/hostname"}, "tls_certfile and tls_keyfile must be given together"),
+    ({"tls_certfile": "/no/cert.pem", "tls_keyfile": "/no/key.pem"}, "tls_certfile: no such file"),
     ({"max_request_staging_bytes": 2 << 30, "max_staging_bytes": 1 << 30},
      r"max_request_staging_bytes \(2147483648\) must not exceed max_staging_bytes"),
 ])
