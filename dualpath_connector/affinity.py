@@ -18,13 +18,16 @@ def kv_transfer_cores(device_type: str) -> set[int] | None:
     threads we start inherit that binding, so a side channel or a NIXL job
     would queue behind the forward (and a peer engine's worker bound to the
     same core) for seconds. vLLM keeps the last core of each NUMA node for KV
-    transfer threads (NixlConnector pins its own there); so do we.
+    transfer threads (NixlConnector pins its own there); so do we, unless the
+    forward was bound there (``VLLM_CPU_OMP_THREADS_BIND`` naming it): then the
+    node's last core it does not compute on. Called once the worker is bound.
     """
     if device_type != "cpu":
         return None
     from vllm.platforms import current_platform
 
-    cores = {max(node) for node in current_platform.discover_numa_topology() if node}
+    computing = os.sched_getaffinity(0)
+    cores = {max(set(node) - computing or node) for node in current_platform.discover_numa_topology() if node}
     return cores or None
 
 
