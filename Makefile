@@ -9,7 +9,7 @@ VERSITYGW := $(VENV)/bin/versitygw
 UV := python3 -m uv
 
 .PHONY: docs docs-check
-.PHONY: setup test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak gpu-connector-check device-check
+.PHONY: setup test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak soak-hostile gpu-connector-check device-check
 
 setup: $(STAMP) mma $(VERSITYGW)
 
@@ -115,6 +115,11 @@ bench-dualpath: setup
 # Results: benchmarks/results/soak.*
 soak: setup
 	$(PY) benchmarks/soak.py $(SOAK_ARGS)
+
+# The soak with hostile neighbours (benchmarks/hostile.py) beside the agents for 30 minutes, every 3rd answer
+# checked against a from-scratch reference. Results: benchmarks/results/soak-hostile/
+soak-hostile: setup
+	$(PY) benchmarks/soak.py --hostile --check-every 3 --duration 1800 --out-dir benchmarks/results/soak-hostile $(SOAK_ARGS)
 
 # On a machine with an NVIDIA GPU (torch, no vLLM needed): the connector's device copies in every KV layout,
 # and bulk vs layerwise vs no-load forwards with the stall metric, also under mma_preload.

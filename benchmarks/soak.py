@@ -8,6 +8,14 @@ an endless multi-turn session through the router: every turn appends the
 model's answer and ``--tokens-per-turn`` new random tokens to its context, and
 once the context passes ``--max-context`` the agent starts a new session.
 
+With ``--check-every N`` every N-th turn of each agent is asked again under a fresh ``cache_salt``: no stored or
+cached KV can serve it, so it is computed from scratch, and it is the reference (:func:`compare_answer`): the
+answer's tokens must equal it with logprobs within ``NEAR_TIE``; a first differing token where the reference's
+top two lie within ``NEAR_TIE`` is counted apart (a bfloat16 tie either computation may break); anything
+else is a wrong answer. Once per run a control compares an answer with the reference of a prompt whose first
+token differs: it must be called wrong.
+With ``--hostile`` the neighbours of ``hostile.py`` misbehave beside the agents for the whole run.
+
 Every ``--sample-every`` seconds, for the PE, the DE and the router, the RSS
 (``VmRSS`` from ``/proc/<pid>/status``) and the open file descriptors
 (``/proc/<pid>/fd``) are summed over the process tree (vLLM's API server runs
@@ -32,7 +40,9 @@ import sys
 import threading
 import time
 import urllib.error
+import uuid
 from collections import Counter
+from urllib.parse import urlsplit
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -50,12 +60,20 @@ from _common import (  # noqa: E402
     write_text,
 )
 
+from hostile import HostileNeighbours, Targets  # noqa: E402
+
 from dualpath_dev.engines import ClusterKeys, RouterProcess, VLLMServer  # noqa: E402
 from dualpath_dev.seaweedfs import SeaweedFS  # noqa: E402
 from dualpath_dev.tiny_model import make_tiny_llama  # noqa: E402
 
 MEASURED = ("pe", "de", "router")
 KEPT_ERRORS = 5  # error messages kept verbatim in the JSON; the rest are only counted by kind
+# The engines compute in bfloat16: a logit below 32 moves in steps of at most 1/8, and the same prompt computed in
+# another chunking (a from-scratch reference against a prefix loaded or cached) can move one by a step. Logprobs
+# within this are the same answer; top two within it at the first differing token are a tie either may break.
+NEAR_TIE = 0.13
+# The pass marks of a soak: RSS growth per minute in the second half, on every service.
+RSS_SLOPE_LIMIT_MIB_MIN = 0.5
 
 
 # --- what a process tree holds -------------------------------------------------------------------
@@ -126,9 +144,15 @@ class Tally:
         self.read_sides: Counter[str] = Counter()
         self.error_kinds: Counter[str] = Counter()
         self.first_errors: list[str] = []
+        self.served: Counter[int] = Counter()  # answers per agent
+        self.checked = 0
+        self.near_ties = 0
+        self.wrong: list[str] = []
+        self.controls: Counter[str] = Counter()  # verdicts on a reference of another prompt: "wrong" expected
 
-    def done(self, prompt_tokens: int, headers: dict[str, str]) -> None:
+    def done(self, index: int, prompt_tokens: int, headers: dict[str, str]) -> None:
         with self.lock:
+            self.served[index] += 1
             self.requests += 1
             self.prompt_tokens += prompt_tokens
             self.hit_tokens += int(headers.get("x-dualpath-hit-tokens", 0))
@@ -159,12 +183,13 @@ def agent(index: int, router: RouterProcess, model: str, args: argparse.Namespac
     """One endless multi-turn session after another until ``stop`` is set."""
     rng = random.Random(f"{args.seed}-{index}")
     context: list[int] = []
+    turn = 0
     while not stop.is_set():
         if not context or len(context) > args.max_context:
             context = [rng.randrange(VOCAB) for _ in range(args.first_prompt_tokens)]
             tally.new_session()
         body = {"model": model, "prompt": context, "max_tokens": args.output_tokens, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+                "ignore_eos": True, "return_token_ids": True, "logprobs": 2}  # fmt: skip
         try:
             answer, headers, _ = router.complete(body, timeout_s=args.request_timeout)
             output = answer["choices"][0]["token_ids"]
@@ -175,8 +200,58 @@ def agent(index: int, router: RouterProcess, model: str, args: argparse.Namespac
             context = []  # a failed turn has no answer to append: start a new session
             stop.wait(1.0)  # a back-off, so a broken stack is not hammered in a tight loop
             continue
-        tally.done(len(context), headers)
+        tally.done(index, len(context), headers)
+        turn += 1
+        if args.check_every and turn % args.check_every == 0:
+            try:
+                check_answer(router, body, answer, args.request_timeout, tally)
+                if index == 0 and turn == args.check_every:  # once per run: the comparison can fail
+                    check_answer(router, body, answer, args.request_timeout, tally, control=True)
+            except Exception as exc:
+                if stop.is_set():
+                    return
+                tally.failed(exc)
         context = context + output + [rng.randrange(VOCAB) for _ in range(args.tokens_per_turn)]
+
+
+def compare_answer(output: list[int], output_logprobs: list[float], reference: dict) -> str:
+    """``"same"``, ``"near tie"`` or ``"wrong"``: an answer against a from-scratch reference's choice.
+
+    Where the tokens agree, their logprobs must agree within ``NEAR_TIE`` (a wrong KV moves whole
+    distributions); at the first token that differs, the reference's top two must lie within ``NEAR_TIE``.
+    """
+    expected, expected_logprobs = reference["token_ids"], reference["logprobs"]["token_logprobs"]
+    differs = next((i for i, (a, b) in enumerate(zip(output, expected)) if a != b), min(len(output), len(expected)))
+    drift = max((abs(a - b) for a, b in zip(output_logprobs[:differs], expected_logprobs[:differs])), default=0.0)
+    if drift > NEAR_TIE:
+        return "wrong"
+    if differs == len(output) == len(expected):
+        return "same"
+    if differs >= len(expected):
+        return "wrong"
+    top = sorted((reference["logprobs"]["top_logprobs"][differs] or {}).values(), reverse=True)
+    return "near tie" if len(top) >= 2 and top[0] - top[1] <= NEAR_TIE else "wrong"
+
+
+def check_answer(router: RouterProcess, body: dict, answer: dict, timeout_s: float, tally: Tally,
+                 control: bool = False) -> None:  # fmt: skip
+    """Ask ``body`` again under a fresh cache salt (computed from scratch) and compare. ``control``: ask for a
+    prompt whose first token differs instead, which the comparison must call wrong (it can fail)."""
+    asked = {**body, "cache_salt": uuid.uuid4().hex}
+    if control:
+        asked["prompt"] = [(body["prompt"][0] + 1) % VOCAB, *body["prompt"][1:]]
+    reference, _, _ = router.complete(asked, timeout_s=timeout_s)
+    choice = answer["choices"][0]
+    verdict = compare_answer(choice["token_ids"], choice["logprobs"]["token_logprobs"], reference["choices"][0])
+    with tally.lock:
+        if control:
+            tally.controls[verdict] += 1
+            return
+        tally.checked += 1
+        tally.near_ties += verdict == "near tie"
+        if verdict == "wrong":
+            tally.wrong.append(f"{choice['token_ids'][:8]}... where the reference has "
+                               f"{reference['choices'][0]['token_ids'][:8]}...")
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -188,6 +263,7 @@ def run(args: argparse.Namespace) -> dict:
     model = make_tiny_llama(workdir / "tiny-llama")
     tally = Tally()
     stop = threading.Event()
+    hostile: dict = {}
     samples: list[dict] = []
     stopped_early = ""
     with contextlib.ExitStack() as stack:
@@ -212,6 +288,14 @@ def run(args: argparse.Namespace) -> dict:
         # Registered last, so it runs first on the way out: agents stop before the stack does, and a
         # request cut off by the shutdown is not counted as a failure.
         stack.callback(stop.set)
+        if args.hostile:
+            neighbours = HostileNeighbours(Targets(
+                router=_address(router.url), pe=_address(engines["pe"].base_url), de=_address(engines["de"].base_url),
+                side_channels=(engines["pe"].side_channel, engines["de"].side_channel),
+                cluster_key=keys.cluster_key, model=str(model), vocab=VOCAB), seed=args.seed)
+            stack.callback(lambda: hostile.update(neighbours.stop()))
+            neighbours.start()
+            print("hostile neighbours started", file=sys.stderr)
         agents = [
             threading.Thread(target=agent, args=(i, router, str(model), args, stop, tally), name=f"agent-{i}",
                              daemon=True)
@@ -253,7 +337,41 @@ def run(args: argparse.Namespace) -> dict:
         hit_tokens=tally.hit_tokens,
         read_sides=dict(tally.read_sides),
         stopped_early=stopped_early,
+        served_per_agent=[tally.served[i] for i in range(args.agents)],
+        answers_checked=tally.checked,
+        near_ties=tally.near_ties,
+        wrong_answers=len(tally.wrong),
+        control_verdicts=dict(tally.controls),
+        first_wrong_answers=tally.wrong[:KEPT_ERRORS],
+        hostile=hostile,
     )
+
+
+def _address(url: str) -> tuple[str, int]:
+    parts = urlsplit(url)
+    return parts.hostname, parts.port
+
+
+def verdict(payload: dict) -> list[str]:
+    """What failed the soak's marks (empty: it passed them)."""
+    failed = []
+    for name in MEASURED:
+        slope = payload["series"][f"{name} RSS (MiB)"]["slope_per_min_2nd_half"]
+        if slope is not None and slope > RSS_SLOPE_LIMIT_MIB_MIN:
+            failed.append(f"{name} RSS grew {slope:.2f} MiB/min in the second half (limit {RSS_SLOPE_LIMIT_MIB_MIN})")
+    if payload["stopped_early"]:
+        failed.append(payload["stopped_early"])
+    if payload["errors"]:
+        failed.append(f"{payload['errors']} agent requests failed")
+    if not all(payload["served_per_agent"]):
+        failed.append(f"an agent was never served: answers per agent {payload['served_per_agent']}")
+    if payload["wrong_answers"]:
+        failed.append(f"{payload['wrong_answers']} wrong answers")
+    if payload["answers_checked"] and payload["control_verdicts"] != {"wrong": 1}:
+        failed.append(f"the control (another prompt's reference) was not called wrong: {payload['control_verdicts']}")
+    if payload["hostile"].get("findings"):
+        failed.append(f"{len(payload['hostile']['findings'])} hostile findings")
+    return failed
 
 
 def _sample(t_s: float, procs: dict, tally: Tally) -> dict:
@@ -337,6 +455,23 @@ def table(payload: dict) -> str:
         text += f"\n\n**Stopped early: {payload['stopped_early']}.**"
     if payload["errors"]:
         text += f"\n\nErrors by kind: {payload['error_kinds']}; first: {payload['first_errors']}"
+    text += (f"\n\nAnswers per agent: {payload['served_per_agent']}. Checked against a from-scratch reference: "
+             f"{payload['answers_checked']}; wrong: {payload['wrong_answers']}; differing at a near tie "
+             f"(top two logprobs within {NEAR_TIE}): {payload['near_ties']}. Control (the reference of a prompt "
+             f"whose first token differs): {payload['control_verdicts']}.")
+    if payload["first_wrong_answers"]:
+        text += f" First wrong answers: {payload['first_wrong_answers']}"
+    if payload["hostile"]:
+        rows = [[behaviour, ", ".join(f"{k} {v}" for k, v in sorted(counts.items()))]
+                for behaviour, counts in payload["hostile"]["counts"].items()]
+        text += "\n\n" + markdown_table(["hostile neighbour", "outcomes (counted)"], rows,
+                                         "Beside the agents, for the whole run (benchmarks/hostile.py):")
+        if payload["hostile"]["findings"]:
+            text += f"\n\nFindings: {payload['hostile']['findings']}"
+    failed = verdict(payload)
+    text += "\n\n" + (f"**Failed: {'; '.join(failed)}.**" if failed else
+                       f"Passed: every agent served, no wrong answer, no finding, every service's RSS growth in the "
+                       f"second half at most {RSS_SLOPE_LIMIT_MIB_MIN} MiB/min.")
     return text
 
 
@@ -382,6 +517,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--start-timeout", type=float, default=900.0, help="seconds for a process to become healthy")
     parser.add_argument("--request-timeout", type=float, default=600.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--check-every", type=int, default=0,
+                        help="every N-th turn of an agent is compared with a from-scratch reference (0: none)")
+    parser.add_argument("--hostile", action="store_true", help="run the hostile neighbours of hostile.py beside")
     parser.add_argument("--workdir", type=Path, default=REPO_ROOT / ".cache", help="model and logs go here")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="soak.json, soak.md, soak.png go here")
     args = parser.parse_args(argv)
@@ -407,7 +545,7 @@ def main() -> None:
     payload = run_and_report(run, table, args, "soak.json", chart, out_dir=args.out_dir)
     markdown = write_text(args.out_dir / "soak.md", payload["table"] + "\n")
     print(f"table: {markdown}")
-    if payload["stopped_early"] or payload["errors"]:
+    if verdict(payload):
         sys.exit(1)
 
 
