@@ -90,6 +90,12 @@ class DualPathConfig:
     # this many tokens is split so that the DE reads its tail while this engine
     # reads the head, both links at once (read_split.py); 0: never split.
     split_read_min_tokens: int = SPLIT_READ_MIN_TOKENS
+    # PE, with move_queued_reads: the least deadline a DE is given for a read moved or split to it (at most
+    # de_read_timeout_s). The deadline offered is the time the whole read would take here at this engine's
+    # measured store rate, which counts neither the side channel's round trip nor the DE's scheduling, and
+    # assumes the two links independent: where a read takes milliseconds, or both links are one server (one
+    # machine), the DE's answer can miss it and the PE reads that part too. 0: the estimate alone.
+    moved_read_min_deadline_s: float = 0.0
     # Store reads this engine runs at once (its own hits, and a DE's reads for PEs), each with the store's
     # own window of requests in flight: while one read verifies its chunks or waits for its last object,
     # the next keeps the storage link busy. 1: one read after another.
@@ -156,6 +162,9 @@ class DualPathConfig:
                 raise ConfigError(f"{_WHERE}{name} must be positive, got {getattr(self, name)}")
         if self.split_read_min_tokens < 0:
             raise ConfigError(f"{_WHERE}split_read_min_tokens must not be negative, got {self.split_read_min_tokens}")
+        if not 0 <= self.moved_read_min_deadline_s <= self.de_read_timeout_s:
+            raise ConfigError(f"{_WHERE}moved_read_min_deadline_s must be between 0 and de_read_timeout_s "
+                              f"({self.de_read_timeout_s}), got {self.moved_read_min_deadline_s}")
         if self.load_mode not in LOAD_MODES:
             raise ConfigError(f"bad value for {_WHERE}'load_mode': {self.load_mode!r}; supported: {LOAD_MODES}")
         for name in ("pd_lease_s", "de_read_timeout_s", "pd_transfer_timeout_s", "layer_arrival_timeout_s",

@@ -116,6 +116,7 @@ class HitReader:
         cores: set[int] | None,
         move_queued_reads: bool = False,
         split_read_min_tokens: int = 0,
+        moved_read_min_deadline_s: float = 0.0,
         timeline: ReadTimeline | None = None,
         layer_arrival: bool = False,
         compute_window_s: Callable[[], float | None] = lambda: None,
@@ -134,6 +135,7 @@ class HitReader:
         self.de_read_timeout_s = de_read_timeout_s
         self.move_queued_reads = move_queued_reads
         self.split_read_min_tokens = split_read_min_tokens
+        self.moved_read_min_deadline_s = moved_read_min_deadline_s
         self.timeline = timeline
         # Hits read here arrive layer by layer (the store delivers per layer, the loads are layerwise).
         self.layer_arrival = layer_arrival and store.delivers_layers
@@ -248,6 +250,7 @@ class HitReader:
             tokens_per_s=self.read_queue.tokens_per_s,
             max_deadline_s=self.de_read_timeout_s,
             split_min_tokens=self.split_read_min_tokens,
+            min_deadline_s=self.moved_read_min_deadline_s,
         )
 
     @staticmethod

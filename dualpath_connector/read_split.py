@@ -55,6 +55,7 @@ def plan_read(
     tokens_per_s: float | None,
     max_deadline_s: float,
     split_min_tokens: int,
+    min_deadline_s: float = 0.0,
 ) -> ReadPlan:
     """Split point of one PE-side read of ``hit_tokens``, given ``queued_tokens`` ahead on this link.
 
@@ -64,11 +65,12 @@ def plan_read(
     when this engine keeps ``(hit - queued) / 2`` tokens: so a read on an idle
     link is halved, and one behind at least its own length moves whole.
     Parts under ``split_min_tokens`` are not worth a second request; 0 never
-    splits. Without a measured rate nothing is offered.
+    splits. Without a measured rate nothing is offered. ``min_deadline_s``
+    (at most ``max_deadline_s``) is the least deadline offered.
     """
     if tokens_per_s is None or num_chunks == 0:
         return ReadPlan(num_chunks)
-    deadline_s = min((queued_tokens + hit_tokens) / tokens_per_s, max_deadline_s)
+    deadline_s = min(max((queued_tokens + hit_tokens) / tokens_per_s, min_deadline_s), max_deadline_s)
     if split_min_tokens > 0:
         head = round(max(hit_tokens - queued_tokens, 0) / 2 / chunk_tokens)
         smallest = max(1, -(-split_min_tokens // chunk_tokens))

@@ -189,6 +189,7 @@ class DualPathWorker:
             integrity=self.integrity, kv_dtype=kv_caches[names[0]].dtype, peers=self.peers, lane=self._lanes["read"], stats=self.stats,
             de_read_timeout_s=self.config.de_read_timeout_s, cores=self._transfer_cores,
             move_queued_reads=self.config.move_queued_reads, split_read_min_tokens=self.config.split_read_min_tokens,
+            moved_read_min_deadline_s=self.config.moved_read_min_deadline_s,
             timeline=self.timeline,
             layer_arrival=self.config.load_mode == "layerwise", compute_window_s=lambda: self.compute_window.seconds,
             recompute_s=self.recompute_time.seconds if self.config.retries_within_recompute else lambda tokens: None,

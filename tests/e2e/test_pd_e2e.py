@@ -15,6 +15,15 @@ turn's blocks end), then the real request, whose prefix-cache hit leaves
 exactly the last token to compute because every prompt is 1 token past a
 block boundary (appends and outputs are whole blocks).
 
+The ``dualpath`` session proves the split read (both storage links read one
+hit): every PE-side hit is split, the PE reading the head and the DE the tail,
+counted on each side (``HitReads``, judged by ``split_between_both_sides``),
+with no DE declining or answering late. It must happen, not may: the PE gives
+its DE the DE-side read's own deadline for the tail
+(``moved_read_min_deadline_s``). Its controls: the same verdict on the forced
+sessions' hits (no DE offered the read), and on a hit shorter than twice
+``split_read_min_tokens`` in the same session (not split), is false.
+
 The engines share a random API key and cluster key: they refuse requests
 without the key, and a bad token id through the router is a 400 that leaves
 the PE healthy.
@@ -72,6 +81,15 @@ FLOW_COUNTERS = [(side, name) for side in ("pe", "de") for name in ("pulled_toke
 FLOW_COUNTERS += [("pe", "split_read_tail_tokens"), ("pe", "de_read_fallbacks"), ("de", "de_reads_declined")]
 # Small enough that the later turns' hits (26 and 36 chunks of 32 tokens) are split between the PE and the DE.
 SPLIT_READ_MIN_TOKENS = 8 * BLOCK
+# The least deadline the PE gives its DE for a split's tail: what a DE-side read gets (de_read_timeout_s). By
+# default the PE offers its estimate of its own whole read, tens of milliseconds here, which counts no side-channel
+# round trip, while both links are one SeaweedFS on two cores: the DE's answer in that time was a race (a run at
+# 4eb19bc: the PE gave up on turn 1's tail, counted in de_read_fallbacks, and read all of it itself).
+MOVED_READ_MIN_DEADLINE_S = DualPathConfig.de_read_timeout_s
+# Who read a turn's hit: the PE from the store, the DE for the PE, the split tail the PE counted as the DE's, the
+# DE's declines and the PE's fallbacks (a DE that answered late or failed).
+READ_COUNTERS = (("pe", "bytes_read"), ("de", "bytes_read_for_peer"), ("pe", "split_read_tail_tokens"),
+                 ("de", "de_reads_declined"), ("pe", "de_read_fallbacks"))  # fmt: skip
 # A released hold is gone well before its lease (the default 120 s) could end it. Not one second: under a full
 # `make test` on two cores each /metrics read waits its turn behind forwards (CI once measured 1.01 s).
 RELEASED_WITHIN_S = DualPathConfig.pd_lease_s / 12
@@ -117,7 +135,8 @@ def cluster(tiny_model, seaweedfs, tmp_path_factory):
     """One PE and one DE (vLLM OpenAI servers) sharing one API key and cluster key, stopped by the PIDs they hold."""
     logs = tmp_path_factory.mktemp("pd-logs")
     options = {"bucket": BUCKET, "max_num_batched_tokens": BATCH_TOKENS, "keys": ClusterKeys.generate(),
-               "extra": {"split_read_min_tokens": SPLIT_READ_MIN_TOKENS}}
+               "extra": {"split_read_min_tokens": SPLIT_READ_MIN_TOKENS,
+                         "moved_read_min_deadline_s": MOVED_READ_MIN_DEADLINE_S}}
     with pd_pair(tiny_model, seaweedfs, logs, **options) as pair:
         yield pair
 
@@ -136,7 +155,11 @@ def test_session_through_router_matches_single_engine(read_side, tiny_model, sea
     router.start()
     try:
         sides = []
+        # Per turn with a hit: who read it, and whether the PE had measured its read rate by then (it offers the
+        # DE nothing before; earlier sessions of this module measured it).
+        turn_reads: list[tuple[str, bool, HitReads]] = []
         for turn, expected in enumerate(baseline[read_side]):
+            ahead = read_counters(engines)
             out, headers = through_router(router, expected["prompt"], OUTPUT_TOKENS)
             assert same(out, expected), f"turn {turn} differs from the engine without the connector"
             # The next turn must find every chunk saved (asynchronously: the PE its prompt chunks, the DE the rest).
@@ -147,8 +170,16 @@ def test_session_through_router_matches_single_engine(read_side, tiny_model, sea
             # Every full chunk of the previous turn's prompt and output was stored (by the PE or the DE).
             previous = baseline[read_side][turn - 1] if turn else None
             assert hit == (len(previous["prompt"]) + OUTPUT_TOKENS - 1) // BLOCK * BLOCK if previous else hit == 0
+            if hit:
+                turn_reads.append((sides[-1], ahead["pe", "bytes_read"] > 0, hit_reads(engines, ahead, hit)))
+        _assert_session_flows(read_side, pe, de, engines, before, counted, baseline, hits, sides, turn_reads)
+        if read_side == "dualpath":
+            _control_below_the_split_minimum(router, engines, baseline)
     finally:
         router.stop()
+
+
+def _assert_session_flows(read_side, pe, de, engines, before, counted, baseline, hits, sides, turn_reads) -> None:
     if read_side != "dualpath":
         assert set(sides) == {read_side}
     assert set(sides) <= {"pe", "de"}
@@ -183,9 +214,15 @@ def test_session_through_router_matches_single_engine(read_side, tiny_model, sea
     assert kept == planned if grew["pe", "de_read_fallbacks"] == 0 else kept >= planned
     if read_side == "de":
         assert kept > 0
-    if read_side == "dualpath" and "pe" in sides[1:]:
-        # Split (or, if the DE's measured rate said it would finish late, declined and read by the PE).
-        assert kept > 0 or grew["de", "de_reads_declined"] > 0
+    # The split read, per hit: the dualpath session splits every PE-side hit (each part at least
+    # split_read_min_tokens) once the PE has measured its rate; the control, on the same counters: the forced
+    # sessions (no DE offered the read: the router names none for "pe", and a DE-side read has no head) never do.
+    for side, rate_measured, reads in turn_reads:
+        expected = read_side == "dualpath" and side == "pe" and rate_measured and reads.hit >= 2 * SPLIT_READ_MIN_TOKENS
+        assert split_between_both_sides(reads) == expected, (read_side, side, rate_measured, reads)
+    if read_side == "dualpath":
+        assert any(split_between_both_sides(reads) for _, _, reads in turn_reads), (sides, turn_reads)
+        assert grew["de", "de_reads_declined"] == 0 and grew["pe", "de_read_fallbacks"] == 0
     else:
         assert grew["pe", "split_read_tail_tokens"] == 0
     # Saves on both storage links, each chunk once: the PE saves the prompt chunks it computed, the DE the
@@ -194,6 +231,75 @@ def test_session_through_router_matches_single_engine(read_side, tiny_model, sea
     last = baseline[read_side][-1]
     assert grew["pe", "saved_chunks"] > 0 and grew["de", "saved_chunks"] > 0
     assert grew["pe", "saved_chunks"] + grew["de", "saved_chunks"] == (len(last["prompt"]) + OUTPUT_TOKENS - 1) // chunk_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class HitReads:
+    """What one hit's reads counted on each side: tokens the PE read from the store, tokens the DE read for the
+    PE, the split tail the PE counted as read by the DE; the DE's declines, the PE's fallbacks."""
+
+    hit: int
+    pe_tokens: int
+    de_tokens: int
+    split_tail_tokens: int
+    declined: int
+    fallbacks: int
+
+
+def split_between_both_sides(reads: HitReads) -> bool:
+    """The hit was split: the PE read a head, the DE the rest (the tail the PE counted), each token once, and the
+    DE neither declined nor answered late."""
+    both_read = 0 < reads.pe_tokens < reads.hit and reads.pe_tokens + reads.de_tokens == reads.hit
+    return both_read and reads.split_tail_tokens == reads.de_tokens and reads.declined == reads.fallbacks == 0
+
+
+def read_counters(engines: dict) -> dict[tuple[str, str], float]:
+    """READ_COUNTERS now (after an engine step on each: vLLM exports connector stats with steps)."""
+    for server in engines.values():
+        _flush_stats(server)
+    return {(side, name): engines[side].metric_total(counter_total_name(name)) for side, name in READ_COUNTERS}
+
+
+def hit_reads(engines: dict, ahead: dict[tuple[str, str], float], hit: int) -> HitReads:
+    """One hit's reads since ``ahead``, once every hit token is counted as read (by either side)."""
+    key_space = engines["pe"].key_space()
+
+    def tokens(nbytes: float) -> int:
+        return int(nbytes) // key_space.layout.full_block_bytes * key_space.chunk_tokens
+
+    def read() -> HitReads:
+        now = read_counters(engines)
+        grew = {key: now[key] - ahead[key] for key in READ_COUNTERS}
+        return HitReads(hit, tokens(grew["pe", "bytes_read"]), tokens(grew["de", "bytes_read_for_peer"]),
+                        int(grew["pe", "split_read_tail_tokens"]), int(grew["de", "de_reads_declined"]),
+                        int(grew["pe", "de_read_fallbacks"]))  # fmt: skip
+
+    return poll(read, lambda reads: reads.pe_tokens + reads.de_tokens >= hit, 60, f"the reads of a {hit}-token hit")
+
+
+def _control_below_the_split_minimum(router, engines: dict, baseline: dict) -> None:
+    """The control with the split switched off by split_read_min_tokens, on the same engines and policy: a PE-side
+    hit shorter than twice it (12 chunks of the session's first prompt) is read by the PE alone, and the verdict
+    that passed for the session's hits is false on its counters."""
+    prompt = baseline["dualpath"][0]["prompt"][: 12 * BLOCK] + [7]
+    ahead = read_counters(engines)
+    _, headers = through_router(router, prompt, 2)
+    hit = int(headers["x-dualpath-hit-tokens"])
+    assert (hit, headers["x-dualpath-read-side"]) == (12 * BLOCK, "pe") and hit < 2 * SPLIT_READ_MIN_TOKENS
+    reads = hit_reads(engines, ahead, hit)
+    assert not split_between_both_sides(reads), reads
+    assert (reads.pe_tokens, reads.de_tokens) == (hit, 0), reads
+
+
+def test_the_split_verdict_refuses_a_declined_or_late_tail():
+    """What the session test counted as a split before (a DE that declined, or answered after the PE's deadline
+    and the PE read the tail as well) is not one; a split's own counters are (832 tokens: the session's turn 1)."""
+    split = HitReads(832, 416, 416, 416, 0, 0)
+    assert split_between_both_sides(split)
+    assert not split_between_both_sides(HitReads(832, 832, 0, 0, 1, 0))  # declined: the PE read it all
+    assert not split_between_both_sides(HitReads(832, 832, 416, 0, 0, 1))  # late: both read the tail
+    assert not split_between_both_sides(HitReads(832, 416, 416, 0, 0, 0))  # the PE did not use the DE's tail
+    assert not split_between_both_sides(HitReads(832, 0, 832, 0, 0, 0))  # a DE-side read
 
 
 def _flush_stats(server) -> None:
@@ -322,16 +428,14 @@ def test_a_proxy_in_nixl_connector_convention_drives_the_handoff(session, cluste
                 if engines[side].metric_total(counter_total_name(name)) > before[(side, name)]}  # fmt: skip
 
     # The hand-off happened: the DE pulled the prompts' KV from the PE (a DE that recomputed pulls nothing);
-    # the second turn's hit was read by the side asked for: the PE without a DE named, else the DE, which may
-    # decline or answer late when its reads run slow (the suite's load on 2 cores), visibly, and the PE reads it.
-    if "naming" in session:
-        readers = {("de", "bytes_read_for_peer"), ("de", "de_reads_declined"), ("pe", "de_read_fallbacks")}
-    else:
-        readers = {("pe", "bytes_read")}
-    found = poll(grown, lambda names: ("de", "pulled_tokens") in names and bool(names & readers), 60,
-                 "the DE's pull and the hit's reader after the session")  # fmt: skip
-    if "naming" not in session:
-        assert ("de", "bytes_read_for_peer") not in found  # no DE named: nothing read there
+    # the second turn's hit was read by the side asked for, and by it alone: the PE without a DE named, else the
+    # DE, neither declining nor answering late (its deadline is de_read_timeout_s, seconds for a read of
+    # milliseconds here) and the PE reading nothing. Each session's reader is the other's control: a DE that
+    # declined leaves the read to the PE, one that answered late makes both read it (and counts a fallback).
+    reader = ("de", "bytes_read_for_peer") if "naming" in session else ("pe", "bytes_read")
+    found = poll(grown, lambda names: {("de", "pulled_tokens"), reader} <= names, 60,
+                 f"the DE's pull and the hit's read by {reader} after the session")  # fmt: skip
+    assert found == {("de", "pulled_tokens"), reader}, found
 
 
 def held_blocks(pe) -> float:
