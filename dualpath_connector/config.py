@@ -22,6 +22,8 @@ _WHERE = "kv_connector_extra_config."
 # Where the transport section's keys are named in errors (also those found at the UCX backend's creation).
 TRANSPORT_WHERE = f"{_WHERE}transport."
 LOAD_MODES = ("layerwise", "bulk")
+# vLLM's Locality values (vllm.v1.kv_offload.base.Locality) for kv_events_locality.
+KV_EVENT_LOCALITIES = ("LOCAL", "REMOTE")
 # vLLM's physical KV cache layouts (vllm.v1.kv_cache_layout.KVCacheLayout) whose
 # blocks this connector copies: each layer's block is one run of bytes (or, for
 # LHBNC, one run per head). BHLNC interleaves layers inside a head and is not.
@@ -138,6 +140,11 @@ class DualPathConfig:
     # false: the store's BlockStored events carry no token ids (consumers that recompute block keys from them,
     # llm-d's precise prefix-cache scorer, then cannot use them).
     kv_events_token_ids: bool = True
+    # The store's events' locality, as vLLM's own storage tiers set it (routers such as Dynamo's tell a tier
+    # the engine reads itself from a shared one by it): "LOCAL" or "REMOTE"; None: the store's own (posix and
+    # dualblade LOCAL, s3 and s3agg REMOTE, tiered REMOTE when a tier is). A posix root every engine mounts
+    # (3FS, Lustre, NFS) is "REMOTE".
+    kv_events_locality: str | None = None
     # PD roles: UCX settings for KV transfers between engines, e.g. {"ucx_ib_sl": 3} to keep them in
     # their own InfiniBand service level (docs/traffic-isolation.md); unset: UCX's defaults.
     transport: dict[str, Any] | None = None
@@ -188,6 +195,11 @@ class DualPathConfig:
             )
         if self.kv_events_gc_poll_s < 0:
             raise ConfigError(f"{_WHERE}kv_events_gc_poll_s must not be negative, got {self.kv_events_gc_poll_s}")
+        if self.kv_events_locality is None:
+            self.kv_events_locality = self.store_config.locality
+        elif self.kv_events_locality not in KV_EVENT_LOCALITIES:
+            raise ConfigError(f"bad value for {_WHERE}'kv_events_locality': {self.kv_events_locality!r}; "
+                              f"choose one of {KV_EVENT_LOCALITIES}")
         if self.side_channel_port is not None and not 0 < self.side_channel_port < 65536:
             raise ConfigError(f"{_WHERE}side_channel_port must be a TCP port, got {self.side_channel_port}")
 

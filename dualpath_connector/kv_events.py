@@ -51,6 +51,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# The ownership of the store's events: who holds the announced copies (vLLM keys a block's residencies by medium
+# and ownership, so ours never end another tier's).
+OWNERSHIP = "dualpath-kv"
+
 
 @dataclass(frozen=True)
 class _Block:
@@ -85,8 +89,14 @@ class StorageEvents:
         tracked_chunks: int,
         stats: StatsRecorder,
         token_ids: bool = True,
+        locality: str | None = None,
+        spec_kind: str | None = None,
     ) -> None:
         self.block_size = block_size
+        # As vLLM's own storage tiers tag their events: the store's locality (kv_events_locality), the owner of
+        # the copies announced (this connector: a removal undoes only its own residency), the cache's spec kind.
+        self.locality = locality
+        self.spec_kind = spec_kind
         self.blocks_per_chunk = blocks_per_chunk
         self.world_size = world_size
         self.max_queued = max_queued
@@ -183,6 +193,9 @@ class StorageEvents:
                     lora_name=block.lora_name,
                     extra_keys=[block.extra_keys] if block.extra_keys is not None else None,
                     group_idx=0,
+                    kv_cache_spec_kind=self.spec_kind,
+                    locality=self.locality,
+                    ownership=OWNERSHIP,
                 )
             )
         self.stats.add(kv_events_stored_blocks=len(blocks))
@@ -214,7 +227,8 @@ class StorageEvents:
             if len(self._queue) >= self.max_queued:
                 self.stats.add(kv_events_dropped=1)
                 continue
-            self._queue.append(BlockRemoved(block_hashes=list(block_hashes), medium=MEDIUM_STORAGE, group_idx=0))
+            self._queue.append(BlockRemoved(block_hashes=list(block_hashes), medium=MEDIUM_STORAGE, group_idx=0,
+                                            locality=self.locality, ownership=OWNERSHIP))
             self.stats.add(kv_events_removed_blocks=len(block_hashes))
 
     def take(self) -> list[KVCacheEvent]:

@@ -103,6 +103,7 @@ class DualPathScheduler:
         shards: Sequence[KVNamespace] = (),
         tp_size: int = 1,
         kv_events: bool = False,
+        spec_kind: str | None = None,
         lookup_executor: Executor | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -144,6 +145,8 @@ class DualPathScheduler:
                 tracked_chunks=config.lookup_cache_chunks,
                 stats=self.stats,
                 token_ids=config.kv_events_token_ids,
+                locality=config.kv_events_locality,
+                spec_kind=spec_kind,
             )
         self.removal_watcher: RemovalWatcher | None = None
         logger.info(
@@ -166,6 +169,8 @@ class DualPathScheduler:
         scheduler = cls(
             config, kv_role, geometry, namespace, store,
             shards=shards, tp_size=vllm_config.parallel_config.tensor_parallel_size, kv_events=kv_events,
+            # vLLM's KVCacheSpecKind of the cache stored (its events name it): the attention this connector serves.
+            spec_kind="mla_attention" if vllm_config.model_config.use_mla else "full_attention",
         )  # fmt: skip
         if kv_events and config.kv_events_gc_poll_s > 0:
             scheduler.watch_removals(config.kv_events_gc_poll_s)

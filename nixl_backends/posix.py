@@ -16,7 +16,7 @@ import os
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 
@@ -44,6 +44,10 @@ def create_posix_backend(agent: Any, io_engine: str) -> None:
 @dataclass
 class PosixStoreConfig:
     """``{"backend": "posix", ...}``."""
+
+    # Where the chunks live relative to the engine (vLLM KV events' locality): its own disks. A root on a file
+    # system all engines mount (3FS, Lustre, NFS) is REMOTE: say so with the connector's kv_events_locality.
+    locality: ClassVar[str] = "LOCAL"
 
     root: str
     io_engine: Literal["aio", "uring", "posix_aio"] = "aio"

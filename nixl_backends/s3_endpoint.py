@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import boto3
 from botocore.config import Config as BotoConfig
@@ -32,6 +32,9 @@ _REFUSED = ("401", "403")
 @dataclass
 class S3StoreConfig:
     """``{"backend": "s3", ...}``."""
+
+    # Where the chunks live relative to the engine (vLLM KV events' locality): a bucket across the network.
+    locality: ClassVar[str] = "REMOTE"
 
     bucket: str
     endpoint: str | None = None

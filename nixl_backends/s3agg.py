@@ -43,7 +43,7 @@ import uuid
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 from urllib.parse import urlsplit
 
 import numpy as np
@@ -130,6 +130,9 @@ class GatewayRefused(RuntimeError):
 @dataclass
 class S3AggStoreConfig:
     """``{"backend": "s3agg", "gateway": "http(s)://host:port", "s3": {<an s3 store section>}, ...}``."""
+
+    # Where the chunks live relative to the engine (vLLM KV events' locality): the bucket behind the gateway.
+    locality: ClassVar[str] = "REMOTE"
 
     gateway: str
     # The bucket behind the gateway, as a plain s3 store: lookups, writes, fallback.

@@ -49,6 +49,11 @@ class TieredStoreConfig:
     fill_buffer_bytes: int = 256 << 20
     tier_configs: list = field(init=False, default_factory=list)
 
+    @property
+    def locality(self) -> str:
+        """REMOTE when any tier is (a chunk is announced once durable, and the shared tier is where it lasts)."""
+        return "REMOTE" if any(tier.locality == "REMOTE" for tier in self.tier_configs) else "LOCAL"
+
     def validate(self) -> None:
         from nixl_backends.registry import parse_store_config
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
+from typing import ClassVar, Literal
 
 from nixl_backends.configuration import ConfigError
 from nixl_backends.dualblade.ranker import RANKERS
@@ -11,6 +11,9 @@ from nixl_backends.dualblade.ranker import RANKERS
 
 @dataclass
 class DualBladeStoreConfig:
+    # Where the chunks live relative to the engine (vLLM KV events' locality): its own NVMe.
+    locality: ClassVar[str] = "LOCAL"
+
     # Directory for the journal and lock, and for the extent file unless ``device`` is set. One writer per
     # root: with several ranks per engine, ``{tp_rank}`` and ``{pp_rank}`` in it give each rank its own.
     root: str

@@ -25,6 +25,7 @@ import pytest
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
+from dualpath_connector.kv_events import OWNERSHIP
 from dualpath_dev.processes import free_port
 from nixl_backends.layout import chunk_hashes, chunk_key
 from nixl_backends.removals import RECORDS_DIR
@@ -181,6 +182,11 @@ def test_stored_then_removed_chunks_are_announced_with_vllms_block_hashes(engine
     stored = storage(subscriber.events, BlockStored)
     assert len(stored) == 12 and all(len(e.block_hashes) == 1 for e in stored)
     assert all((e.block_size, e.lora_id, e.lora_name) == (BLOCK, None, None) for e in stored)
+    # Tagged as vLLM's own storage tiers tag theirs: a bucket is REMOTE. vLLM's GPU-tier events, decoded by the same
+    # subscriber, carry no locality or ownership: the fields come from the connector, not from the decoding.
+    assert {(e.locality, e.ownership, e.kv_cache_spec_kind) for e in stored} == {("REMOTE", OWNERSHIP, "full_attention")}
+    gpu_events = [e for e in subscriber.events if isinstance(e, BlockStored) and e.medium == "GPU"]
+    assert gpu_events and {(e.locality, e.ownership) for e in gpu_events} == {(None, None)}
     storage_blocks = by_parent_and_tokens(stored, "STORAGE")
     for name, prompt in prompts.items():
         assert chain(storage_blocks, prompt) == gpu_chains[name]
@@ -204,3 +210,4 @@ def test_stored_then_removed_chunks_are_announced_with_vllms_block_hashes(engine
 
     drive_until(engine, subscriber, lambda: len(removed_blocks()) >= 12, "BlockRemoved (STORAGE) for 12 blocks")
     assert sorted(removed_blocks()) == sorted(key_of)
+    assert {(e.locality, e.ownership) for e in storage(subscriber.events, BlockRemoved)} == {("REMOTE", OWNERSHIP)}

@@ -22,7 +22,7 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
 from dualpath_connector.config import ChunkGeometry, kv_events_enabled, parse_config
-from dualpath_connector.kv_events import RemovalWatcher
+from dualpath_connector.kv_events import OWNERSHIP, RemovalWatcher
 from dualpath_connector.metadata import SavedChunks
 from dualpath_connector.scheduler import DualPathScheduler
 from nixl_backends.configuration import ConfigError
@@ -324,7 +324,35 @@ def test_kv_events_true_without_vllms_events_fails_naming_the_key(tmp_path):
     ("kv_events_max_queued", 0, "kv_events_max_queued must be positive"),
     ("kv_events_gc_poll_s", -1, "kv_events_gc_poll_s must not be negative"),
     ("kv_events", "yes", "bad value for kv_connector_extra_config.'kv_events'"),
+    ("kv_events_locality", "local", "bad value for kv_connector_extra_config.'kv_events_locality'"),
 ])  # fmt: skip
 def test_bad_event_settings_fail_naming_the_key(tmp_path, key, value, message):
     with pytest.raises(ConfigError, match=message.replace(".", r"\.").replace("'", "'")):
         parse_config({"store": {"backend": "posix", "root": str(tmp_path)}, key: value})
+
+
+def test_events_carry_the_stores_locality_this_connectors_ownership_and_the_spec_kind(tmp_path):
+    """As vLLM's own storage tiers tag theirs: a router tells a tier the engine reads itself from a shared one."""
+    scheduler, _ = events_scheduler(tmp_path)  # a posix root: LOCAL unless the config says it is shared
+    scheduler.events.spec_kind = "full_attention"  # what from_vllm passes for a model without MLA
+    request = vllm_request("r1", prompt_of(CHUNK))
+    (chunk,) = save_all(scheduler, request)
+    scheduler.saves_finished(SavedChunks(stored={chunk: 1}))
+    stored = scheduler.take_events()
+    assert {(e.locality, e.ownership, e.kv_cache_spec_kind) for e in stored} == {("LOCAL", OWNERSHIP, "full_attention")}
+    shared, _ = events_scheduler(tmp_path, kv_events_locality="REMOTE")  # a root every engine mounts
+    assert shared.events.locality == "REMOTE"
+
+
+@pytest.mark.parametrize(("store", "locality"), [
+    ({"backend": "posix", "root": "/r"}, "LOCAL"),
+    ({"backend": "dualblade", "root": "/r"}, "LOCAL"),
+    ({"backend": "s3", "bucket": "kv-bucket"}, "REMOTE"),
+    ({"backend": "s3agg", "gateway": "http://127.0.0.1:9100", "s3": {"bucket": "kv-bucket"}}, "REMOTE"),
+    ({"backend": "tiered", "tiers": [{"backend": "dualblade", "root": "/r"}, {"backend": "s3", "bucket": "kv-bucket"}]},
+     "REMOTE"),
+    ({"backend": "tiered", "tiers": [{"backend": "dualblade", "root": "/r"}, {"backend": "posix", "root": "/p"}]},
+     "LOCAL"),
+])  # fmt: skip
+def test_the_events_locality_defaults_to_the_stores(store, locality):
+    assert parse_config({"store": store}).kv_events_locality == locality
