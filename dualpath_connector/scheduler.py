@@ -87,6 +87,8 @@ class _RequestState:
     # PE, when the router named the decoding DE: (keep token, first chunk, chunks) of the hit that DE keeps if it
     # reads it (read side "de", or a read moved there).
     kept: tuple[str, int, int] | None = None
+    # Where its last planned external hit comes from, for vLLM's hit metrics: "p2p" (pulled from the PE) or "store".
+    hit_source: str | None = None
 
 
 class DualPathScheduler:
@@ -295,11 +297,13 @@ class DualPathScheduler:
         state = self._state(request)
         state.block_ids = list(blocks.get_block_ids()[0])
         if state.remote_prefill is not None:
+            state.hit_source = "p2p"
             self._plan_pull(state, num_external_tokens)
             return
         hit_chunks = self._pending_hit_chunks.pop(request.request_id, 0)
         if num_external_tokens == 0 or hit_chunks == 0:
             return
+        state.hit_source = "store"
         hit_end = hit_chunks * self.geometry.chunk_tokens
         local_blocks = (hit_end - num_external_tokens) // self.geometry.block_size
         chunks = []
@@ -327,6 +331,20 @@ class DualPathScheduler:
         self._loads.append(spec)
         state.loads_issued += 1
         logger.debug("request %s: loading %d tokens from the store", request.request_id, num_external_tokens)
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+        """vLLM's ``CacheHitSource`` of a request's external hit, planned by :meth:`update_state_after_alloc`: P2P
+        for a pull from the PE; for a store hit DISK where the store is this machine's (``kv_events_locality``
+        LOCAL), else EXTERNAL_UNSPECIFIED, vLLM's label for a remote store."""
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+        if num_external_tokens == 0:
+            return {}
+        state = self._states.get(request.request_id)
+        if state is not None and state.hit_source == "p2p":
+            return {CacheHitSource.P2P: num_external_tokens}
+        local = self.config.kv_events_locality == "LOCAL"
+        return {CacheHitSource.DISK if local else CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
 
     @staticmethod
     def _parsed(request: Request, message: type[PrefillRequest] | type[PrefillHandoff]) -> Any:

@@ -421,6 +421,25 @@ def test_de_pull_maps_every_remote_prompt_block_onto_a_local_one(tmp_path):
     assert request.kv_transfer_params["do_remote_prefill"] is False
 
 
+def test_vllms_hit_metrics_name_a_pull_p2p_and_a_store_hit_by_the_stores_locality(tmp_path):
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    de, _ = make_scheduler(tmp_path, "kv_consumer")
+    pulled = make_request("d1", prompt_of(100), handoff().to_dict())
+    assert de.get_num_new_matched_tokens(pulled, 0) == (100, True)
+    de.update_state_after_alloc(pulled, Blocks(range(10, 17)), 100)
+    assert de.hit_sources(pulled, 100) == {CacheHitSource.P2P: 100}
+    for locality, source in (("LOCAL", CacheHitSource.DISK), ("REMOTE", CacheHitSource.EXTERNAL_UNSPECIFIED)):
+        scheduler, store = make_scheduler(tmp_path, kv_events_locality=locality)
+        prompt = prompt_of(3 * CHUNK + 7)
+        store_chunks(store, prompt, 2)
+        request = make_request("r1", prompt)
+        assert scheduler.get_num_new_matched_tokens(request, 0) == (2 * CHUNK, True)
+        scheduler.update_state_after_alloc(request, Blocks(range(100, 104)), 2 * CHUNK)
+        assert scheduler.hit_sources(request, 2 * CHUNK) == {source: 2 * CHUNK}
+        assert scheduler.hit_sources(request, 0) == {}
+
+
 def test_de_pull_skips_blocks_of_a_local_prefix_hit(tmp_path):
     scheduler, _ = make_scheduler(tmp_path, "kv_consumer")
     request = make_request("d1", prompt_of(100), handoff().to_dict())
