@@ -15,8 +15,9 @@ How it plugs into vLLM's own scheduling loop (nothing of ``schedule()`` is copie
 token count of every request it schedules, running and waiting, after its own budget and
 caps, with the request's real context (local and connector hits included). This class
 answers it: decodes unchanged (their cost is reserved when the step starts, so they always
-run), prefills cut to what fits. A waiting request cut to 0 ends vLLM's admission for the
-step (FIFO, as the paper); a running one is skipped for this step.
+run), prefills cut to what fits. A waiting request cut to 0 ends admission for the step (FIFO,
+as the paper): vLLM 0.32 stops there itself, 0.33 skips it and asks about those behind it, so
+every later waiting request of the step is answered 0 here; a running one is skipped for this step.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Callable
 
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
 
 from dualpath_connector.step_time_model import StepRecorder, StepShape, StepTimeModel
 from nixl_backends.configuration import ConfigError, from_dict
@@ -162,6 +164,7 @@ class _ComputeQuotaMixin:
         # This step's reserved and granted work; None outside schedule() or while not fitted.
         self._step: StepShape | None = None
         self._prefill_in_step = False
+        self._admission_closed = False
         self._pending: dict[int, _PendingStep] = {}
         self._last_output_at = 0.0
         self._steps_to_ignore = config.ignore_first_steps
@@ -180,6 +183,7 @@ class _ComputeQuotaMixin:
         self._step = self._reserved_decodes() if self.step_model.fitted else None
         self._prefill_in_step = False
         self._limited_this_step = False
+        self._admission_closed = False
         try:
             output = super().schedule(*args, **kwargs)
         finally:
@@ -210,6 +214,9 @@ class _ComputeQuotaMixin:
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
         if self._step is None or num_new_tokens == 0 or num_computed_tokens >= request.num_prompt_tokens:
             return num_new_tokens  # no model yet, nothing to do, or a decode (reserved already)
+        waiting = request.status != RequestStatus.RUNNING
+        if waiting and self._admission_closed:
+            return 0  # a waiting request before it was cut to nothing: FIFO, whatever vLLM does with a 0
         floor = None if self._prefill_in_step else self.floor_tokens
         chunk = quota_chunk(self.step_model, self._step, self.quota_s, num_computed_tokens, num_new_tokens, floor)
         if chunk < num_new_tokens:
@@ -223,6 +230,8 @@ class _ComputeQuotaMixin:
         if chunk:
             self._step = self._step.with_prefill(num_computed_tokens, chunk)
             self._prefill_in_step = True
+        elif waiting:
+            self._admission_closed = True
         return chunk
 
     def shutdown(self) -> None:

@@ -290,3 +290,24 @@ def test_scheduler_class_must_match_async_scheduling(make_vllm_config):
         build(QuotaScheduler, make_vllm_config({}, async_scheduling=True))
     with pytest.raises(ConfigError, match="use dualpath_connector.compute_quota.QuotaScheduler"):
         build(AsyncQuotaScheduler, make_vllm_config({}))
+
+
+def test_a_waiting_prompt_cut_to_nothing_keeps_those_behind_it_waiting(make_vllm_config, profile):
+    """FIFO under vLLM 0.33 too, which skips a waiting request answered 0 and asks about the next one (0.32
+    stops). A long prompt with a cached prefix (each new token attends to it) gets nothing of a nearly full
+    step, while a short prompt behind it would fit: it must wait as well."""
+    # COEFFICIENTS: the 250-token prefill already in the step is predicted 35.3125 ms; 0.15 ms are left, which
+    # holds one token without context (0.1 ms) but none after 7,000 cached ones (0.17 ms).
+    scheduler = build(QuotaScheduler, make_vllm_config({"quota_ms": 35.4625, "profile": profile,
+                                                        "learn_online": False}))
+    long_, short = request("long", 8000), request("short", 60)
+
+    def in_a_step(*asked: tuple[Request, int, int]) -> list[int]:
+        scheduler._step = StepShape()
+        scheduler._step.add(0, 250, decode=False)  # a prefill already in this step: no floor for the next
+        scheduler._prefill_in_step, scheduler._admission_closed = True, False
+        return [scheduler._reserve_prefill_lookahead(r, computed, new) for r, computed, new in asked]
+
+    (alone,) = in_a_step((short, 0, 60))
+    assert alone > 0  # the control: without the long prompt before it, the short one is admitted
+    assert in_a_step((long_, 7000, 1000), (short, 0, 60)) == [0, 0]
