@@ -10,11 +10,16 @@ layer whose digest is bad fails its chunks mid-forward and vLLM recomputes
 them; a gateway killed mid-load leaves the rest to plain S3 reads. A 1P1D
 cluster with s3agg stores serves a session with the read side on the PE
 (layer arrival next to the PD side channel, one NIXL notification reader) and
-on the DE (the DE reads through the gateway into its own buffer).
+on the DE (the DE reads through the gateway into its own buffer). Who read the
+hit, and through what, is counted: the reader's bytes on its side, none on the
+other, and every chunk of it delivered by the gateway (``s3agg_delivered_bytes_total``),
+so a read that went around the gateway (its fallback to plain S3) fails the
+check; each read side's session is the other's control.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import signal
@@ -23,7 +28,7 @@ import urllib.request
 
 import pytest
 
-from dualpath_connector.protocol import metric_samples
+from dualpath_connector.protocol import counter_total_name, metric_samples
 from dualpath_dev.engines import ClusterKeys, RouterProcess
 from dualpath_dev.gateway import GatewayProcess, gateway_config
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout, chunk_hashes, chunk_key
@@ -230,11 +235,52 @@ def cluster(tiny_model, seaweedfs, gateways, tmp_path_factory):
         yield pair
 
 
+@dataclasses.dataclass(frozen=True)
+class HitReads:
+    """Chunks a PD session's hits counted: read by the PE from its store (``bytes_read``), read by the DE for the
+    PE (``bytes_read_for_peer``), and the gateway's successful reads and the chunks it delivered."""
+
+    pe_chunks: int
+    de_chunks: int
+    gateway_requests: int
+    gateway_chunks: int
+
+
+def read_through_gateway(reads: HitReads, side: str) -> bool:
+    """``side`` alone read the hits, every chunk of them delivered by the gateway (none read around it)."""
+    mine, other = (reads.de_chunks, reads.pe_chunks) if side == "de" else (reads.pe_chunks, reads.de_chunks)
+    return mine > 0 and other == 0 and reads.gateway_requests > 0 and reads.gateway_chunks == mine
+
+
+def hit_read_totals(pe, de, gateway: GatewayProcess) -> HitReads:
+    """The counters of :class:`HitReads` now, after an engine step on each engine (vLLM exports connector stats
+    with steps)."""
+    layout = pe.key_space().layout
+    for server in (pe, de):
+        server.post("/v1/completions", {"model": str(server.model), "prompt": [1, 2, 3], "max_tokens": 1})
+    return HitReads(
+        int(pe.metric_total(counter_total_name("bytes_read"))) // layout.full_block_bytes,
+        int(de.metric_total(counter_total_name("bytes_read_for_peer"))) // layout.full_block_bytes,
+        int(gateway_metric(gateway, "s3agg_requests_total", outcome="ok")),
+        int(gateway_metric(gateway, "s3agg_delivered_bytes_total")) // layout.object_bytes,
+    )
+
+
+def test_the_gateway_verdict_refuses_a_read_around_it():
+    """A DE read of 18 chunks through the gateway passes; the same read served by plain S3 after a gateway
+    failure (nothing delivered), one the PE shared, or the PE's read do not."""
+    assert read_through_gateway(HitReads(0, 18, 1, 18), "de")
+    assert not read_through_gateway(HitReads(0, 18, 0, 0), "de")
+    assert not read_through_gateway(HitReads(18, 18, 2, 36), "de")
+    assert not read_through_gateway(HitReads(18, 0, 1, 18), "de")
+
+
 @pytest.mark.parametrize("read_side", PD_SIDES)
 def test_pd_session_with_s3agg_store(read_side, cluster, gateways, seaweedfs, baseline, tmp_path):
     pe, de = cluster
     plain = gateways["plain"]
-    before = gateway_metric(plain, "s3agg_requests_total", outcome="ok")
+    before = hit_read_totals(pe, de, plain)
+    hit_tokens = 0
     router = RouterProcess([pe], [de], seaweedfs, tmp_path, read_side=read_side).start()
     try:
         for turn, expected in enumerate(baseline[read_side]):
@@ -242,11 +288,23 @@ def test_pd_session_with_s3agg_store(read_side, cluster, gateways, seaweedfs, ba
             assert same(out, expected), f"turn {turn} differs from the engine without the connector"
             de.wait_stored(expected["prompt"] + out["tokens"][:-1])
             assert headers["x-dualpath-read-side"] == read_side
+            hit_tokens += int(headers["x-dualpath-hit-tokens"])
             if turn:
                 assert int(headers["x-dualpath-hit-tokens"]) > 0
     finally:
         router.stop()
-    # The second turn's hit went through the gateway (layerwise to the PE, or into the DE's buffer).
-    assert gateway_metric(plain, "s3agg_requests_total", outcome="ok") > before
+
+    def grown() -> HitReads:
+        now = hit_read_totals(pe, de, plain)
+        return HitReads(*(getattr(now, f.name) - getattr(before, f.name) for f in dataclasses.fields(HitReads)))
+
+    # The second turn's hit was read by the side asked for and by it alone, through the gateway: layerwise into
+    # the PE's pool, or into the DE's buffer, which the PE then READs; every hit chunk delivered by the gateway.
+    # The control: the other side's session, where the same verdict for this side must be false.
+    hit_chunks = hit_tokens // CHUNK
+    reads = poll(grown, lambda r: r.pe_chunks + r.de_chunks >= hit_chunks, 60, f"the reads of {hit_chunks} hit chunks")
+    assert read_through_gateway(reads, read_side), reads
+    assert not read_through_gateway(reads, "pe" if read_side == "de" else "de"), reads
+    assert reads.gateway_chunks == hit_chunks, reads
     for server in (pe, de):
         assert "NIXL notification for no registered owner" not in server.log_path.read_text(errors="replace")
