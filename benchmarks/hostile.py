@@ -182,7 +182,8 @@ class HostileNeighbours:
                             if drip:
                                 sock.send(drip)
                             sock.setblocking(False)
-                            closed = sock.recv(65536, socket.MSG_PEEK) is not None
+                            sock.recv(1, socket.MSG_PEEK)  # an answer (408) or the end: the server is done with it
+                            closed = True
                         except BlockingIOError:
                             closed = False  # still open, nothing sent back
                         except OSError:

@@ -56,10 +56,6 @@ def _ephemeral_range_start() -> int:
     return max(low, 20_000)
 
 
-# The cores the engines started from this process compute on (comma-separated), when set.
-COMPUTE_CORES_ENV = "DUALPATH_DEV_COMPUTE_CORES"
-
-
 def omp_threads_bind(ranks: int) -> str:
     """``VLLM_CPU_OMP_THREADS_BIND`` for a CPU engine of ``ranks`` TP workers: this process's cores but the last
     split among them (ranks share cores when there are fewer than ranks).
@@ -76,10 +72,7 @@ def omp_threads_bind(ranks: int) -> str:
     not behind a forward (:func:`dualpath_connector.affinity.kv_transfer_cores`).
     """
     cores = sorted(os.sched_getaffinity(0))
-    # A test worker's share of the machine (tests/conftest.py), so that two workers' engines do not queue behind
-    # each other's forwards on one core; otherwise every core but the last.
-    share = os.environ.get(COMPUTE_CORES_ENV)
-    compute = [int(core) for core in share.split(",")] if share else (cores[:-1] or cores)
+    compute = cores[:-1] or cores
     per_rank = len(compute) // ranks
     groups = [compute[i * per_rank : (i + 1) * per_rank] if per_rank else [compute[i % len(compute)]] for i in range(ranks)]
     return "|".join(",".join(map(str, sorted(group))) for group in groups)

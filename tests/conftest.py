@@ -26,7 +26,7 @@ import pytest
 
 from dualpath_dev.cluster import netns_supported, remove
 from dualpath_dev.engines import VLLMServer
-from dualpath_dev.processes import COMPUTE_CORES_ENV, ServiceProcess, free_port, start_all
+from dualpath_dev.processes import ServiceProcess, free_port, start_all
 from dualpath_dev.seaweedfs import SeaweedFS
 from dualpath_dev.versitygw import VersityGW
 from dualpath_dev.tiny_model import make_tiny_deepseek_v2, make_tiny_llama
@@ -43,27 +43,6 @@ _agent_names = itertools.count()
 TEST_INTEGRITY_SECRET = "dualpath-kv test suite integrity secret"
 os.environ.setdefault(INTEGRITY_KEY_ENV, TEST_INTEGRITY_SECRET)
 TEST_INTEGRITY_KEY = derived_integrity_key(os.environ[INTEGRITY_KEY_ENV])
-
-
-def worker_compute_cores(worker: str | None, workers: int, cores: list[int]) -> str | None:
-    """The cores the engines of xdist worker ``worker`` (``gwN``) compute on: the worker's share of ``cores``.
-
-    Every engine binds its forward to explicit cores (``omp_threads_bind``); without shares, both workers'
-    engines computed on core 0 of this 2-core machine, one queued behind the other, while core 1 idled.
-    Outputs compared bit for bit come from engines of one worker, on the same cores and thread count.
-    """
-    if not worker or workers < 2:
-        return None
-    index, share = int(worker.removeprefix("gw")), len(cores) // workers
-    group = cores[index * share : (index + 1) * share] if share else [cores[index % len(cores)]]
-    return ",".join(map(str, group))
-
-
-_WORKER_CORES = worker_compute_cores(os.environ.get("PYTEST_XDIST_WORKER"),
-                                     int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")),
-                                     sorted(os.sched_getaffinity(0)))
-if _WORKER_CORES:
-    os.environ.setdefault(COMPUTE_CORES_ENV, _WORKER_CORES)
 
 
 # Per test module, its seconds in the last timed `make test` (the file's "seconds per test module" section).

@@ -88,6 +88,8 @@ def test_bad_pd_settings_name_the_key(kv_role, extra, named):
         ({"store": POSIX, "load_buffer_chunks": -1}, "load_buffer_chunks"),
         ({"store": POSIX, "load_mode": "sideways"}, "'load_mode'"),
         ({"store": POSIX, "split_read_min_tokens": -1}, "split_read_min_tokens must not be negative"),
+        ({"store": POSIX, "moved_read_min_deadline_s": 1000.0},
+         "moved_read_min_deadline_s must be between 0 and de_read_timeout_s"),
         # Layers interleaved inside a head: a block is not one run per layer.
         ({"store": POSIX, "kv_cache_layout": "BHLNC"}, "'kv_cache_layout'"),
         ({"store": POSIX, "kv_cache_layout": "NHD"}, "'kv_cache_layout'"),

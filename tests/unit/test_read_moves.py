@@ -253,6 +253,11 @@ PLAN = {"num_chunks": 10, "chunk_tokens": 100, "tokens_per_s": 100.0, "max_deadl
                                     "tokens_per_s": None}, ReadPlan(10)),
         ("the deadline is capped", {"hit_tokens": 1000, "queued_tokens": 9000, "split_min_tokens": 100,
                                     "max_deadline_s": 30.0}, ReadPlan(0, 30.0)),
+        # moved_read_min_deadline_s: a least deadline where the estimate is shorter, still under the cap.
+        ("a least deadline", {"hit_tokens": 1000, "queued_tokens": 0, "split_min_tokens": 100,
+                              "min_deadline_s": 25.0, "max_deadline_s": 30.0}, ReadPlan(5, 25.0)),
+        ("a least deadline past the estimate only", {"hit_tokens": 1000, "queued_tokens": 0, "split_min_tokens": 100,
+                                                     "min_deadline_s": 4.0}, ReadPlan(5, 10.0)),
     ],
 )  # fmt: skip
 def test_plan_read(case, options, expected):

@@ -18,13 +18,3 @@ def test_lines_outside_the_section_or_not_a_module_are_skipped():
     text = ("# slowest\n  99.0 tests.e2e.test_x\n# seconds per test module (...)\n   12.5 tests.e2e.test_a\n"
             "    3.0 tests.unit.test_b\n  3896.9 all modules\n")  # fmt: skip
     assert measured_module_seconds(text) == {"tests.e2e.test_a": 12.5, "tests.unit.test_b": 3.0}
-
-
-def test_each_xdist_worker_gets_its_own_cores_for_engines():
-    from tests.conftest import worker_compute_cores
-
-    assert worker_compute_cores(None, 0, [0, 1]) is None  # a serial run: engines keep the default binding
-    assert [worker_compute_cores(f"gw{i}", 2, [0, 1]) for i in range(2)] == ["0", "1"]
-    assert [worker_compute_cores(f"gw{i}", 2, list(range(16))) for i in range(2)] == ["0,1,2,3,4,5,6,7",
-                                                                                      "8,9,10,11,12,13,14,15"]
-    assert [worker_compute_cores(f"gw{i}", 3, [0, 1]) for i in range(3)] == ["0", "1", "0"]
