@@ -106,8 +106,7 @@ class Job:
     # How the request is staged (window size, bytes), from its descriptor.
     plan: StagingPlan | None = None
     timings: dict[str, float] = field(default_factory=lambda: collections.defaultdict(float))
-    # Set when a transfer outlived its deadline: staging is then freed only once the handles ended.
-    abandoned: bool = False
+    # NIXL handles of transfers that outlived their deadline: staging is then freed only once they ended.
     abandoned_handles: list = field(default_factory=list, repr=False)
     # What a cancel needs to know, guarded by _writes: once canceled no WRITE into the client's buffer starts;
     # write_in_flight: one is posted and has not ended; write_abandoned: one outlived io_timeout_s, it may land
@@ -140,6 +139,11 @@ class Job:
             self.canceled = True
             self._writes.wait_for(lambda: not self.write_in_flight, timeout_s)
             return not (self.write_in_flight or self.write_abandoned)
+
+    @property
+    def abandoned(self) -> bool:
+        """A transfer outlived its deadline: NIXL may still touch staging (and, for a WRITE, the client's buffer)."""
+        return bool(self.abandoned_handles)
 
     def summary(self) -> dict[str, object]:
         return {
@@ -278,8 +282,7 @@ class Aggregator:
             ok = run_nixl_transfers(job.io.agent, "READ", [(local[g], remote[g]) for g in groups], job.io.mem_type,
                                     self.config.io_timeout_s)
         except TransferAbandoned as exc:
-            job.abandoned = True  # NIXL may still write the staging buffer
-            job.abandoned_handles.extend(exc.handles)
+            job.abandoned_handles.extend(exc.handles)  # NIXL may still write the staging buffer
             raise
         job.timings["storage_read_s"] += time.monotonic() - started
         if not all(ok):
@@ -410,7 +413,6 @@ class Aggregator:
             try:
                 state = agent.transfer(handle)
                 if state == "PROC" and not wait_until(ended, self.config.io_timeout_s):
-                    job.abandoned = True
                     job.abandoned_handles.append(handle)  # the reaper releases it once it ended
                     raise TransferAbandoned("WRITE", 1, self.config.io_timeout_s)
             except TransferAbandoned:

@@ -823,7 +823,8 @@ def test_a_request_whose_staging_exceeds_the_request_limit_is_refused_before_any
     windowed = open_store(seaweedfs, s3agg_bucket, small.url, STORED, agent)
     windowed_buffers = layer_buffers(agent, STORED, len(keys))
     result, _ = read_all(windowed, keys, windowed_buffers)
-    assert result.mode == "layerwise"  # served, in windows that fit
+    # Served, bytes equal (the windows staging_plan picks under the limit are unit-tested, not observed here).
+    assert result.mode == "layerwise"
     assert_delivered(STORED, keys, objects, windowed_buffers)
     buffers = layer_buffers(ucx_agent, STORED, len(keys))
     body = json.dumps(descriptor(keys, buffers, ucx_agent)).encode()
