@@ -66,7 +66,7 @@ class ClusterConfig:
     subnet: str = "10.213"  # first two octets of the private /16 the harness owns for the run
     prefix: str = ""  # namespace/link name prefix; empty: a fresh random one
     # The cores SeaweedFS runs on ("1", "0,2-3": taskset's list); empty: wherever Linux puts it. The engines'
-    # forwards run on all cores but the last, their transfer threads on the last (processes.omp_threads_bind).
+    # forwards run on all cores but the last, their transfer threads on the last (processes.forward_threads_env, pinned).
     store_cpus: str = ""
 
     def validate(self) -> ClusterConfig:
@@ -509,7 +509,7 @@ class EmulatedCluster:
             server = VLLMServer(
                 self.model, self.s3, self.workdir / f"{self.network.prefix}-{node.name}-{spec.name}-vllm.log",
                 max_model_len=self.max_model_len, config="pe.json" if node.role == "prefill" else "de.json",
-                extra=extra, host=node.compute_addr, launcher=node.launcher, keys=self.keys,
+                extra=extra, host=node.compute_addr, launcher=node.launcher, keys=self.keys, pin_forwards=True,
             )  # fmt: skip
             server.env.update(
                 {

@@ -18,7 +18,7 @@ from nixl_backends.lookup import wait_stored
 from dualpath_connector.cluster_auth import CLUSTER_KEY_ENV
 from dualpath_connector.protocol import StoreKeySpace, metric_total
 
-from dualpath_dev.processes import ServiceProcess, free_port, omp_threads_bind
+from dualpath_dev.processes import ServiceProcess, forward_threads_env, free_port
 from dualpath_dev.seaweedfs import SeaweedFS
 
 # The ready-made configs of the checkout (this package exists only in a checkout).
@@ -96,7 +96,8 @@ class VLLMServer(ServiceProcess):
     (``kv_both``) takes the process's own when none is given (:meth:`ClusterKeys.of_this_process`). ``tensor_parallel_size``:
     its TP workers get this machine's cores split among them, and a PD engine
     free side-channel ports for every rank (``side_channel_port`` + rank). ``kv_cache_bytes``: each worker's
-    KV cache (``--kv-cache-memory-bytes``).
+    KV cache (``--kv-cache-memory-bytes``). ``pin_forwards``: its forward threads pinned to all cores but the
+    last (:func:`forward_threads_env`), as a benchmark wants them; otherwise the kernel places them.
     """
 
     def __init__(
@@ -116,6 +117,7 @@ class VLLMServer(ServiceProcess):
         vllm_args: Sequence[str] = (),
         tensor_parallel_size: int = 1,
         kv_cache_bytes: int = TEST_KV_CACHE_BYTES,
+        pin_forwards: bool = False,
     ) -> None:
         self.kv_config = json.loads((CONFIGS / config).read_text())
         extra_config = self.kv_config["kv_connector_extra_config"]
@@ -146,8 +148,8 @@ class VLLMServer(ServiceProcess):
         )
         # The size comes from --kv-cache-memory-bytes; vLLM's legacy variable (whole GiB) would override it.
         self.env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-        # Bound as tests/vllm_engine.py binds its engines, whose outputs these must equal bit for bit.
-        self.env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(tensor_parallel_size)
+        # The forward's thread count of tests/vllm_engine.py's engines, whose outputs these must equal bit for bit.
+        self.env.update(forward_threads_env(tensor_parallel_size, pinned=pin_forwards))
         # The engine loads the model directory's tokenizer, as `vllm serve MODEL` does in production:
         # token-id prompts and `return_token_ids` answer as without one (the router asks for token ids
         # and writes the client's text itself), and vLLM checks prompt ids against it too.

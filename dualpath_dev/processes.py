@@ -57,12 +57,8 @@ def _ephemeral_range_start() -> int:
 
 
 def omp_threads_bind(ranks: int) -> str:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for a CPU engine of ``ranks`` TP workers: this process's cores but the last
-    split among them (ranks share cores when there are fewer than ranks).
-
-    Every engine the harness starts computes on these cores, one rank or more: the thread count of a
-    forward sets the bf16 rounding of its GEMMs, so engines compared bit for bit must agree on it
-    (vLLM's own choice differs between one-rank and TP engines, and on SMT machines).
+    """``VLLM_CPU_OMP_THREADS_BIND`` pinning a CPU engine of ``ranks`` TP workers: this process's cores but the
+    last split among them (ranks share cores when there are fewer than ranks).
 
     Unless told which cores, vLLM's CPU workers each bind to a NUMA node: on a
     one-node machine the second refuses to start ("Not enough allowed NUMA
@@ -76,6 +72,23 @@ def omp_threads_bind(ranks: int) -> str:
     per_rank = len(compute) // ranks
     groups = [compute[i * per_rank : (i + 1) * per_rank] if per_rank else [compute[i % len(compute)]] for i in range(ranks)]
     return "|".join(",".join(map(str, sorted(group))) for group in groups)
+
+
+def forward_threads_env(ranks: int, pinned: bool) -> dict[str, str]:
+    """The OpenMP environment of a CPU engine of ``ranks`` TP workers: as many forward threads per rank as
+    :func:`omp_threads_bind` gives it cores, pinned there or (``pinned`` False) left to the kernel.
+
+    Every engine the harness starts computes with this thread count: it sets the bf16 rounding of the
+    GEMMs, so engines compared bit for bit must agree on it (vLLM's own choice differs between one-rank and
+    TP engines, and on SMT machines); the cores they run on do not change a result. Pinned, every engine
+    of the machine computes on the same cores: right for a benchmark that keeps compute off the transfer
+    core, but where several engines run at once (the test suite's two workers) their forwards queue on
+    one core while the other idles (``make test`` used 108% of 200%).
+    """
+    if pinned:
+        return {"VLLM_CPU_OMP_THREADS_BIND": omp_threads_bind(ranks)}
+    threads = len(omp_threads_bind(ranks).split("|")[0].split(","))
+    return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "false"}
 
 
 def stop_process_group(proc: subprocess.Popen, grace_s: float) -> None:

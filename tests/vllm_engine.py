@@ -14,7 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from dualpath_dev.processes import omp_threads_bind, stop_process_group
+from dualpath_dev.processes import forward_threads_env, stop_process_group
 from dualpath_dev.s3_server import S3Server
 
 RUNNER = Path(__file__).with_name("engine_runner.py")
@@ -22,22 +22,15 @@ ENGINE_START_TIMEOUT_S = 600
 REQUEST_TIMEOUT_S = 300
 
 
-def one_process_engine_env(cores: str) -> dict[str, str]:
-    """vLLM's engine core and its one CPU worker in the runner's own process, computing as a worker bound to
-    ``cores`` would.
+def one_process_engine_env() -> dict[str, str]:
+    """vLLM's engine core and its one CPU worker in the runner's own process, computing with the thread count
+    of the engines that ``vllm serve`` starts (dualpath_dev.engines), so outputs stay equal bit for bit.
 
     A one-rank engine otherwise spends its start in three interpreters importing vLLM one after the other
     (~40 s here, ~14 s in one); the connector's two halves then share a process, as they do under
-    ``vllm serve`` at TP=1 on a GPU. The OpenMP settings are those vLLM's process manager gives a worker it
-    binds (``configure_omp_envs``), so outputs stay equal bit for bit to those of the engines that
-    ``vllm serve`` starts with the same ``VLLM_CPU_OMP_THREADS_BIND`` (dualpath_dev.engines).
+    ``vllm serve`` at TP=1 on a GPU.
     """
-    return {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "OMP_NUM_THREADS": str(len(cores.split(","))),
-        "OMP_PLACES": "{" + cores + "}",
-        "OMP_PROC_BIND": "true",
-    }
+    return {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **forward_threads_env(1, pinned=False)}
 
 
 class EngineFailed(RuntimeError):
@@ -63,10 +56,7 @@ class Engine:
         if s3 is not None:
             env.update(AWS_ACCESS_KEY_ID=s3.access_key, AWS_SECRET_ACCESS_KEY=s3.secret_key)
         ranks = options.get("tensor_parallel_size", 1)
-        if one_process and ranks == 1:
-            env.update(one_process_engine_env(omp_threads_bind(ranks)))
-        else:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = omp_threads_bind(ranks)
+        env.update(one_process_engine_env() if one_process and ranks == 1 else forward_threads_env(ranks, pinned=False))
         self.proc = subprocess.Popen(
             args,
             stdin=subprocess.PIPE,
