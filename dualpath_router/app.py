@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import logging
 import sys
@@ -40,7 +41,7 @@ from dualpath_router.dispatcher import Dispatcher, Placement, QueueFull, QueueTi
 from dualpath_router.holds import HoldReleaser
 from dualpath_router.lookup import HitLookup
 from dualpath_router.policies import make_policy
-from dualpath_router.prompts import BadRequest, PromptBuilder, RoutedRequest
+from dualpath_router.prompts import REQUEST_ID_HEADER, BadRequest, PromptBuilder, RoutedRequest, request_id_of
 
 logger = logging.getLogger(__name__)
 
@@ -217,9 +218,11 @@ class Router:
 
     async def _serve(self, request: Request, *, chat: bool) -> Response:
         try:
+            request_id = request_id_of(request.headers)
             raw = await self._body(request)
             # Off the event loop: parsing and tokenizing a long prompt takes long enough to stall every stream.
             routed = await anyio.to_thread.run_sync(functools.partial(self.prompts.build, raw, chat=chat))
+            routed = dataclasses.replace(routed, request_id=request_id)
         except BadRequest as exc:
             self.metrics.rejected.labels(exc.reason).inc()
             return error_response(exc.status, exc.message, err_type=exc.err_type, param=exc.param)
@@ -318,7 +321,8 @@ class Router:
             except EngineFailed as exc:
                 self.dispatcher.finish_prefill(placement, completed=False, engine_failed=True)
                 failures[placement.prefill.name] = str(exc)
-                logger.warning("prefill engine %s failed before answering: %s", placement.prefill.name, exc)
+                logger.warning("request %s: prefill engine %s failed before answering: %s", routed.request_id,
+                               placement.prefill.name, exc)  # fmt: skip
                 self.metrics.retries.labels("prefill").inc()
                 continue
             except BaseException:
@@ -348,7 +352,8 @@ class Router:
         de_side_channel = placement.decode.config.side_channel if placement.decode_may_read else None
         body["kv_transfer_params"] = PrefillRequest(placement.read_side, de_side_channel).to_dict()
         try:
-            response = await self.client.post(f"{placement.prefill.config.url}/v1/completions", json=body)
+            response = await self.client.post(f"{placement.prefill.config.url}/v1/completions", json=body,
+                                              headers={REQUEST_ID_HEADER: routed.request_id})  # fmt: skip
         except httpx.HTTPError as exc:
             raise EngineFailed.sending(exc) from None
         _raise_for_engine_failure(response, self.config.engine_api_key_env)
@@ -378,11 +383,12 @@ class Router:
         try:
             while True:
                 try:
-                    upstream = await self._open_decode(placement, body, read_all=not routed.stream)
+                    upstream = await self._open_decode(placement, body, routed.request_id, read_all=not routed.stream)
                     break
                 except EngineFailed as exc:
                     failures[placement.decode.name] = str(exc)
-                    logger.warning("decode engine %s failed before answering: %s", placement.decode.name, exc)
+                    logger.warning("request %s: decode engine %s failed before answering: %s", routed.request_id,
+                                   placement.decode.name, exc)  # fmt: skip
                     self.metrics.retries.labels("decode").inc()
                     booked = self.dispatcher.replace_decode(placement, set(failures))
                     if not booked:
@@ -398,6 +404,7 @@ class Router:
                 "x-dualpath-read-side": placement.read_side,
                 "x-dualpath-prefill-engine": placement.prefill.name,
                 "x-dualpath-decode-engine": placement.decode.name,
+                REQUEST_ID_HEADER: routed.request_id,
             }
             if self.config.report_hit_tokens:
                 headers["x-dualpath-hit-tokens"] = str(placement.hit_tokens)
@@ -438,10 +445,12 @@ class Router:
         if handoff is not None and await self.holds.release(handoff, reason):
             self.metrics.holds_released.labels(reason).inc()
 
-    async def _open_decode(self, placement: Placement, body: dict, *, read_all: bool) -> httpx.Response:
+    async def _open_decode(self, placement: Placement, body: dict, request_id: str, *,
+                           read_all: bool) -> httpx.Response:  # fmt: skip
         """Send the DE request; with ``read_all`` (or an error status) the whole answer is read and closed."""
         request = self.client.build_request(
             "POST", f"{placement.decode.config.url}/v1/completions", json=body,
+            headers={REQUEST_ID_HEADER: request_id},
             timeout=httpx.Timeout(self.config.timeouts.decode_s, connect=self.config.timeouts.connect_s),
         )
         try:

@@ -13,9 +13,10 @@ their origin.
 from __future__ import annotations
 
 import json
+import re
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -53,6 +54,23 @@ class BadRequest(Exception):
         self.err_type = err_type
 
 
+# vLLM starts its request ids with a request's X-Request-Id (its own random suffix keeps them apart), so one
+# id sent to the PE and the DE finds the request in both engines' logs and the router's.
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+def request_id_of(headers: Mapping[str, str]) -> str:
+    """The client's X-Request-Id (printable ASCII without spaces, at most 128 characters), else a new one."""
+    given = headers.get(REQUEST_ID_HEADER)
+    if given is None:
+        return uuid.uuid4().hex
+    if not _REQUEST_ID.fullmatch(given):
+        raise BadRequest("X-Request-Id must be 1 to 128 printable ASCII characters without spaces",
+                         param="X-Request-Id", reason="bad_request_id")  # fmt: skip
+    return given
+
+
 # What the client gets back: the DE's answer as is (token-id prompts), with
 # text filled in from token ids (text prompts), or as chat (chat requests).
 AnswerForm = Literal["raw", "text", "chat"]
@@ -68,6 +86,8 @@ class RoutedRequest:
     answer_form: AnswerForm = "raw"
     # vLLM's cache_salt: the request's KV is stored and looked up in the salt's own chain.
     cache_salt: str | None = None
+    # Sent to both engines as X-Request-Id (:func:`request_id_of`).
+    request_id: str = ""
 
 
 def _check_sampling(body: dict[str, Any], stream: bool) -> None:

@@ -1,21 +1,28 @@
 """A P/D proxy as vLLM's disaggregated-serving examples write one, for NixlConnector; imports nothing of ours.
 
-Each ``/v1/completions`` request goes to the prefill engine first, with
-``max_tokens`` 1, no streaming and NixlConnector's ``kv_transfer_params``
-(``do_remote_decode``); the ``kv_transfer_params`` of its answer go, as they
-are, into the client's request to the decode engine, whose answer (streamed
-or not) goes back to the client. The client's ``Authorization`` header goes to
-both engines. ``--de-side-channel`` adds the one optional field dualpath-kv
-documents for proxies (the decoding engine's side channel), ``--read-side``
-the other; without them the proxy is exactly the NixlConnector convention.
+Each ``/v1/completions`` or ``/v1/chat/completions`` request goes to a prefill
+engine first (round robin over ``--prefill``), with ``max_tokens`` 1, no
+streaming, no ``min_tokens`` (vLLM refuses more than ``max_tokens``) and
+NixlConnector's ``kv_transfer_params`` (``do_remote_decode``); the
+``kv_transfer_params`` of its answer go, as they are, into the client's request
+to a decode engine (round robin over ``--decode``), whose answer (streamed or
+not) goes back to the client. Both engines get the client's ``Authorization``
+header and one ``X-Request-Id`` (the client's, else a new one), which starts
+vLLM's request id in both engines' logs. ``--de-side-channel`` adds the one
+optional field dualpath-kv documents for proxies (the decoding engine's side
+channel), ``--read-side`` the other; without them the proxy is exactly the
+NixlConnector convention.
 
-    python tests/nixl_style_proxy.py --port P --prefill URL --decode URL [--de-side-channel H:P] [--read-side de]
+    python tests/nixl_style_proxy.py --port P --prefill URL [URL ...] --decode URL [URL ...]
+        [--de-side-channel H:P] [--read-side de]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import itertools
+import uuid
 
 import httpx
 import uvicorn
@@ -27,30 +34,40 @@ from starlette.routing import Route
 TIMEOUT_S = 600.0
 
 
-def app(prefill: str, decode: str, extra_params: dict) -> Starlette:
+# Sampling fields a one-token prefill must not carry: vLLM refuses a min_tokens above max_tokens.
+PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens", "max_completion_tokens")
+
+
+def app(prefills: list[str], decodes: list[str], extra_params: dict) -> Starlette:
     client = httpx.AsyncClient(timeout=TIMEOUT_S)
+    next_prefill, next_decode = itertools.cycle(prefills), itertools.cycle(decodes)
 
     def headers_of(request: Request) -> dict[str, str]:
-        auth = request.headers.get("authorization")
-        return {"Authorization": auth} if auth else {}
+        headers = {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}
+        if auth := request.headers.get("authorization"):
+            headers["Authorization"] = auth
+        return headers
 
-    async def completions(request: Request) -> Response:
+    async def serve(request: Request, path: str) -> Response:
         body = await request.json()
+        headers = headers_of(request)
         prefill_body = copy.deepcopy(body)
         prefill_body["kv_transfer_params"] = {
             "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
             "remote_block_ids": None, "remote_host": None, "remote_port": None, **extra_params,
         }  # fmt: skip
+        for key in PREFILL_DROPPED:
+            prefill_body.pop(key, None)
         prefill_body.update(max_tokens=1, stream=False)
-        prefill_body.pop("stream_options", None)
-        first = await client.post(f"{prefill}/v1/completions", json=prefill_body, headers=headers_of(request))
+        first = await client.post(f"{next(next_prefill)}{path}", json=prefill_body, headers=headers)
         if first.status_code != 200:
             return Response(first.content, first.status_code, media_type="application/json")
         decode_body = dict(body, kv_transfer_params=first.json().get("kv_transfer_params"))
+        decode = next(next_decode)
         if not body.get("stream"):
-            answer = await client.post(f"{decode}/v1/completions", json=decode_body, headers=headers_of(request))
+            answer = await client.post(f"{decode}{path}", json=decode_body, headers=headers)
             return Response(answer.content, answer.status_code, media_type="application/json")
-        upstream = client.build_request("POST", f"{decode}/v1/completions", json=decode_body, headers=headers_of(request))
+        upstream = client.build_request("POST", f"{decode}{path}", json=decode_body, headers=headers)
         response = await client.send(upstream, stream=True)
 
         async def chunks():
@@ -62,18 +79,26 @@ def app(prefill: str, decode: str, extra_params: dict) -> Starlette:
 
         return StreamingResponse(chunks(), response.status_code, media_type="text/event-stream")
 
+    async def completions(request: Request) -> Response:
+        return await serve(request, "/v1/completions")
+
+    async def chat_completions(request: Request) -> Response:
+        return await serve(request, "/v1/chat/completions")
+
     async def health(_: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
-    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/health", health)])
+    return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]),
+                             Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+                             Route("/health", health)])  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, required=True)
-    parser.add_argument("--prefill", required=True, help="the prefill engine's base URL")
-    parser.add_argument("--decode", required=True, help="the decode engine's base URL")
+    parser.add_argument("--prefill", required=True, nargs="+", help="the prefill engines' base URLs")
+    parser.add_argument("--decode", required=True, nargs="+", help="the decode engines' base URLs")
     parser.add_argument("--de-side-channel", help="the decode engine's side channel (host:port)")
     parser.add_argument("--read-side", choices=("pe", "de"), help="who reads a stored hit")
     args = parser.parse_args()

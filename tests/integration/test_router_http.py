@@ -14,6 +14,7 @@ import contextlib
 import ipaddress
 import json
 import os
+import re
 import secrets
 import socket
 import subprocess
@@ -77,6 +78,8 @@ class StandInEngine:
             self.side_channel = SideChannelServer("127.0.0.1", free_port(), ClusterKey(CLUSTER_SECRET.encode()),
                                                   {OP_RELEASE_HOLD: self._release_hold}, on_tick=lambda: None)
         self.received: list[dict] = []
+        self.request_ids: list[str | None] = []  # the X-Request-Id of each request received
+        self.paths: list[str] = []  # and its path
         # The Authorization header of every request (GET and POST), None when absent.
         self.authorizations: list[str | None] = []
         self.refused = 0
@@ -118,6 +121,8 @@ class StandInEngine:
                     self._send(401, b'{"error": "Unauthorized"}', "application/json")
                     return
                 engine.received.append(body)
+                engine.request_ids.append(self.headers.get("X-Request-Id"))
+                engine.paths.append(self.path)
                 if engine.mode == "close":
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
@@ -172,19 +177,19 @@ class StandInEngine:
         return {
             "id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "model": body.get("model", MODEL),
             "choices": [{"index": 0, "text": "", "token_ids": [7], "finish_reason": "length"}],
-            "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1},
+            "usage": {"prompt_tokens": len(body.get("prompt", [])), "completion_tokens": 1},
             "kv_transfer_params": kv_transfer_params,
         }
 
     def decode_tokens(self, body: dict) -> list[int]:
-        return [(len(body["prompt"]) + i) % 1000 for i in range(body.get("max_tokens") or 16)]
+        return [(len(body.get("prompt", [])) + i) % 1000 for i in range(body.get("max_tokens") or 16)]
 
     def decode_answer(self, body: dict) -> dict:
         tokens = self.decode_tokens(body)
         return {
             "id": "cmpl-1", "object": "text_completion", "model": body.get("model", MODEL),
             "choices": [{"index": 0, "text": "", "token_ids": tokens, "finish_reason": "length"}],
-            "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": len(tokens)},
+            "usage": {"prompt_tokens": len(body.get("prompt", [])), "completion_tokens": len(tokens)},
             "served_by": self.name,
         }
 
@@ -350,6 +355,24 @@ def test_prefill_then_decode_bodies_and_headers(engines, start_router):
     assert de_body["min_tokens"] == 2
     # The PE's hand-off, unchanged.
     assert de_body["kv_transfer_params"] == pe.sent_kv_transfer_params[0]
+    # One request id, made by the router, for both engines' logs and the client.
+    assert pe.request_ids == de.request_ids == [response.headers["x-request-id"]]
+    assert re.fullmatch(r"[0-9a-f]{32}", response.headers["x-request-id"])
+
+
+def test_a_clients_request_id_reaches_both_engines_and_a_bad_one_is_refused(engines, start_router):
+    pe, de = engines("pe0", "prefill"), engines("de0", "decode")
+    router = start_router(router_config([pe], [de]))
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}
+    response = httpx.post(f"{router.url}/v1/completions", json=body, headers={"X-Request-Id": "agent-7:turn-3"},
+                          timeout=30.0)  # fmt: skip
+    assert response.status_code == 200, response.text
+    assert pe.request_ids == de.request_ids == ["agent-7:turn-3"] == [response.headers["x-request-id"]]
+    for bad in ("with space", "x" * 129, "caf\u00e9"):
+        response = httpx.post(f"{router.url}/v1/completions", json=body, headers={"X-Request-Id": bad.encode()},
+                              timeout=30.0)  # fmt: skip
+        assert response.status_code == 400 and "X-Request-Id must be" in response.json()["error"]["message"], bad
+    assert len(pe.received) == 1  # the refused ones reached no engine
 
 
 def test_hits_are_not_reported_unless_the_operator_enables_it(engines, start_router):

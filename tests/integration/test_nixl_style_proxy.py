@@ -1,0 +1,68 @@
+"""tests/nixl_style_proxy.py, the P/D proxy of vLLM's examples that the e2e tests put in front of our engines,
+against stand-in engines: what each engine receives (the e2e tests show that real ones serve it)."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from dualpath_dev.processes import free_port, stop_process_group
+from tests.conftest import poll
+from tests.integration.test_router_http import API_KEY, MODEL, PROMPT, StandInEngine
+
+PROXY = Path(__file__).parents[1] / "nixl_style_proxy.py"
+
+
+@pytest.fixture
+def proxied(tmp_path):
+    """Two stand-in PEs and two DEs behind the proxy; yields ``(pes, des, url)``, all stopped after."""
+    with contextlib.ExitStack() as stack:
+        pes = [StandInEngine(f"pe{i}", "prefill") for i in range(2)]
+        des = [StandInEngine(f"de{i}", "decode") for i in range(2)]
+        for engine in (*pes, *des):
+            stack.callback(engine.stop)
+        port = free_port()
+        log = stack.enter_context(open(tmp_path / "proxy.log", "wb"))
+        proc = subprocess.Popen([sys.executable, str(PROXY), "--port", str(port), "--prefill", *(e.url for e in pes),
+                                 "--decode", *(e.url for e in des)], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)  # fmt: skip
+        stack.callback(stop_process_group, proc, 5.0)
+        url = f"http://127.0.0.1:{port}"
+
+        def health() -> int:
+            try:
+                return httpx.get(f"{url}/health", timeout=2).status_code
+            except httpx.HTTPError:
+                assert proc.poll() is None, (tmp_path / "proxy.log").read_text()
+                return 0
+
+        poll(health, lambda status: status == 200, 60, "the proxy's /health")
+        yield pes, des, url
+
+
+def test_the_proxy_sends_one_request_id_drops_min_tokens_on_the_prefill_and_takes_turns(proxied):
+    pes, des, url = proxied
+    auth = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "min_tokens": 3}
+    for i in range(2):
+        answer = httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=30)
+        assert answer.status_code == 200, answer.text
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 4,
+            "min_tokens": 2}  # fmt: skip
+    answer = httpx.post(f"{url}/v1/chat/completions", json=chat, headers={**auth, "X-Request-Id": "turn-3"}, timeout=30)
+    assert answer.status_code == 200, answer.text
+    # Round robin: the third request is the first engines' second.
+    assert [len(e.received) for e in (*pes, *des)] == [2, 1, 2, 1]
+    assert pes[0].paths == des[0].paths == ["/v1/completions", "/v1/chat/completions"]
+    for pe, de in zip(pes, des):
+        assert pe.request_ids == de.request_ids  # each request's one id, at its PE and its DE
+        for prefill, decode in zip(pe.received, de.received):
+            assert prefill["max_tokens"] == 1 and "min_tokens" not in prefill and "max_completion_tokens" not in prefill
+            assert decode["min_tokens"] == (2 if "messages" in decode else 3)
+            assert decode["kv_transfer_params"] is not None
+    assert pes[0].request_ids[1] == "turn-3" and len(set(pes[0].request_ids + pes[1].request_ids)) == 3
