@@ -6,21 +6,16 @@ The connector asks the store which chunks of a new request it holds (S3 HEADs) i
 that answers in milliseconds stalls every running decode; true ("async", the
 default) asks on the lookup lane's thread and answers "ask again" (``None``) meanwhile.
 
-One SeaweedFS (S3 on 127.0.0.1), a delaying proxy in front of its S3 port, and two
+One SeaweedFS (S3 on 127.0.0.1), a delaying relay in front of its S3 port, and two
 vLLM OpenAI servers (CPU, the tiny random Llama, ``configs/single.json``: ``kv_both``,
 vLLM's prefix cache off, so every hit is loaded from the store), one per mode, both
-reaching the store through the proxy. Both run for the whole benchmark: only the one
+reaching the store through the relay. Both run for the whole benchmark: only the one
 being measured gets requests, so the modes interleave per repetition without restarts.
 
-The proxy (``DelayProxy``, its own process, asyncio, stdlib only) is TCP-level: it
-holds the first bytes of each new HTTP/1.1 request on a connection for the current
-delay, then forwards; every byte after that, both ways, is streamed at once. A client
-chunk starts a new request when it is the first on its connection or the server has
-sent bytes since the client's previous chunk, and it begins with an HTTP method. So
-each S3 request (HEAD, GET, PUT, also a PUT after ``100 Continue``: its body follows
-server bytes but begins with no method) takes the delay once more, and requests on
-different connections wait side by side: a latency, not a bandwidth limit. The
-delay is changed between samples over the proxy's stdin.
+The relay (``dualpath_dev.s3_relay``, in a process of its own: ``S3RelayProcess``) holds each S3
+request (HEAD, GET, PUT) for the current delay before it forwards it; bodies then move at once, and
+requests on different connections wait side by side: a latency, not a bandwidth limit. The delay is
+changed between samples over the relay's stdin.
 
 Per sample (one delay, one mode): K fresh prompts are sent once each and their chunks
 waited for in the store (``wait_stored``, straight to SeaweedFS); a decode request
@@ -36,16 +31,13 @@ answer, each hit's TTFT, and that each hit got exactly its stored tokens. Result
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
 import json
 import random
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
-from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -65,133 +57,18 @@ from _common import (  # noqa: E402
     start_side_by_side,
 )
 
+from dualpath_dev.s3_relay import S3RelayProcess  # noqa: E402
+
 # The connector's config value per mode.
 MODES = {"async": True, "sync": False}
 HIT_EXTRA_TOKENS = 16  # new tokens after a stored prompt: its chunks are the hit, vLLM computes these
 STREAM_PROMPT_TOKENS = 40  # the decode request's prompt (one chunk: a miss)
 
 
-# --- the delaying proxy (a child process: its event loop never shares a GIL with the timing code) --------------
-
-METHODS = (b"GET ", b"PUT ", b"HEAD ", b"POST ", b"DELETE ", b"OPTIONS ", b"PATCH ")
-
-
-class DelayProxy:
-    """TCP proxy to ``127.0.0.1:upstream_port`` that holds each new HTTP request's first bytes ``delay_s``."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self.delay_s = 0.0
-        self.requests: Counter[str] = Counter()  # by method, since start
-        self.connections = 0
-
-    async def handle(self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter) -> None:
-        self.connections += 1
-        try:
-            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
-        except OSError:
-            client_writer.transport.abort()
-            return
-        # True when the next client bytes begin a request: first on the connection, or the server answered since.
-        answered = [True]
-
-        async def on_client(data: bytes) -> None:
-            if answered[0] and data.startswith(METHODS):
-                self.requests[data.split(b" ", 1)[0].decode()] += 1
-                if self.delay_s > 0:
-                    await asyncio.sleep(self.delay_s)
-            answered[0] = False
-
-        async def on_server(data: bytes) -> None:
-            answered[0] = True
-
-        transports = (client_writer.transport, up_writer.transport)
-        await asyncio.gather(
-            self._pump(client_reader, up_writer, on_client, transports),
-            self._pump(up_reader, client_writer, on_server, transports),
-        )
-        for writer in (client_writer, up_writer):
-            writer.close()
-
-    @staticmethod
-    async def _pump(reader, writer, on_data, transports) -> None:
-        """Copy ``reader`` to ``writer``; EOF is passed on (half-close), an error aborts both connections."""
-        try:
-            while data := await reader.read(1 << 16):
-                await on_data(data)
-                writer.write(data)
-                await writer.drain()
-            if writer.can_write_eof():
-                writer.write_eof()
-        except (ConnectionError, OSError):
-            for transport in transports:
-                transport.abort()
-
-    async def serve(self) -> None:
-        server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
-        print(f"port {server.sockets[0].getsockname()[1]}", flush=True)
-        loop = asyncio.get_running_loop()
-        control = asyncio.StreamReader()
-        await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(control), sys.stdin)
-        # One command a line: "delay <ms>" and "stats"; EOF (the benchmark closed stdin or died): exit.
-        while line := (await control.readline()).decode().split():
-            if line[0] == "delay":
-                self.delay_s = float(line[1]) / 1000
-                print(f"ok {json.dumps({'delay_ms': float(line[1])})}", flush=True)
-            elif line[0] == "stats":
-                print(f"ok {json.dumps({'requests': dict(self.requests), 'connections': self.connections})}",
-                      flush=True)
-        server.close()
-
-
-class DelayProxyProcess:
-    """The proxy as a child process in its own process group, stopped by its PID."""
-
-    def __init__(self, upstream_port: int, log_path: Path) -> None:
-        self.upstream_port = upstream_port
-        self.log_path = log_path
-        self.proc: subprocess.Popen[str] | None = None
-        self.port = 0
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> DelayProxyProcess:
-        with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(
-                [sys.executable, str(Path(__file__).resolve()), "--serve-proxy", str(self.upstream_port)],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, start_new_session=True,
-            )  # fmt: skip
-        line = self.proc.stdout.readline()
-        if not line.startswith("port "):
-            self.stop()
-            raise RuntimeError(f"the delay proxy did not start; see {self.log_path}")
-        self.port = int(line.split()[1])
-        return self
-
-    def _ask(self, command: str) -> dict:
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-        line = self.proc.stdout.readline()
-        if not line.startswith("ok "):
-            raise RuntimeError(f"the delay proxy answered {line!r} to {command!r}; see {self.log_path}")
-        return json.loads(line[3:])
-
-    def set_delay(self, delay_ms: float) -> None:
-        self._ask(f"delay {delay_ms}")
-
-    def requests(self) -> Counter[str]:
-        return Counter(self._ask("stats")["requests"])
-
-    def stop(self) -> None:
-        from dualpath_dev.processes import stop_process_group
-
-        if self.proc is not None:
-            with contextlib.suppress(OSError):
-                self.proc.stdin.close()  # the proxy's own signal to exit
-            stop_process_group(self.proc, grace_s=3.0)
-            self.proc = None
+def DelayProxyProcess(upstream_port: int, log_path: Path) -> S3RelayProcess:  # noqa: N802 (bench_read_lanes' name)
+    """The delaying relay in front of ``127.0.0.1:upstream_port``, not started; ``bench_read_lanes.py`` imports it
+    under this name."""
+    return S3RelayProcess(f"http://127.0.0.1:{upstream_port}", log_path)
 
 
 # --- the decode stream ---------------------------------------------------------------------------------------------
@@ -317,8 +194,8 @@ def stack(args: argparse.Namespace):
     try:
         s3 = SeaweedFS().start()
         print(f"S3 (SeaweedFS) on {s3.endpoint}", file=sys.stderr)
-        proxy = DelayProxyProcess(s3.s3_port, (args.workdir / "bench-lookup-latency-proxy.log").resolve()).start()
-        print(f"delay proxy on {proxy.endpoint} (pid {proxy.proc.pid}) -> {s3.endpoint}", file=sys.stderr)
+        proxy = S3RelayProcess(s3.endpoint, (args.workdir / "bench-lookup-latency-proxy.log").resolve()).start()
+        print(f"delaying relay on {proxy.endpoint} (pid {proxy.proc.pid}) -> {s3.endpoint}", file=sys.stderr)
         store = {**json.loads((CONFIGS / "single.json").read_text())["kv_connector_extra_config"]["store"],
                  "endpoint": proxy.endpoint}  # fmt: skip
         for mode, background in MODES.items():
@@ -341,7 +218,7 @@ def stack(args: argparse.Namespace):
 
 
 class Bench:
-    def __init__(self, proxy: DelayProxyProcess, servers: dict, args: argparse.Namespace) -> None:
+    def __init__(self, proxy: S3RelayProcess, servers: dict, args: argparse.Namespace) -> None:
         self.proxy = proxy
         self.servers = servers
         self.args = args
@@ -551,9 +428,6 @@ def chart(payload: dict, path: Path) -> Path | None:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--serve-proxy"]:  # the proxy child: stdlib only, no vLLM import
-        asyncio.run(DelayProxy(int(sys.argv[2])).serve())
-        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--delays-ms", default="0,10,50", help="store delays per S3 request, comma-separated")
     parser.add_argument("--reps", type=int, default=3, help="repetitions per delay and mode (medians reported)")

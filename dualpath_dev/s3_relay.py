@@ -21,26 +21,45 @@
   answering does; ``held`` counts those waiting now.
 
 Bodies pass unchanged (aws-chunked ones too). Counts what it refused and
-forwarded. Runs on threads of the calling process, on a free port, until :meth:`stop`.
+forwarded (by method too). Runs on threads of the calling process, on a free port, until :meth:`stop`;
+or in a process of its own (:class:`S3RelayProcess`, ``python -m dualpath_dev.s3_relay``), where a
+benchmark's timing threads never share its GIL and a launcher (``ip netns exec <ns>``) can place it in a
+network namespace: there it relays from every address it listens on (``--listen 0.0.0.0:0``), and the
+store's traffic still crosses whatever links lead to that namespace.
+
+    python -m dualpath_dev.s3_relay --upstream http://127.0.0.1:8333 --listen 127.0.0.1:0 --delay-ms 5
+
+prints ``port <n>`` once it listens, then answers one command a line on stdin: ``delay <ms>`` (from now
+on) and ``stats`` (requests forwarded by method), each with ``ok <json>``; it exits when stdin closes.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import http.client
+import json
 import logging
 import random
 import re
+import select
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler
+from collections import Counter
+from collections.abc import Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import urlsplit
 
 from s3agg_gateway_ext.descriptor import DescriptorError
 from s3agg_gateway_ext.sigv4 import error_xml, sign, verify_headers, verify_payload
 
 from dualpath_dev.credentials_endpoint import RotatingCredentials
+from dualpath_dev.processes import free_port, stop_process_group
 from dualpath_dev.threaded_http import ThreadedHTTPService
 
 logger = logging.getLogger(__name__)
@@ -54,7 +73,9 @@ _DROPPED = _HOP_BY_HOP | {"authorization", "x-amz-security-token", "x-amz-date",
 class S3Relay(ThreadedHTTPService):
     name = "s3-relay"
 
-    def __init__(self, upstream: str, access_key: str, secret_key: str,
+    # ``access_key``/``secret_key``: the upstream's static pair, which re-signs what ``credentials`` accepted
+    # (unused without ``credentials``: requests pass as their client signed them).
+    def __init__(self, upstream: str, access_key: str = "", secret_key: str = "",
                  credentials: RotatingCredentials | None = None, region: str = "us-east-1",
                  delay_s: float = 0.0, throttle_fraction: float = 0.0, reset_fraction: float = 0.0,
                  seed: int = 0) -> None:  # fmt: skip
@@ -69,6 +90,7 @@ class S3Relay(ThreadedHTTPService):
         self.throttled = self.resets = 0
         self._lock = threading.Lock()
         self.forwarded = 0
+        self.forwarded_by_method: Counter[str] = Counter()
         self.refused: dict[str, int] = {}  # S3 error code -> requests refused with it
         self._open = threading.Event()
         self._open.set()
@@ -78,7 +100,8 @@ class S3Relay(ThreadedHTTPService):
 
     @property
     def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        host = self._server.server_address[0] if self._server is not None else "127.0.0.1"
+        return f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}"
 
     def hold(self) -> None:
         """Object GETs wait from now until :meth:`release`."""
@@ -192,6 +215,7 @@ class S3Relay(ThreadedHTTPService):
                 status, got, content = relay._forward(self.command, path, query, headers, body)
                 with relay._lock:
                     relay.forwarded += 1
+                    relay.forwarded_by_method[self.command] += 1
                 kept = [(k, v) for k, v in got if k.lower() not in ("connection", "transfer-encoding", "content-length")]
                 # A HEAD's length is the object's, not its (empty) body's.
                 length = dict((k.lower(), v) for k, v in got).get("content-length") if self.command == "HEAD" else None
@@ -229,7 +253,154 @@ class S3Relay(ThreadedHTTPService):
         self.release()  # held requests answer (or fail) instead of waiting out hold_limit_s
         super().stop()
 
-    def start(self) -> S3Relay:
-        super().start()
-        logger.info("S3 relay %s -> %s", self.endpoint, self.upstream.geturl())
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> S3Relay:
+        """Serve on ``host:port`` (port 0: a free one); ``0.0.0.0``: on every address of this network namespace."""
+        self._server = ThreadingHTTPServer((host, port or free_port()), self.handler())
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name=self.name, daemon=True).start()
+        logger.info("S3 relay %s -> %s (delay %g ms)", self.endpoint, self.upstream.geturl(), self.delay_s * 1000)
         return self
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"requests": dict(self.forwarded_by_method), "forwarded": self.forwarded,
+                    "delay_ms": self.delay_s * 1000}  # fmt: skip
+
+
+class S3RelayProcess:
+    """An :class:`S3Relay` (delay only) in a child process of its own, in its own process group, stopped by its PID.
+
+    ``launcher`` prefixes the command (``ip netns exec <ns>``: the relay runs in that namespace, and
+    ``upstream`` is as that namespace reaches it); ``listen_host`` is where it listens (``0.0.0.0``: every
+    address there). Its log (stderr) goes to ``log_path``.
+    """
+
+    def __init__(self, upstream: str, log_path: Path, *, listen_host: str = "127.0.0.1", delay_ms: float = 0.0,
+                 launcher: Sequence[str] = (), start_timeout_s: float = 60.0) -> None:  # fmt: skip
+        self.upstream = upstream
+        self.log_path = Path(log_path)
+        self.listen_host = listen_host
+        self.delay_ms = delay_ms
+        self.launcher = list(launcher)
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen[str] | None = None
+        self.port = 0
+
+    @property
+    def endpoint(self) -> str:
+        """Where this process's namespace reaches the relay (its listen address; loopback for ``0.0.0.0``)."""
+        return f"http://{'127.0.0.1' if self.listen_host == '0.0.0.0' else self.listen_host}:{self.port}"
+
+    def start(self) -> S3RelayProcess:
+        command = [*self.launcher, sys.executable, "-m", "dualpath_dev.s3_relay", "--upstream", self.upstream,
+                   "--listen", f"{self.listen_host}:0", "--delay-ms", str(self.delay_ms)]  # fmt: skip
+        with open(self.log_path, "w") as log:
+            # The checkout's root: dualpath_dev is development scaffolding, not installed.
+            self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                                         text=True, start_new_session=True, cwd=Path(__file__).resolve().parents[1])  # fmt: skip
+        try:
+            line = self._line(self.start_timeout_s)
+            if not line.startswith("port "):
+                raise RuntimeError(f"the S3 relay did not start (it printed {line!r}); see {self.log_path}")
+            self.port = int(line.split()[1])
+        except BaseException:
+            self.stop()
+            raise
+        logger.info("S3 relay process %d: %s -> %s, delay %g ms", self.proc.pid, self.endpoint, self.upstream,
+                    self.delay_ms)  # fmt: skip
+        return self
+
+    def _line(self, timeout_s: float) -> str:
+        """The relay's next line on stdout; an error if it prints none within ``timeout_s`` (its stdout is only
+        ever its answers, one line each, so nothing waits in the reader's buffer when this selects)."""
+        assert self.proc is not None and self.proc.stdout is not None
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout_s)
+        if not ready:
+            raise TimeoutError(f"the S3 relay answered nothing in {timeout_s:g}s; see {self.log_path}")
+        return self.proc.stdout.readline()
+
+    def _ask(self, command: str) -> dict:
+        assert self.proc is not None and self.proc.stdin is not None, "start() first"
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        line = self._line(30.0)
+        if not line.startswith("ok "):
+            raise RuntimeError(f"the S3 relay answered {line!r} to {command!r}; see {self.log_path}")
+        return json.loads(line[3:])
+
+    def set_delay(self, delay_ms: float) -> None:
+        """Every request the relay receives from now on waits ``delay_ms``."""
+        self._ask(f"delay {delay_ms}")
+        self.delay_ms = delay_ms
+
+    def requests(self) -> Counter[str]:
+        """Requests forwarded since the start, by method."""
+        return Counter(self._ask("stats")["requests"])
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()  # the relay's own signal to exit
+            stop_process_group(self.proc, grace_s=3.0)
+            self.proc = None
+
+    def __enter__(self) -> S3RelayProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _serve_commands(relay: S3Relay) -> None:
+    """Answer stdin's commands until it closes (the parent stopped the relay or died)."""
+    for line in sys.stdin:
+        words = line.split()
+        if words[:1] == ["delay"] and len(words) == 2:
+            try:
+                delay_ms = _non_negative(words[1])
+            except (ValueError, argparse.ArgumentTypeError) as exc:
+                print(f"error {exc}", flush=True)
+                continue
+            relay.delay_s = delay_ms / 1000
+            answer = {"delay_ms": delay_ms}
+        elif words == ["stats"]:
+            answer = relay.stats()
+        else:
+            print(f"error unknown command {line.strip()!r}", flush=True)
+            continue
+        print(f"ok {json.dumps(answer)}", flush=True)
+
+
+def _host_port(text: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit():
+        raise argparse.ArgumentTypeError(f"HOST:PORT expected (port 0: a free one), got {text!r}")
+    return host, int(port)
+
+
+def _non_negative(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a delay is >= 0, got {text}")
+    return value
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dualpath_dev.s3_relay",
+                                     description="An S3 relay that delays every request (a store's round trip).")
+    parser.add_argument("--upstream", required=True, help="the S3 server's URL, e.g. http://127.0.0.1:8333")
+    parser.add_argument("--listen", type=_host_port, default=("127.0.0.1", 0), help="HOST:PORT (port 0: a free one)")
+    parser.add_argument("--delay-ms", type=_non_negative, default=0.0, help="each request waits this long first")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    relay = S3Relay(args.upstream, delay_s=args.delay_ms / 1000).start(*args.listen)
+    try:
+        print(f"port {relay.port}", flush=True)
+        _serve_commands(relay)
+    finally:
+        relay.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
