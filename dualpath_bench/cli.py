@@ -4,6 +4,7 @@
     dualpath-bench run --router http://127.0.0.1:8000 --model tiny-llama --trace trace.jsonl --out run.json
     dualpath-bench run ... --mode online --rate 0.5 --slo-ttft-s 4 --slo-tpot-ms 50
     dualpath-bench cluster --topologies 1P1D,1P2D,2P1D     # root: builds network namespaces
+    dualpath-bench cluster --modes basic,dualpath --store-rtt-ms 0 5 20   # at three store round trips
     dualpath-bench pd-range --gpus-per-node 8 --snic 1       # the bottleneck-free P/D range (paper §4.2)
     dualpath-bench simulate --preset paper --topologies 1P1D,1P2D,2P1D --scale 1,4,24   # discrete-event simulator
 """
@@ -134,6 +135,7 @@ def cmd_cluster(args: argparse.Namespace) -> int:
         slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_ms / 1000,
         slo_percentile=args.slo_percentile, nic_interval_s=args.nic_interval_s,
         max_model_len=args.max_model_len, progress=args.progress, repeats=args.repeats,
+        store_rtts_ms=tuple(args.store_rtt_ms),
     ).validate()  # fmt: skip
     args.workdir.mkdir(parents=True, exist_ok=True)
     model = make_tiny_llama(args.workdir / "tiny-llama")
@@ -291,6 +293,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--storage-mbit", type=float, default=16.0, help="each node's storage NIC, both directions")
     p.add_argument("--compute-mbit", type=float, default=0.0, help="compute network per node; 0: unshaped")
     p.add_argument("--store-cpus", default="", help="cores SeaweedFS runs on, e.g. 0 (taskset's list); default: unpinned")
+    p.add_argument("--store-rtt-ms", type=float, nargs="+", default=[],
+                   help="store round trips to compare at, a cluster each (e.g. 0 5 20): every engine and router "
+                        "request to S3 waits this long in a relay in the S3 namespace; default: no relay")
     p.add_argument("--subnet", default="10.213", help="first two octets of the private /16 to use")
     p.add_argument("--nic-interval-s", type=float, default=1.0)
     p.add_argument("--repeats", type=int, default=3,

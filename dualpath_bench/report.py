@@ -94,9 +94,27 @@ def _load(payload: dict) -> str:
             f"start, {environment['load_avg_at_end'][0]:.1f} at the end.")  # fmt: skip
 
 
+def rtt_shown(payload: dict) -> bool:
+    """Whether the payload compares store round trips (``--store-rtt-ms``) or ran at one: then every row says its
+    RTT. Payloads from before the relay have neither and render as they did."""
+    return bool(payload["config"].get("store_rtts_ms")) or any(t.get("store_rtt_ms") for t in payload["topologies"])
+
+
+def where(topology: dict, shown: bool) -> str:
+    """A topology entry's name in the report's lines: ``1P1D``, or ``1P1D at 5 ms store RTT`` where RTTs are shown."""
+    if not shown:
+        return topology["topology"]
+    return f"{topology['topology']} at {topology.get('store_rtt_ms', 0.0):g} ms store RTT"
+
+
 def markdown(payload: dict) -> str:
     trace = payload["trace"]
     cluster = payload["config"]["cluster"]
+    shown = rtt_shown(payload)
+    rtt_note = (" Store RTT: every engine and router request to S3 waited this long in a relay in the S3 namespace "
+                "before SeaweedFS saw it (per request, not bandwidth; 0: no relay); one cluster per RTT."
+                if shown else "")  # fmt: skip
+    rtt_head, rtt_align = ("| store RTT ms ", "|--:") if shown else ("", "")
     lines = [
         "# DualPath on the emulated cluster",
         "",
@@ -104,24 +122,25 @@ def markdown(payload: dict) -> str:
         f"gen {trace['gen']:.0f}, context {trace['context']:.0f} tokens/turn (hit ratio {trace['hit_ratio']:.1%}). "
         f"Storage NIC {cluster['storage_mbit']:g} Mbit/s per node, compute network "
         f"{'unshaped' if not cluster['compute_mbit'] else str(cluster['compute_mbit']) + ' Mbit/s'}; "
-        f"replay {payload['config']['replay_mode']}.{_load(payload)}",
+        f"replay {payload['config']['replay_mode']}.{rtt_note}{_load(payload)}",
         "",
-        "| topology | mode | JCT s | speedup vs Basic | bound (P+D)/P | NIC read max/avg | link use while reads wait "
+        f"| topology {rtt_head}| mode | JCT s | speedup vs Basic | bound (P+D)/P | NIC read max/avg | link use while reads wait "
         "| read span s | links' combined rate moved over it | all links reading over it "
         "| TTFT mean s | queue s | read s | prefill s | other s | TTFT p90 s | TPOT p50 ms | read sides | failed requests |",
-        "|---|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|",
+        f"|---{rtt_align}|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|--:|---|--:|",
     ]
     for topology in payload["topologies"]:
+        first = f"| {topology['topology']} " + (f"| {topology.get('store_rtt_ms', 0.0):g} " if shown else "")
         for mode, run in topology["runs"].items():
             if "error" in run:
-                lines.append(f"| {topology['topology']} | {mode} | failed: {run['error'][:120]} |" + " |" * 16)
+                lines.append(f"{first}| {mode} | failed: {run['error'][:120]} |" + " |" * 16)
                 continue
             s, b, use = run["summary"], run["ttft_breakdown"], run.get("link_use", {})
             figures = topology.get("figures", {}).get(mode, {})
             speedup = _row_speedup(mode, topology["runs"], topology["comparison"])
             sides = ", ".join(f"{k or '?'}:{v}" for k, v in s["read_sides"].items())
             lines.append(
-                f"| {topology['topology']} | {mode} | {_spread(figures.get('jct_s'), s['jct_s'], '.1f')} | {speedup} "
+                f"{first}| {mode} | {_spread(figures.get('jct_s'), s['jct_s'], '.1f')} | {speedup} "
                 f"| {topology['bound']:.2f}x | {_fmt(run['nic']['max_over_avg'])} "
                 f"| {_fmt(use.get('use_while_waiting'), '.0%')} "
                 f"| {_spread(figures.get('read_span_s'), use.get('read_span_s'), '.0f')} "
@@ -148,12 +167,12 @@ def markdown(payload: dict) -> str:
             if c.get("repetitions", 1) > 1:
                 of_bound += f"; medians of {c['repetitions']} interleaved repetitions [min-max]"
         lines.append(
-            f"- {topology['topology']}: DualPath speedup {speedup} {of_bound}; DualPath/Oracle JCT "
+            f"- {where(topology, shown)}: DualPath speedup {speedup} {of_bound}; DualPath/Oracle JCT "
             f"{_ratio(c['dualpath_over_oracle'], runs, ('dualpath', 'oracle'))}."
         )
         if c.get("aps_at_slo"):
             held = ", ".join(f"{mode} {_fmt(aps, '.3g', '/s')}" for mode, aps in c["aps_at_slo"].items())
-            lines.append(f"- {topology['topology']}: agent arrivals per second at the SLO: {held}; DualPath/Basic "
+            lines.append(f"- {where(topology, shown)}: agent arrivals per second at the SLO: {held}; DualPath/Basic "
                          f"{_fmt(c.get('dualpath_aps_speedup'), '.2f', 'x')}.")  # fmt: skip
             for mode, run in topology["runs"].items():
                 steps = ", ".join(f"{s['rate']:g}/s {'held' if s['holds'] else 'broke'} (TTFT {s['ttft_s']:.2f} s)"
@@ -161,6 +180,7 @@ def markdown(payload: dict) -> str:
                 if steps:
                     lines.append(f"  - {mode}: {steps}")
     for topology in payload["topologies"]:
+        name = where(topology, shown)
         for mode, run in topology["runs"].items():
             # A counter no engine reported (a run older than the counter) is left out, not printed as 0.
             deltas = run.get("engine_deltas", {}).values()
@@ -168,23 +188,28 @@ def markdown(payload: dict) -> str:
                       for label, series in RUN_EVENTS.items()
                       if any(series in engine for engine in deltas)}  # fmt: skip
             if any(events.values()):
-                lines.append(f"- {topology['topology']} {mode}: " + ", ".join(f"{k} {v:.0f}" for k, v in events.items()) + ".")
+                lines.append(f"- {name} {mode}: " + ", ".join(f"{k} {v:.0f}" for k, v in events.items()) + ".")
             per_link = (run.get("link_use") or {}).get("per_link")
             if per_link:
-                lines.append(f"- {topology['topology']} {mode}: each link's rate moved over the read span (while it "
+                lines.append(f"- {name} {mode}: each link's rate moved over the read span (while it "
                              f"read): " + ", ".join(f"{node} {_fmt(f['rate_over_read_span'], '.0%')} "
                                                      f"({_fmt(f['rate_while_busy'], '.0%')})"
                                                      for node, f in per_link.items()) + ".")  # fmt: skip
             cpu = (run.get("nic") or {}).get("cpu_busy_while_links_busy")
             if cpu:
                 whole = run["nic"].get("cpu_busy") or {}
-                lines.append(f"- {topology['topology']} {mode}: each core busy while the storage links moved data "
+                lines.append(f"- {name} {mode}: each core busy while the storage links moved data "
                              f"(over the whole run): " + ", ".join(f"{core} {share:.0%} ({_fmt(whole.get(core), '.0%')})"
                                                                   for core, share in cpu.items()) + ".")  # fmt: skip
+            relay = run.get("relay")
+            if relay:
+                requests = ", ".join(f"{method} {count}" for method, count in relay["requests"].items())
+                lines.append(f"- {name} {mode}: store requests through the relay: {requests}; its CPU "
+                             f"{relay['cpu_s']:.1f} s.")  # fmt: skip
             slo = run.get("summary", {}).get("slo")
             if slo:
                 lines.append(
-                    f"- {topology['topology']} {mode}: SLO {'holds' if slo['holds'] else 'missed'} at p{slo['percentile']:g} "
+                    f"- {name} {mode}: SLO {'holds' if slo['holds'] else 'missed'} at p{slo['percentile']:g} "
                     f"(TTFT {slo['ttft_s']:.2f} s <= {slo['ttft_limit_s']:g} s, "
                     f"TPOT {slo['tpot_s'] * 1000:.0f} ms <= {slo['tpot_limit_s'] * 1000:g} ms)."
                 )
@@ -213,23 +238,28 @@ def plot(payload: dict, path: Path) -> Path | None:
         logger.warning("matplotlib is not installed: no plot")
         return None
     topologies = payload["topologies"]
+    shown = rtt_shown(payload)
+    # One group per topology entry: with store RTTs a topology has one entry per RTT.
+    names = [t["topology"] + (f"\n{t.get('store_rtt_ms', 0.0):g} ms RTT" if shown else "") for t in topologies]
     modes = ["basic", "dualpath", "oracle"]
-    ok = {(t["topology"], m): t["runs"][m] for t in topologies for m in modes if "summary" in t["runs"].get(m, {})}
+    ok = {(name, m): t["runs"][m] for name, t in zip(names, topologies) for m in modes
+          if "summary" in t["runs"].get(m, {})}  # fmt: skip
     n_series = max(1, len(ok))
     fig = plt.figure(figsize=(12, 4 + 2.2 * ((n_series + 2) // 3)))
     grid = fig.add_gridspec(1 + (n_series + 2) // 3, 3)
     ax = fig.add_subplot(grid[0, 0])
     width = 0.8 / len(modes)
     for i, mode in enumerate(modes):
-        xs = [j + i * width for j, t in enumerate(topologies) if (t["topology"], mode) in ok]
+        present = [(j, name, t) for j, (name, t) in enumerate(zip(names, topologies)) if (name, mode) in ok]
+        xs = [j + i * width for j, _, _ in present]
         # Medians with their min-max over the repetitions, where there were several.
-        jct = [t.get("figures", {}).get(mode, {}).get("jct_s") or {} for t in topologies if (t["topology"], mode) in ok]
-        ys = [ok[(t["topology"], mode)]["summary"]["jct_s"] for t in topologies if (t["topology"], mode) in ok]
+        jct = [t.get("figures", {}).get(mode, {}).get("jct_s") or {} for _, _, t in present]
+        ys = [ok[(name, mode)]["summary"]["jct_s"] for _, name, _ in present]
         ys = [f["median"] if f.get("median") is not None else y for f, y in zip(jct, ys)]
         errors = [[y - f.get("min", y) if f.get("median") is not None else 0 for f, y in zip(jct, ys)],
                   [f.get("max", y) - y if f.get("median") is not None else 0 for f, y in zip(jct, ys)]]  # fmt: skip
         ax.bar(xs, ys, width, yerr=errors, capsize=3, label=mode)
-    ax.set_xticks([j + width for j in range(len(topologies))], [t["topology"] for t in topologies])
+    ax.set_xticks([j + width for j in range(len(topologies))], names, fontsize=8 if shown else 10)
     ax.set_ylabel("JCT (s)")
     ax.set_title("Job completion time")
     ax.legend()
@@ -255,7 +285,7 @@ def plot(payload: dict, path: Path) -> Path | None:
         for node, values in series["read_bytes"].items():
             rates = [(b - a) * 8 / 1e6 / (t2 - t1) for a, b, t1, t2 in zip(values, values[1:], t, t[1:]) if t2 > t1]
             ax.plot(t[1 : len(rates) + 1], rates, label=node)
-        ax.set_title(f"{topology} {mode}: storage reads", fontsize=9)
+        ax.set_title(f"{topology.replace(chr(10), ' ')} {mode}: storage reads", fontsize=9)
         ax.set_xlabel("s")
         ax.set_ylabel("Mbit/s")
         ax.legend(fontsize=7, loc="upper left")

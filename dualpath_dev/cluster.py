@@ -6,7 +6,7 @@ Topology (``<p>`` is a per-run prefix, ``<s>`` the /16, e.g. ``10.213``)::
       |- bridge <p>br  <s>.1.1/24 ............ "compute network" (unlimited, or compute_mbit)
       |     |- veth <p>c<k>b  <->  <p>c<k>a  <s>.1.<10+k>   in namespace <p>-pe<i> / <p>-de<j>
       |- veth <p>x0 <s>.0.1/30 <-> <p>x1 <s>.0.2  in <p>-s3 . control link: router lookups, harness
-    namespace <p>-s3: SeaweedFS on 0.0.0.0
+    namespace <p>-s3: SeaweedFS on 0.0.0.0 (and, with store_rtt_ms, a delaying S3 relay in front of it)
       |- veth <p>s<k>b <s>.<16+k>.1/30 <-> <p>s<k>a <s>.<16+k>.2 in node k ..... "storage NIC" (storage_mbit)
 
 Every engine namespace reaches S3 only through its own storage link, shaped
@@ -16,6 +16,16 @@ bridge. Engines run under ``ip netns exec``; NIXL's UCX is pinned to TCP on the
 compute interface so PE <-> DE transfers take the compute link. The router runs
 in the root namespace and reaches S3 through the control link, which carries
 only hit lookups.
+
+``store_rtt_ms`` > 0 puts a store round trip on every engine and router
+request: one S3 relay process (``dualpath_dev.s3_relay``) runs in the S3
+namespace in front of SeaweedFS, listening on every address there, and the
+engines' and the router's store endpoints name it (same addresses, its port),
+so reads, writes and the router's lookups each wait that long before they are
+forwarded, and the bytes still cross each node's shaped storage link. The
+harness's own waits for stored chunks go to SeaweedFS directly: they are the
+measurement's, not the system's. A relay rather than a delaying qdisc: this
+machine's kernel has no netem.
 
 Teardown (``ClusterNetwork.teardown``) is idempotent and runs on exit, on an
 exception and on SIGINT/SIGTERM (the CLI turns SIGTERM into ``SystemExit``);
@@ -41,6 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dualpath_dev.engines import ClusterKeys, RouterProcess, VLLMServer
+from dualpath_dev.s3_relay import S3RelayProcess
 from dualpath_dev.seaweedfs import SeaweedFS
 
 from dualpath_bench.errors import BenchUsageError
@@ -68,6 +79,9 @@ class ClusterConfig:
     # The cores SeaweedFS runs on ("1", "0,2-3": taskset's list); empty: wherever Linux puts it. The engines'
     # forwards run on all cores but the last, their transfer threads on the last (processes.forward_threads_env, pinned).
     store_cpus: str = ""
+    # Milliseconds every engine and router request to the store waits in a relay before SeaweedFS sees it (a
+    # store across a network); 0: no relay, the store answers at the links' pace alone.
+    store_rtt_ms: float = 0.0
 
     def validate(self) -> ClusterConfig:
         if self.prefill < 1 or self.decode < 1:
@@ -78,6 +92,8 @@ class ClusterConfig:
             raise ClusterError(f"cluster.storage_mbit must be > 0, got {self.storage_mbit}")
         if self.compute_mbit < 0:
             raise ClusterError(f"cluster.compute_mbit must be >= 0 (0: unshaped), got {self.compute_mbit}")
+        if not 0 <= self.store_rtt_ms < float("inf"):  # NaN fails this too
+            raise ClusterError(f"cluster.store_rtt_ms must be a number >= 0 (0: no relay), got {self.store_rtt_ms}")
         try:
             net = ipaddress.ip_network(f"{self.subnet}.0.0/16")
         except ValueError:
@@ -443,7 +459,8 @@ class EngineSpec:
 
 
 class EmulatedCluster:
-    """The network, SeaweedFS in its namespace, and one vLLM engine per node; all stopped on exit."""
+    """The network, SeaweedFS in its namespace (behind a delaying relay with ``store_rtt_ms``), and one vLLM
+    engine per node; all stopped on exit."""
 
     def __init__(self, config: ClusterConfig, workdir: Path, model: Path, max_model_len: int = 8192,
                  start_timeout_s: float = 900.0) -> None:  # fmt: skip
@@ -453,6 +470,7 @@ class EmulatedCluster:
         self.max_model_len = max_model_len
         self.start_timeout_s = start_timeout_s
         self.s3: SeaweedFS | None = None
+        self.relay: S3RelayProcess | None = None
         self.engines: dict[str, VLLMServer] = {}
         self.router: RouterProcess | None = None
         # One per cluster, random per run: the engines' API key and the side channel's key.
@@ -476,10 +494,28 @@ class EmulatedCluster:
                 launcher=["ip", "netns", "exec", self.network.s3_namespace, *self.network.config.store_launcher],
             ).start()
             self.s3.client().create_bucket(Bucket=BUCKET)
+            config = self.network.config
+            if config.store_rtt_ms > 0:
+                self.relay = S3RelayProcess(
+                    f"http://127.0.0.1:{self.s3.s3_port}", self.workdir / f"{self.network.prefix}-s3-relay.log",
+                    listen_host="0.0.0.0", delay_ms=config.store_rtt_ms,
+                    launcher=["ip", "netns", "exec", self.network.s3_namespace, *config.store_launcher],
+                ).start()  # fmt: skip
         except BaseException:
             self.close()
             raise
         return self
+
+    @property
+    def store_port(self) -> int:
+        """The port the engines and the router reach the store on: the relay's, where there is one."""
+        assert self.s3 is not None, "start the cluster first"
+        return self.relay.port if self.relay is not None else self.s3.s3_port
+
+    @property
+    def store_endpoint(self) -> str:
+        """The store as the root namespace (the router) reaches it: over the control link."""
+        return f"http://{self.network.s3_control_addr}:{self.store_port}"
 
     def __exit__(self, *exc: object) -> None:
         self.close()
@@ -488,6 +524,9 @@ class EmulatedCluster:
         with signals_deferred():
             self.stop_router()
             self.stop_engines()
+            if self.relay is not None:
+                self.relay.stop()
+                self.relay = None
             if self.s3 is not None:
                 self.s3.stop()
                 self.s3 = None
@@ -502,7 +541,7 @@ class EmulatedCluster:
         self.stop_engines()
         for node in self.network.nodes:
             extra = {
-                "store": self.store_section(f"http://{node.s3_addr}:{self.s3.s3_port}"),
+                "store": self.store_section(f"http://{node.s3_addr}:{self.store_port}"),
                 "side_channel_host": node.compute_addr,
                 **spec.extra,
             }
@@ -544,7 +583,7 @@ class EmulatedCluster:
         self.stop_router()
         self.router = RouterProcess(
             self.prefill, self.decode, self.s3, self.workdir, policy=policy,
-            store=self.store_section(self.s3.endpoint), **overrides,
+            store=self.store_section(self.store_endpoint), **overrides,
         ).start()  # fmt: skip
         return self.router
 

@@ -1,7 +1,9 @@
 """Basic vs DualPath vs Oracle on the emulated cluster, one topology after another, in one invocation.
 
-Per topology (``1P1D``, ``1P2D``, ``2P1D``...) one :class:`EmulatedCluster` is
-built. Basic (router policy ``basic``: PE-side reads only) and DualPath (policy
+Per topology (``1P1D``, ``1P2D``, ``2P1D``...) and store round trip
+(``store_rtts_ms``: every engine and router request to the store waits that
+long in a relay; one cluster each, in that order) one :class:`EmulatedCluster`
+is built. Basic (router policy ``basic``: PE-side reads only) and DualPath (policy
 ``dualpath``) share its engines and differ only in the router; every run adds
 its own ``token_salt`` to the trace, so no run finds another's chunks in the
 store and each starts from the same (empty) state of its prefix space. With
@@ -105,6 +107,8 @@ class BenchConfig:
     progress: bool = True
     # Runs of every mode, interleaved (A B C A B C ...): medians and spread, not one run of each after the other.
     repeats: int = 1
+    # Store round trips (ms) to compare at, a cluster each (cluster.store_rtt_ms); empty: cluster.store_rtt_ms alone.
+    store_rtts_ms: tuple[float, ...] = ()
 
     def validate(self) -> BenchConfig:
         for topology in self.topologies:
@@ -121,8 +125,13 @@ class BenchConfig:
                              f"{list(self.rates)} with replay {self.replay_mode!r}")  # fmt: skip
         if self.repeats < 1:
             raise BenchError(f"bench.repeats must be at least 1, got {self.repeats}")
-        self.cluster.validate()
+        for cluster in self.clusters():
+            cluster.validate()
         return self
+
+    def clusters(self) -> list[ClusterConfig]:
+        """The cluster config of each store round trip to compare at, in order."""
+        return [replace(self.cluster, store_rtt_ms=rtt) for rtt in self.store_rtts_ms] or [self.cluster]
 
 
 def _engine_snapshot(url: str) -> dict[str, float]:
@@ -272,11 +281,13 @@ def _run_mode(cluster: EmulatedCluster, mode: str, agents: list[Agent], config: 
             max_context=config.max_model_len, slo_ttft_s=config.slo_ttft_s, slo_tpot_s=config.slo_tpot_s,
             slo_percentile=config.slo_percentile, progress=config.progress,
         )  # fmt: skip
+        relay_before = cluster.relay.stats() if cluster.relay is not None else None
         started = time.time()
         with NicSampler(cluster.network, config.nic_interval_s) as sampler:
             result = replay(agents, replay_config, watcher)
         ended = time.time()
         after = _settled_snapshot(urls)
+        relay = _relay_delta(relay_before, cluster.relay.stats()) if relay_before is not None else None
     finally:
         cluster.stop_router()
     summary = result.summary()
@@ -286,6 +297,10 @@ def _run_mode(cluster: EmulatedCluster, mode: str, agents: list[Agent], config: 
     return {
         "mode": mode,
         "policy": POLICY[mode],
+        "store_rtt_ms": cluster.network.config.store_rtt_ms,
+        # The store requests that waited the round trip in the relay during the run, by method, and its CPU seconds
+        # (it shares the cores with everything else); None without a relay.
+        "relay": relay,
         "summary": summary,
         "ttft_breakdown": ttft_breakdown(summary, deltas, prefill),
         "cache_compute": cache_compute(deltas, prefill, bytes_per_token, summary, cluster.network.config.storage_mbit),
@@ -298,6 +313,13 @@ def _run_mode(cluster: EmulatedCluster, mode: str, agents: list[Agent], config: 
         "engine_deltas": deltas,
         "records": [asdict(r) for r in result.records],
     }
+
+
+def _relay_delta(before: dict, after: dict) -> dict:
+    """What the relay did between two of its ``stats``: requests by method and CPU seconds."""
+    methods = set(before["requests"]) | set(after["requests"])
+    return {"requests": {m: after["requests"].get(m, 0) - before["requests"].get(m, 0) for m in sorted(methods)},
+            "cpu_s": after["cpu_s"] - before["cpu_s"]}  # fmt: skip
 
 
 def _run_or_sweep(cluster: EmulatedCluster, mode: str, agents: list[Agent], config: BenchConfig, salt: int,
@@ -332,7 +354,8 @@ def _watcher(cluster: EmulatedCluster) -> tuple[StoreWatcher, float]:
 
 
 def run_topology(topology: str, agents: list[Agent], config: BenchConfig, workdir: Path, model: Path) -> dict:
-    """Every mode of ``config`` on one cluster, ``config.repeats`` times, the modes interleaved (A B C A B C ...).
+    """Every mode of ``config`` on one cluster (``config.cluster``, its store round trip included), ``config.repeats``
+    times, the modes interleaved (A B C A B C ...).
 
     Basic and DualPath share their engines; the Oracle's engines take their place for its run, so with the Oracle
     every repetition starts the plain engines again. Every run has a prefix space (token salt) of its own.
@@ -345,7 +368,8 @@ def run_topology(topology: str, agents: list[Agent], config: BenchConfig, workdi
     timelines = {"read_timeline_dir": str(workdir / TIMELINES)}
     with EmulatedCluster(cluster_config, workdir, model, config.max_model_len, config.start_timeout_s) as cluster, \
             contextlib.ExitStack() as watchers:  # fmt: skip
-        logger.info("%s: network %s, S3 %s", topology, cluster.network.prefix, cluster.s3.endpoint)
+        logger.info("%s: network %s, S3 %s, store round trip %g ms", topology, cluster.network.prefix,
+                    cluster.s3.endpoint, cluster_config.store_rtt_ms)  # fmt: skip
 
         def engines(spec: EngineSpec) -> tuple[StoreWatcher, float]:
             cluster.start_engines(spec)
@@ -377,6 +401,7 @@ def run_topology(topology: str, agents: list[Agent], config: BenchConfig, workdi
         "prefill": prefill,
         "decode": decode,
         "bound": bound,
+        "store_rtt_ms": cluster_config.store_rtt_ms,
         "cluster": asdict(cluster_config),
         # Per mode, the repetition with the median JCT (or the first that failed): the table's row.
         "runs": {mode: representative([runs[mode] for runs in repetitions]) for mode in config.modes},
@@ -474,9 +499,10 @@ def compare_repetitions(repetitions: list[dict[str, dict]], bound: float) -> dic
 
 
 def run_comparison(agents: list[Agent], config: BenchConfig, workdir: Path, model: Path) -> dict:
-    """Every topology of ``config``; the payload the report renders."""
+    """Every topology of ``config``, at each of its store round trips; the payload the report renders."""
     config.validate()
-    topologies = [run_topology(t, agents, config, workdir, model) for t in config.topologies]
+    topologies = [run_topology(t, agents, replace(config, cluster=cluster), workdir, model)
+                  for t in config.topologies for cluster in config.clusters()]  # fmt: skip
     return {
         "config": {**asdict(config), "cluster": asdict(config.cluster)},
         "trace": summarize(agents),

@@ -30,7 +30,8 @@ store's traffic still crosses whatever links lead to that namespace.
     python -m dualpath_dev.s3_relay --upstream http://127.0.0.1:8333 --listen 127.0.0.1:0 --delay-ms 5
 
 prints ``port <n>`` once it listens, then answers one command a line on stdin: ``delay <ms>`` (from now
-on) and ``stats`` (requests forwarded by method), each with ``ok <json>``; it exits when stdin closes.
+on) and ``stats`` (requests forwarded by method, its CPU seconds), each with ``ok <json>`` (``error <why>``
+for what it refuses); it exits when stdin closes.
 """
 
 from __future__ import annotations
@@ -262,9 +263,10 @@ class S3Relay(ThreadedHTTPService):
         return self
 
     def stats(self) -> dict:
+        """Requests forwarded by method, the delay, and this process's CPU seconds (all its threads')."""
         with self._lock:
             return {"requests": dict(self.forwarded_by_method), "forwarded": self.forwarded,
-                    "delay_ms": self.delay_s * 1000}  # fmt: skip
+                    "delay_ms": self.delay_s * 1000, "cpu_s": time.process_time()}  # fmt: skip
 
 
 class S3RelayProcess:
@@ -333,9 +335,13 @@ class S3RelayProcess:
         self._ask(f"delay {delay_ms}")
         self.delay_ms = delay_ms
 
+    def stats(self) -> dict:
+        """The relay's :meth:`S3Relay.stats`."""
+        return self._ask("stats")
+
     def requests(self) -> Counter[str]:
         """Requests forwarded since the start, by method."""
-        return Counter(self._ask("stats")["requests"])
+        return Counter(self.stats()["requests"])
 
     def stop(self) -> None:
         if self.proc is not None:

@@ -135,7 +135,8 @@ def calibration(hw: SimHardware, measured_paths: list[Path], trace: dict) -> lis
     Each run is simulated on its own trace (``trace_config`` in its JSON; ``trace`` for runs that predate
     it) and its own storage NIC rate. Online runs (agents arriving at a rate) are left out: the simulator
     replays offline (§7.3), all agents at once, so their JCT is not comparable; so are runs without an Oracle,
-    on which the per-turn overhead is fitted.
+    on which the per-turn overhead is fitted, and runs with a store round trip (``store_rtt_ms``), which it
+    does not model.
     """
     rows = []
     for path in measured_paths:
@@ -147,6 +148,10 @@ def calibration(hw: SimHardware, measured_paths: list[Path], trace: dict) -> lis
         agents = [[(len(t.append), t.output_tokens) for t in a.turns] for a in generate(run_trace)]
         run_hw = replace(hw, storage_bytes_per_s=payload["config"]["cluster"]["storage_mbit"] * 1e6 / 8)
         for topo in payload["topologies"]:
+            if topo.get("store_rtt_ms"):
+                logger.info("calibration: %s %s ran with a store round trip, which the simulator lacks; left out",
+                            path.name, topo["topology"])  # fmt: skip
+                continue
             # The rate the Basic run's PE link achieved (TCP and S3 below the link's nominal rate).
             measured_rate = _read_rate(topo["runs"].get("basic", {}), run_hw.storage_bytes_per_s / hw.kv_bytes_per_token)
             topo_hw = run_hw
