@@ -2,7 +2,7 @@
 
 Network tests need root and network namespaces; they are skipped with the
 reason when ``ip netns add`` is refused. The 1P1D smoke run starts real vLLM
-engines in namespaces.
+engines in namespaces, behind the store round trip's relay.
 """
 
 from __future__ import annotations
@@ -294,18 +294,22 @@ def test_failure_while_building_leaves_nothing(monkeypatch, prefix):
 
 
 @needs_netns
-def test_service_failure_in_cluster_start_leaves_nothing(monkeypatch, tmp_path, prefix):
-    from dualpath_dev import seaweedfs
+@pytest.mark.parametrize("failing", ["SeaweedFS", "S3RelayProcess"])
+def test_service_failure_in_cluster_start_leaves_nothing(monkeypatch, tmp_path, prefix, failing):
+    from dualpath_dev import s3_relay, seaweedfs
 
     def refuse(self, timeout_s=60.0):
         raise RuntimeError("injected S3 start failure")
 
-    monkeypatch.setattr(seaweedfs.SeaweedFS, "start", refuse)
-    cluster = EmulatedCluster(ClusterConfig(subnet=_subnet(), prefix=prefix), tmp_path, tmp_path / "model")
+    service = seaweedfs.SeaweedFS if failing == "SeaweedFS" else s3_relay.S3RelayProcess
+    monkeypatch.setattr(service, "start", refuse)
+    config = ClusterConfig(subnet=_subnet(), prefix=prefix, store_rtt_ms=20.0 if failing == "S3RelayProcess" else 0.0)
+    cluster = EmulatedCluster(config, tmp_path, tmp_path / "model")
     with pytest.raises(RuntimeError, match="injected S3"):
         with cluster:
             pass
     assert leftovers(prefix) == []
+    assert cluster.s3 is None and cluster.relay is None  # the SeaweedFS that had started was stopped too
 
 
 @needs_netns
@@ -388,6 +392,67 @@ def test_storage_link_is_rate_limited_and_counted(prefix):
     assert sampler.samples[-1].read_bytes[1] - sampler.samples[0].read_bytes[1] < 10_000
 
 
+_STORE_CLIENT = """
+import hashlib, json, sys, time
+import boto3
+from botocore.config import Config
+client = boto3.client("s3", endpoint_url=sys.argv[1], region_name="us-east-1",
+                      config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}))
+body = open(sys.argv[3], "rb").read()
+clock = time.perf_counter()
+client.put_object(Bucket=sys.argv[2], Key="relayed", Body=body)
+put_s = time.perf_counter() - clock
+clock = time.perf_counter()
+got = client.get_object(Bucket=sys.argv[2], Key="relayed")["Body"].read()
+print(json.dumps({"put_s": put_s, "get_s": time.perf_counter() - clock, "sha": hashlib.sha256(got).hexdigest()}))
+"""
+
+
+@needs_netns
+def test_the_store_rtt_relay_runs_in_the_s3_namespace_and_delays_what_crosses_a_storage_link(tmp_path, prefix):
+    import hashlib
+
+    import boto3
+    from botocore.config import Config
+
+    from dualpath_dev.cluster import BUCKET
+
+    rtt_ms, body = 50.0, os.urandom(1 << 20)
+    (tmp_path / "body").write_bytes(body)
+    config = ClusterConfig(storage_mbit=200, subnet=_subnet(), prefix=prefix, store_rtt_ms=rtt_ms)
+    with EmulatedCluster(config, tmp_path, tmp_path / "model") as cluster:
+        node, relay_pid = cluster.network.nodes[0], cluster.relay.proc.pid
+        in_s3 = subprocess.run(["ip", "netns", "pids", cluster.network.s3_namespace], capture_output=True,
+                               text=True, check=True).stdout.split()  # fmt: skip
+        assert str(relay_pid) in in_s3
+        env = dict(os.environ, AWS_ACCESS_KEY_ID=cluster.s3.access_key, AWS_SECRET_ACCESS_KEY=cluster.s3.secret_key)
+        # An engine's way: from its namespace, over its storage link, to the relay's port.
+        with NicSampler(cluster.network, interval_s=0.1) as sampler:
+            out = subprocess.run(["ip", "netns", "exec", node.namespace, sys.executable, "-c", _STORE_CLIENT,
+                                  f"http://{node.s3_addr}:{cluster.store_port}", BUCKET, str(tmp_path / "body")],
+                                 capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
+        assert out.returncode == 0, out.stderr
+        timed = json.loads(out.stdout)
+        assert timed["sha"] == hashlib.sha256(body).hexdigest()
+        assert timed["put_s"] >= rtt_ms / 1000 and timed["get_s"] >= rtt_ms / 1000  # lower bounds only
+        moved = [sampler.samples[-1].write_bytes[0] - sampler.samples[0].write_bytes[0],
+                 sampler.samples[-1].read_bytes[0] - sampler.samples[0].read_bytes[0]]  # fmt: skip
+        assert min(moved) >= len(body)  # both ways over the node's storage link
+        # The relay forwarded to the cluster's SeaweedFS: the object is there.
+        assert cluster.s3.client().get_object(Bucket=BUCKET, Key="relayed")["Body"].read() == body
+        # The router's way: over the control link, through the relay too.
+        store = boto3.client("s3", endpoint_url=cluster.store_endpoint, aws_access_key_id=cluster.s3.access_key,
+                             aws_secret_access_key=cluster.s3.secret_key, region_name="us-east-1",
+                             config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}))  # fmt: skip
+        clock = time.perf_counter()
+        store.head_object(Bucket=BUCKET, Key="relayed")
+        assert time.perf_counter() - clock >= rtt_ms / 1000
+        assert cluster.relay.requests() == {"PUT": 1, "GET": 1, "HEAD": 1}
+    assert leftovers(prefix) == []
+    with pytest.raises(ProcessLookupError):
+        os.kill(relay_pid, 0)
+
+
 # --- the real stack ------------------------------------------------------------------------------
 
 
@@ -397,17 +462,22 @@ def test_smoke_1p1d_two_agents(tmp_path, tiny_model, prefix):
     from dualpath_dev.compare import BenchConfig, run_comparison
 
     agents = generate(TraceConfig(agents=2, seed=0, turns=3, first_append_tokens=1024, sigma=0.0))
-    config = BenchConfig(modes=("basic", "dualpath"), cluster=ClusterConfig(storage_mbit=200, subnet=_subnet(),
-                         prefix=prefix), progress=False, warmup_requests=1)  # fmt: skip
+    # With a store round trip: the engines' reads and writes and the router's lookups go through the relay.
+    cluster = ClusterConfig(storage_mbit=200, subnet=_subnet(), prefix=prefix, store_rtt_ms=2.0)
+    config = BenchConfig(modes=("basic", "dualpath"), cluster=cluster, progress=False, warmup_requests=1)
     payload = run_comparison(agents, config, tmp_path, tiny_model)
     assert leftovers(prefix) == []
-    runs = payload["topologies"][0]["runs"]
+    topology = payload["topologies"][0]
+    assert topology["store_rtt_ms"] == 2.0
+    runs = topology["runs"]
     for mode in ("basic", "dualpath"):
         assert "error" not in runs[mode], runs[mode].get("error")
         summary = runs[mode]["summary"]
         assert summary["agents_done"] == 2 and summary["failed_requests"] == 0
         assert summary["hit_tokens"] > 0  # later turns hit the chunks the DE stored
+        relayed = runs[mode]["relay"]["requests"]
+        assert relayed.get("GET", 0) > 0 and relayed.get("PUT", 0) > 0, relayed  # hits read, chunks saved
     assert set(runs["basic"]["summary"]["read_sides"]) == {"pe"}
     assert runs["basic"]["nic"]["read_bytes"]["pe0"] > 0
     report.write(payload, tmp_path, "smoke")
-    assert (tmp_path / "smoke.md").exists()
+    assert "| 1P1D | 2 | basic |" in (tmp_path / "smoke.md").read_text()
