@@ -85,6 +85,8 @@ from nixl_backends.s3agg_protocol import (
     parse_notification,
 )
 from nixl_backends.store import KVStore, StoreMetrics
+from nixl_backends.traffic_isolation import UcxTraffic
+from nixl_backends.transport import add_ucx_backend
 
 logger = logging.getLogger(__name__)
 
@@ -253,8 +255,12 @@ class S3AggStore(KVStore):
         self.config = config
         self._agent = agent
         if agent is not None and "UCX" not in agent.backends:
-            # The gateway WRITEs into our buffers: UCX must exist before they are registered.
-            agent.create_backend("UCX")
+            # The gateway WRITEs into our buffers: UCX must exist before they are registered, listening on the
+            # interface the gateway is reached through only (an engine of a PD pair has its UCX already, on the
+            # side channel's interface).
+            gateway = urlsplit(config.gateway)
+            port = gateway.port or (443 if gateway.scheme == "https" else 80)
+            add_ucx_backend(agent, UcxTraffic().reaching(gateway.hostname, port), "store.")
         self._inner = S3Store(config.s3_config, layout, agent)
         self._inbox = _inbox_for(agent) if agent is not None else None
         # Buffers of transfers that outlived their deadline: NIXL may still write them, so never freed.

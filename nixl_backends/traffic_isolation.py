@@ -61,6 +61,18 @@ def interfaces_of(host: str) -> set[str] | None:
 
 
 
+def source_address_toward(host: str, port: int) -> str | None:
+    """The local address this machine sends from to reach ``host:port`` (the routing table's choice; connecting
+    a UDP socket sends nothing); None when ``host`` does not resolve or no route leads there."""
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, proto=socket.IPPROTO_UDP)[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as probe:
+            probe.connect(sockaddr)
+            return probe.getsockname()[0]
+    except OSError:
+        return None
+
+
 @dataclass(frozen=True)
 class UcxTraffic:
     """The connector's ``transport`` section; every key unset (the default) leaves UCX exactly as it was."""
@@ -100,6 +112,15 @@ class UcxTraffic:
         if interfaces is None:
             return self
         return replace(self, ucx_net_devices=",".join(sorted(interfaces) + rdma_ports_present(rdma_root)))
+
+    def reaching(self, host: str, port: int, environ: Mapping[str, str] = os.environ,
+                 rdma_root: Path = RDMA_SYSFS) -> UcxTraffic:  # fmt: skip
+        """These settings, with UCX's network devices narrowed to the interface this machine reaches
+        ``host:port`` through (:meth:`listening_on` its source address), unless chosen already; unchanged when
+        no route is found. For a peer that connects to us (a gateway WRITing into our buffers): UCX's default
+        lists every interface in our address, also one that is gone when the peer tries it."""
+        source = source_address_toward(host, port)
+        return self if source is None else self.listening_on(source, environ, rdma_root)
 
     def apply(self, where: str, environ: MutableMapping[str, str] = os.environ) -> dict[str, str]:
         """Put the settings into ``environ``, before NIXL creates the UCX backend; returns the variables set."""

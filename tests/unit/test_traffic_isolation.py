@@ -20,7 +20,7 @@ from dualpath_connector.config import parse_config
 from nixl_backends.configuration import ConfigError
 from nixl_backends.doctor import FAIL, OK, SKIP, WARN, Target, check_rdma
 from nixl_backends.rdma_devices import RdmaUnavailable, rdma_device_names, rdma_ports
-from nixl_backends.traffic_isolation import UCX_VARIABLES, UcxTraffic, parse_traffic
+from nixl_backends.traffic_isolation import UCX_VARIABLES, UcxTraffic, parse_traffic, source_address_toward
 from nixl_backends.transport import add_ucx_backend
 from tests.conftest import REPO_ROOT
 
@@ -187,6 +187,17 @@ def test_a_side_channel_host_on_no_interface_is_refused_naming_it():
     # 203.0.113.0/24 is documentation space: no interface of a test machine holds it.
     with pytest.raises(ConfigError, match=r"^side_channel_host '203.0.113.7' \(203.0.113.7\) is on no network"):
         UcxTraffic().listening_on("203.0.113.7", {})
+
+
+def test_a_gateway_reached_over_loopback_narrows_ucx_to_the_loopback_interface(tmp_path):
+    """The s3agg client's UCX (the gateway WRITEs into it) listens where the route to the gateway leaves."""
+    no_hca = tmp_path / "infiniband"
+    assert source_address_toward("127.0.0.1", 9000) == "127.0.0.1"
+    assert UcxTraffic().reaching("127.0.0.1", 9000, {}, no_hca).ucx_net_devices == "lo"
+    assert UcxTraffic().reaching("localhost", 9000, {"UCX_NET_DEVICES": "eth1"}, no_hca) == UcxTraffic()
+    # No route (a name that does not resolve): UCX keeps its default rather than a guess.
+    assert source_address_toward("no-such-host.invalid", 9000) is None
+    assert UcxTraffic().reaching("no-such-host.invalid", 9000, {}, no_hca) == UcxTraffic()
 
 
 def _listening(pid: int) -> set[tuple[str, int]]:
