@@ -98,10 +98,11 @@ def _cut(sock: socket.socket) -> None:
     sock.close()
 
 
-def _pump(src: socket.socket, dst: socket.socket) -> None:
+def _pump(src: socket.socket, dst: socket.socket, relayed: Callable[[int], None] = lambda n: None) -> None:
     try:
         while data := src.recv(1 << 16):
             dst.sendall(data)
+            relayed(len(data))
     except OSError:
         pass
     finally:
@@ -124,6 +125,9 @@ class StoreRelay:
         self._lock = threading.Lock()
         self._target = self._address(target)
         self._open: set[socket.socket] = set()
+        # Bytes relayed toward the store: requests reach a frozen store's socket too (the kernel accepts them).
+        self._sent = 0
+        self._sent_changed = threading.Condition(self._lock)
         self._acceptor = threading.Thread(target=self._accept, name="store-relay", daemon=True)
         self._acceptor.start()
 
@@ -131,6 +135,21 @@ class StoreRelay:
     def _address(endpoint: str) -> tuple[str, int]:
         host, port = endpoint.removeprefix("http://").rsplit(":", 1)
         return host, int(port)
+
+    @property
+    def sent_bytes(self) -> int:
+        with self._lock:
+            return self._sent
+
+    def wait_sent_past(self, mark: int, timeout_s: float) -> None:
+        """Wait until more than ``mark`` bytes went toward the store; AssertionError after ``timeout_s``."""
+        with self._sent_changed:
+            assert self._sent_changed.wait_for(lambda: self._sent > mark, timeout_s), "nothing reached the store"
+
+    def _count_sent(self, nbytes: int) -> None:
+        with self._sent_changed:
+            self._sent += nbytes
+            self._sent_changed.notify_all()
 
     def point_to(self, target: str) -> None:
         with self._lock:
@@ -171,7 +190,7 @@ class StoreRelay:
                 return
             self._open.update((client, upstream))
         threading.Thread(target=_pump, args=(upstream, client), daemon=True).start()
-        _pump(client, upstream)
+        _pump(client, upstream, self._count_sent)
         with self._lock:
             self._open.difference_update((client, upstream))
 
@@ -469,10 +488,13 @@ def test_store_frozen_mid_load_then_resumed(stack):
     # with the store frozen the request goes straight to the load. Its load
     # counted first: what follows counts the frozen load alone.
     before = _hit(stack, stack.router, tokens, expected)
+    mark = stack.store.relay.sent_bytes
     stack.store.signal(signal.SIGSTOP)
     try:
         answer = in_background(ask, stack.router, stack.model, tokens)
-        store_read_queued(stack.pe)
+        # The load's requests reached the frozen store: seen at the relay at once, where the PE's read-queue
+        # gauge (one /metrics scrape of a busy engine) can take long enough to outlast STORE_TIMEOUT_S.
+        stack.store.relay.wait_sent_past(mark, 60)
         # The fault's length, not a synchronisation: the request must not be answered while the store is frozen.
         assert not wait([answer], FREEZE_S).done, "answered while the store was frozen"
     finally:
