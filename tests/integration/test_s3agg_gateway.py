@@ -203,6 +203,43 @@ def test_each_object_is_one_get_when_a_window_covers_every_layer(seaweedfs, s3ag
     assert_delivered(layout, keys, objects, buffers)
 
 
+@pytest.fixture
+def ucx_devices_unset():
+    """UCX_NET_DEVICES as nobody set it (an earlier test in this process may have), restored after."""
+    saved = os.environ.pop("UCX_NET_DEVICES", None)
+    yield
+    os.environ.pop("UCX_NET_DEVICES", None)
+    if saved is not None:
+        os.environ["UCX_NET_DEVICES"] = saved
+
+
+def test_the_clients_ucx_listens_where_the_gateway_reaches_it_alone(seaweedfs, s3agg_bucket, gateway, agent,
+                                                                    ucx_devices_unset):  # fmt: skip
+    """The gateway WRITEs into the client's buffers over UCX. With UCX's default devices the client's address
+    named every interface, one a test's network namespace had made and removed too, and the gateway failed to
+    reach it (every layerwise read fell back to plain S3). Its listeners are now on the interface toward the
+    gateway (loopback here) alone, and a read through the gateway still lands. The control, UCX's default
+    listening beyond loopback, is tests/unit/test_traffic_isolation.py's."""
+    import ipaddress
+
+    import psutil
+
+    def listening() -> set[tuple[str, int]]:
+        connections = psutil.Process(os.getpid()).net_connections("inet")
+        return {c.laddr[:2] for c in connections if c.status == psutil.CONN_LISTEN}
+
+    layout = BlockLayout(4, 4096)
+    before = listening()
+    store = open_store(seaweedfs, s3agg_bucket, gateway.url, layout, agent)
+    opened = listening() - before
+    assert opened and all(ipaddress.ip_address(address).is_loopback for address, _ in opened), opened
+    keys, objects = put_objects(seaweedfs, s3agg_bucket, np.random.default_rng(22), 4, layout)
+    buffers = layer_buffers(agent, layout, len(keys))
+    result, _ = read_all(store, keys, buffers)
+    assert result.mode == "layerwise"
+    assert_delivered(layout, keys, objects, buffers)
+
+
 def test_a_short_object_is_a_failed_chunk_at_the_reader(seaweedfs, s3agg_bucket, gateway, agent):
     """Nobody asks the store for sizes: a truncated object arrives with zeroed digests and fails its check alone."""
     layout = BlockLayout(4, 4096)
