@@ -9,6 +9,7 @@ VERSITYGW := $(VENV)/bin/versitygw
 UV := python3 -m uv
 
 .PHONY: docs docs-check
+.PHONY: vllm-latest
 .PHONY: setup test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak soak-hostile gpu-connector-check device-check
 
 setup: $(STAMP) mma $(VERSITYGW)
@@ -31,11 +32,17 @@ $(STAMP): pyproject.toml setup.py overrides.txt nixl_backends/csrc/cuobj_compat.
 $(VERSITYGW): | $(STAMP)
 	GOBIN=$(abspath $(VENV)/bin) GOFLAGS=-trimpath go install -ldflags='-s -w' github.com/versity/versitygw/cmd/versitygw@$(VERSITYGW_VERSION)
 
+# vLLM's newest release (a CUDA build: imported, never run) beside the CPU build, for tests/integration/test_vllm_latest.py:
+# without its dependencies, into .cache/vllm-<version> (tests/vllm_latest.py; a stamp there makes a second run free).
+# A failed install is not make's failure: the tier's test skips when the index was out of reach and fails otherwise.
+vllm-latest: $(STAMP)
+	UV="$(UV)" $(PY) -m tests.vllm_latest install
+
 # Tiers: unit (no server, no engine: seconds), integration (NIXL, SeaweedFS, router/gateway
 # processes), e2e (vLLM engines). `make test` runs all three, whole files per worker in the order
 # tests/conftest.py gives them (longest first, as last measured): xdist's own reorder would put the
 # files with the most tests first, which leaves the longest e2e modules for the end.
-test: setup
+test: setup vllm-latest
 	$(PY) -m pytest tests -v -n 2 --dist loadfile --no-loadscope-reorder --durations=25
 
 # Two workers stealing each other's queued tests: the tier is CPU-bound (vLLM's import alone is ~13 s of it) and
@@ -43,7 +50,7 @@ test: setup
 test-unit: setup
 	$(PY) -m pytest tests/unit -v -n 2 --dist worksteal
 
-test-integration: setup
+test-integration: setup vllm-latest
 	$(PY) -m pytest tests/integration -v
 
 test-e2e: setup
