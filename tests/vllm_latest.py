@@ -9,7 +9,11 @@ GPU is checked against it (``tests/integration/test_vllm_latest.py`` runs these 
 - ``factory``: the ``vllm.general_plugins`` entry point run by its plugin loader, then ``KVConnectorFactory``
   resolving the connector by name and by ``kv_connector_module_path``, and every ``configs/*.json``;
 - ``scheduler``: its own ``Scheduler`` driving our scheduler half (a miss, a hit loaded asynchronously);
-- ``multiconnector``: its ``MultiConnector`` holding ours by name as a child, in that ``Scheduler`` too.
+- ``multiconnector``: its ``MultiConnector`` holding ours by name as a child, in that ``Scheduler`` too;
+- ``worker``: our worker half built by its factory on its CPU platform, KV cache registered, one empty step.
+
+What none of them can run: a forward (the release's kernels are CUDA's; its CPU platform finds no CPU kernels),
+so loads and saves into a KV cache vLLM computes stay with the CPU build's e2e tier.
 
 ``python -m tests.vllm_latest install`` (the Makefile's ``vllm-latest``) installs the release alone (no
 dependencies) into ``.cache/vllm-<version>``; ``python -m tests.vllm_latest check REPORT MODEL`` runs the checks
@@ -41,9 +45,10 @@ TARGET = REPO_ROOT / ".cache" / f"vllm-{VERSION}"
 STAMP = TARGET / ".installed"
 # The Makefile's uv; its UV variable is passed on.
 UV = ["python3", "-m", "uv"]
-# How uv reports that it could not reach the package index (DNS, connect, TLS, timeouts, a cut download): in
-# its error chain, as opposed to an answer from the index (no such version, a bad wheel), which is a failure.
+# How uv reports that it could not reach the package index (DNS, connect, timeouts, a cut download, an index
+# not serving): in its error chain, as opposed to an answer from the index (no such version, a bad wheel).
 UNREACHABLE_MARKERS = (
+    "HTTP status server error",
     "error sending request",
     "dns error",
     "failed to lookup address",
@@ -55,7 +60,10 @@ UNREACHABLE_MARKERS = (
     "error decoding response body",
 )
 CONNECTOR = "DualPathConnector"
-BLOCK = 32  # vLLM's CPU block size; the tiny Llama's KV geometry below is from tests/conftest.py's tiny model
+# vLLM's CPU block size, and the KV geometry of the tiny Llama (dualpath_dev/tiny_model.py) the checks configure.
+BLOCK = 32
+HEAD_SIZE = 64
+TINY_LLAMA_LAYERS = 4
 
 
 # -- install --------------------------------------------------------------------------------------------------
@@ -201,10 +209,6 @@ def _names(params: list[inspect.Parameter]) -> str:
 # -- the checks (run under the release: ``python -m tests.vllm_latest check``) -------------------------------
 
 
-class CannotRunHere(Exception):
-    """A check, or part of one, that needs what this machine lacks; the message says exactly what."""
-
-
 @dataclass
 class Outcome:
     check: str
@@ -221,10 +225,8 @@ def cannot_run_here(exc: BaseException) -> str | None:
     """
     ours = {"vllm", "dualpath_connector", "nixl_backends", "tests"}
     while exc is not None:
-        if isinstance(exc, CannotRunHere):
-            return str(exc)
         if isinstance(exc, ModuleNotFoundError) and exc.name and exc.name.split(".")[0] not in ours:
-            return f"vLLM {VERSION} imports {exc.name!r}, which .venv lacks (the release is installed without dependencies)"
+            return f"vLLM {VERSION} imports {exc.name!r}, which .venv lacks (the release came without dependencies)"
         if isinstance(exc, (ImportError, OSError)) and "undefined symbol" in str(exc):
             return f"a compiled extension of vLLM {VERSION} does not load beside .venv's torch: {exc}"
         exc = exc.__cause__ or exc.__context__
@@ -363,18 +365,19 @@ def _vllm_config(model: str, kv_transfer: dict[str, Any]) -> Any:
     return config
 
 
-def _scheduler(vllm_config: Any) -> Any:
+def _kv_cache_config(num_blocks: int, layers: list[str]) -> Any:
     import torch
-    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=HEAD_SIZE, dtype=torch.bfloat16)
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(layers, spec)])
+
+
+def _scheduler(vllm_config: Any) -> Any:
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.structured_output import StructuredOutputManager
 
-    kv_cache_config = KVCacheConfig(
-        num_blocks=1000, kv_cache_tensors=[],
-        kv_cache_groups=[KVCacheGroupSpec(["layer"], FullAttentionSpec(
-            block_size=BLOCK, num_kv_heads=2, head_size=64, dtype=torch.bfloat16))],
-    )  # fmt: skip
-    return Scheduler(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+    return Scheduler(vllm_config=vllm_config, kv_cache_config=_kv_cache_config(1000, ["layer"]),
                      structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK)  # fmt: skip
 
 
@@ -498,6 +501,58 @@ def check_multiconnector(model: str, store_root: str) -> str:
         scheduler.shutdown()
 
 
+def check_worker(model: str, store_root: str) -> str:
+    """Our worker half built by vLLM's factory on its CPU platform (a one-rank process group over gloo), its KV
+    cache registered, then one step's hooks in vLLM's order with nothing to load or save. Loads and saves
+    themselves need a forward: the e2e tier runs them on the CPU build."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.distributed.parallel_state import (
+        cleanup_dist_env_and_memory,
+        ensure_model_parallel_initialized,
+        init_distributed_environment,
+    )
+
+    from dualpath_connector.connector import DualPathConnector
+    from dualpath_connector.metadata import DualPathMetadata
+    from dualpath_dev.processes import free_port
+
+    extra = {**_extra_config(store_root), "load_buffer_chunks": 4, "save_buffer_chunks": 4}
+    kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": "dualpath_connector", "kv_role": "kv_both",
+          "kv_connector_extra_config": extra}  # fmt: skip
+    vllm_config = _vllm_config(model, kv)
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(TINY_LLAMA_LAYERS)]
+    num_blocks = 64
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
+                                     distributed_init_method=f"tcp://127.0.0.1:{free_port()}")  # fmt: skip
+        try:
+            ensure_model_parallel_initialized(1, 1)
+            connector = KVConnectorFactory.create_connector(
+                vllm_config, KVConnectorRole.WORKER, _kv_cache_config(num_blocks, layers))
+            assert isinstance(connector, DualPathConnector), type(connector)
+            try:
+                # The CPU platform's layout: per layer [blocks, kv heads, block tokens, K||V].
+                connector.register_kv_caches({name: torch.zeros(num_blocks, 2, BLOCK, 2 * HEAD_SIZE, dtype=torch.bfloat16)
+                                              for name in layers})  # fmt: skip
+                connector.bind_connector_metadata(DualPathMetadata())
+                connector.start_load_kv(None)
+                for name in layers:
+                    connector.wait_for_layer_load(name)
+                connector.wait_for_save()
+                assert connector.get_finished(set()) == (None, None)
+                assert connector.get_block_ids_with_load_errors() == set()
+                assert connector.build_connector_worker_meta() is None
+                connector.clear_connector_metadata()
+            finally:
+                connector.shutdown()
+        finally:
+            cleanup_dist_env_and_memory()
+    return f"built, {len(layers)} layers registered, one empty step's hooks, shut down"
+
+
 CHECKS: dict[str, Callable[..., str | None]] = {
     "release": check_release,
     "interface": check_interface,
@@ -505,6 +560,7 @@ CHECKS: dict[str, Callable[..., str | None]] = {
     "factory": check_factory,
     "scheduler": check_scheduler,
     "multiconnector": check_multiconnector,
+    "worker": check_worker,
 }
 
 
