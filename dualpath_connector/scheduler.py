@@ -354,8 +354,18 @@ class DualPathScheduler:
         request without a hand-off: a PE computes and saves it itself, a DE
         recomputes the prompt. Never a wrong KV, never a dead engine.
         """
+        params = request.kv_transfer_params
+        if message is PrefillHandoff and isinstance(params, dict) and params.get("do_remote_prefill") \
+                and params.get("remote_block_ids") is None:
+            # vLLM's push-mode proxy sends the DE the PE's coordinates without its blocks (or our hold token),
+            # expecting the PE to WRITE: nothing here can claim that hold, so it ends at its lease.
+            logger.warning("request %s: push-mode kv_transfer_params (no remote_block_ids: the proxy expects the "
+                           "PE to WRITE); dualpath-kv serves pull-mode hand-offs only: hits come from the store, "
+                           "the rest is recomputed, and the PE's hold ends at its lease (pd_lease_s)",
+                           request.request_id)  # fmt: skip
+            return None
         try:
-            return message.from_dict(request.kv_transfer_params)
+            return message.from_dict(params)
         except ProtocolError as exc:
             logger.warning("request %s: ignoring kv_transfer_params: %s", request.request_id, exc)
             return None

@@ -689,6 +689,20 @@ def test_pe_ignores_unusable_prefill_requests(tmp_path, params):
     assert scheduler.request_finished(request, list(range(7))) == (False, None)
 
 
+# What vLLM's push-mode proxy (toy_push_proxy_server.py) sends a DE: the PE's coordinates, no blocks, no token.
+PUSH_MODE_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": None,
+                    "remote_request_id": handoff().remote_request_id, "remote_host": None, "remote_port": None,
+                    "tp_size": 1}  # fmt: skip
+
+
+def test_a_push_mode_handoff_is_named_in_the_log(tmp_path, caplog):
+    scheduler, _ = make_scheduler(tmp_path, "kv_consumer")
+    with caplog.at_level("WARNING"):
+        scheduler.get_num_new_matched_tokens(make_request("d1", prompt_of(100), PUSH_MODE_PARAMS), 0)
+    assert "push-mode kv_transfer_params (no remote_block_ids" in caplog.text
+    assert "ignoring kv_transfer_params" not in caplog.text  # not reported as a malformed hand-off
+
+
 @pytest.mark.parametrize(
     "params",
     [
@@ -698,8 +712,10 @@ def test_pe_ignores_unusable_prefill_requests(tmp_path, params):
         {**handoff().to_dict(), "remote_side_channel": None},
         {**handoff().to_dict(), "tp_size": 0},
         {**handoff().to_dict(), "tp_size": 2},
+        PUSH_MODE_PARAMS,
     ],
-    ids=["other-version", "bad-blocks", "bad-stored-chunks", "no-side-channel", "bad-tp-size", "pe-of-another-tp-size"],
+    ids=["other-version", "bad-blocks", "bad-stored-chunks", "no-side-channel", "bad-tp-size", "pe-of-another-tp-size",
+         "push-mode"],
 )
 def test_de_ignores_unusable_handoffs_and_looks_up_the_store(tmp_path, params):
     scheduler, store = make_scheduler(tmp_path, "kv_consumer")
