@@ -23,10 +23,10 @@ come from ``.venv``, and writes ``REPORT`` (JSON: per check its outcome and why)
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,19 +77,14 @@ class InstallOutcome:
     unreachable: bool = False
 
 
-def failure_file(target: Path) -> Path:
-    """Beside ``target``: why its last install failed (uv's output), until one succeeds."""
-    return target.with_name(f"{target.name}.failed")
-
-
 def install(uv: list[str], target: Path = TARGET, index_url: str | None = None) -> InstallOutcome:
     """Install the release into ``target`` once (its stamp makes a second call free); uv's failure is returned.
 
-    ``target`` appears whole or not at all: uv installs beside it, the stamp is written, then it is renamed. A
-    failure is also written beside it (``failure_file``) for the tests, which decide what it means (the index
-    unreachable: a skip; anything else: a failure). ``index_url`` replaces the package index.
+    ``target`` appears whole or not at all: uv installs beside it, the stamp is written, then it is renamed. The
+    tests decide what a failure means (the index unreachable: a skip; anything else: a failure). ``index_url``
+    replaces the package index.
     """
-    stamp, failure = target / STAMP.name, failure_file(target)
+    stamp = target / STAMP.name
     if stamp.exists():
         return InstallOutcome(installed=True)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -102,13 +97,13 @@ def install(uv: list[str], target: Path = TARGET, index_url: str | None = None) 
         done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             output = f"$ {' '.join(command)}\n{done.stdout}{done.stderr}"
-            failure.write_text(output)
             return InstallOutcome(installed=False, output=output, unreachable=says_unreachable(output))
         (partial / stamp.name).write_text(f"vllm=={VERSION}\n")
-        if target.exists():  # an install interrupted between uv and its stamp, by an older layout or by hand
-            shutil.rmtree(target)
-        partial.rename(target)
-    failure.unlink(missing_ok=True)
+        try:
+            partial.rename(target)
+        except OSError:  # another install finished first (a rename onto a directory with files fails): keep it
+            if not stamp.exists():
+                raise
     return InstallOutcome(installed=True)
 
 
@@ -151,14 +146,17 @@ def interface_problems(base: type, connector: type) -> list[str]:
     names = {name for cls in ours_only for name in vars(cls) if not name.startswith("_") or name == "__init__"}
     for name in sorted(names):
         ours = inspect.getattr_static(connector, name)
-        theirs = inspect.getattr_static(base, name, None)
-        if theirs is None:
+        theirs = inspect.getattr_static(base, name, _MISSING)
+        if theirs is _MISSING:
             problems.append(f"{name}: not on {base.__name__} (vLLM never calls it)")
         elif _kind(ours) != _kind(theirs):
             problems.append(f"{name}: a {_kind(ours)} here, a {_kind(theirs)} on {base.__name__}")
         elif _kind(ours) != "property" and callable(_function(ours)):
             problems += [f"{name}: {p}" for p in call_problems(_function(theirs), _function(ours))]
     return problems
+
+
+_MISSING = object()
 
 
 def _kind(attribute: Any) -> str:
@@ -182,8 +180,9 @@ def call_problems(theirs: Callable, ours: Callable) -> list[str]:
     o_pos = [p for p in o_params if p.kind in positional]
     o_kinds = {p.kind for p in o_params}
     problems = []
-    if [p.name for p in o_pos[: len(t_pos)]] != [p.name for p in t_pos] and not (
-        len(o_pos) < len(t_pos) and P.VAR_POSITIONAL in o_kinds
+    shared = min(len(o_pos), len(t_pos))
+    if [p.name for p in o_pos[:shared]] != [p.name for p in t_pos[:shared]] or (
+        len(o_pos) < len(t_pos) and P.VAR_POSITIONAL not in o_kinds
     ):
         problems.append(f"positional parameters ({_names(o_pos)}), vLLM's ({_names(t_pos)})")
     for mine, base in zip(o_pos, t_pos):
@@ -282,8 +281,8 @@ def check_interface_control() -> str:
             "build_connector_meta": lambda self, scheduler_output, step: None})),
         ("save_kv_layer", "**kwargs, not accepted", type("NoKwargs", (DualPathConnector,), {
             "save_kv_layer": lambda self, layer_name, kv_layer, attn_metadata: None})),
-        ("requires_piecewise_for_cudagraph", "a method here, a classmethod", type("NotClassmethod", (DualPathConnector,), {
-            "requires_piecewise_for_cudagraph": lambda self, extra_config: False})),
+        ("requires_piecewise_for_cudagraph", "a method here, a classmethod", type("NotClassmethod",
+            (DualPathConnector,), {"requires_piecewise_for_cudagraph": lambda self, extra_config: False})),
         ("start_load_kv_v2", "vLLM never calls it", type("RenamedHook", (DualPathConnector,), {
             "start_load_kv_v2": lambda self, forward_context: None})),
     ]  # fmt: skip
@@ -333,7 +332,8 @@ def check_factory() -> str:
         with _factory_before_our_plugin():
             config = KVTransferConfig(**json.loads(path.read_text()))
             assert KVConnectorFactory.get_connector_class(config) is DualPathConnector, path.name
-    return f"by name after vLLM's plugin loader ran the entry point; {', '.join(p.name for p in configs)} by module path"
+    names = ", ".join(path.name for path in configs)
+    return f"by name after vLLM's plugin loader ran the entry point; {names} by module path"
 
 
 class AllPresent:
@@ -535,8 +535,8 @@ def check_worker(model: str, store_root: str) -> str:
             assert isinstance(connector, DualPathConnector), type(connector)
             try:
                 # The CPU platform's layout: per layer [blocks, kv heads, block tokens, K||V].
-                connector.register_kv_caches({name: torch.zeros(num_blocks, 2, BLOCK, 2 * HEAD_SIZE, dtype=torch.bfloat16)
-                                              for name in layers})  # fmt: skip
+                shape = (num_blocks, 2, BLOCK, 2 * HEAD_SIZE)
+                connector.register_kv_caches({name: torch.zeros(shape, dtype=torch.bfloat16) for name in layers})
                 connector.bind_connector_metadata(DualPathMetadata())
                 connector.start_load_kv(None)
                 for name in layers:
@@ -564,23 +564,27 @@ CHECKS: dict[str, Callable[..., str | None]] = {
 }
 
 
+def _call(check: Callable[..., str | None], model: str, store_root: str) -> str | None:
+    """``check`` with what it asks for of: the tiny model's directory, a store root of its own."""
+    given = {"model": model, "store_root": store_root}
+    return check(**{name: given[name] for name in inspect.signature(check).parameters})
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["install"]:
         outcome = install(os.environ["UV"].split() if os.environ.get("UV") else UV)
         if not outcome.installed:
             # Not make's failure: the tier's test reports it (a skip when the index was unreachable, else a failure).
-            print(f"vllm=={VERSION} not installed; tests/integration/test_vllm_latest.py reports why:\n{outcome.output}")
+            print(f"vllm=={VERSION} not installed (test_vllm_latest.py reports it):\n{outcome.output}")
         return 0
     if argv[:1] == ["check"] and len(argv) == 3:
         report, model = Path(argv[1]), argv[2]
-        with tempfile.TemporaryDirectory() as store_root:
-            args = {"model": model, "store_root": store_root}
-            outcomes = [run_check(name, lambda c=check: c(**{k: v for k, v in args.items()
-                                                            if k in inspect.signature(c).parameters}))
+        with tempfile.TemporaryDirectory() as scratch:
+            outcomes = [run_check(name, functools.partial(_call, check, model, f"{scratch}/{name}"))
                         for name, check in CHECKS.items()]  # fmt: skip
         report.write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
         return 0
-    print(f"usage: python -m tests.vllm_latest install | check REPORT_JSON MODEL_DIR", file=sys.stderr)
+    print("usage: python -m tests.vllm_latest install | check REPORT_JSON MODEL_DIR", file=sys.stderr)
     return 2
 
 

@@ -33,7 +33,7 @@ def report(tiny_model, tmp_path_factory) -> dict[str, latest.Outcome]:
     outcome = latest.install(latest.UV)
     if not outcome.installed:
         if outcome.unreachable:
-            pytest.skip(f"vllm=={latest.VERSION} is not installed: the package index could not be reached\n{outcome.output}")
+            pytest.skip(f"vllm=={latest.VERSION} not installed, the package index out of reach:\n{outcome.output}")
         pytest.fail(f"vllm=={latest.VERSION} could not be installed, and not for want of the index:\n{outcome.output}")
     path = tmp_path_factory.mktemp("vllm-latest") / "report.json"
     done = subprocess.run(
@@ -41,7 +41,8 @@ def report(tiny_model, tmp_path_factory) -> dict[str, latest.Outcome]:
         cwd=REPO_ROOT, env=latest.check_environment(), capture_output=True, text=True, timeout=CHECKS_TIMEOUT_S,
     )  # fmt: skip
     if done.returncode != 0 or not path.exists():
-        pytest.fail(f"the checks' process failed (exit {done.returncode}):\n{done.stdout[-4000:]}\n{done.stderr[-8000:]}")
+        output = f"{done.stdout[-4000:]}\n{done.stderr[-8000:]}"
+        pytest.fail(f"the checks' process failed (exit {done.returncode}):\n{output}")
     return {entry["check"]: latest.Outcome(**entry) for entry in json.loads(path.read_text())}
 
 
@@ -56,12 +57,12 @@ def test_against_the_newest_vllm(report, check):
 # -- how an install's failure is judged ------------------------------------------------------------------------
 
 
-def test_an_index_that_cannot_be_reached_is_a_skip(tmp_path):
+def test_an_index_that_cannot_be_reached_is_a_skip(tmp_path, monkeypatch):
+    monkeypatch.setenv("UV_HTTP_RETRIES", "0")  # uv would retry a refused connection for seconds
     target = tmp_path / f"vllm-{latest.VERSION}"
     outcome = latest.install(latest.UV, target, index_url=f"http://127.0.0.1:{free_port()}/simple")
     assert not outcome.installed and outcome.unreachable, outcome.output
-    assert not target.exists()
-    assert latest.failure_file(target).read_text() == outcome.output
+    assert not target.exists() and "127.0.0.1" in outcome.output
 
 
 @pytest.fixture
