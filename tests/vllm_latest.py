@@ -12,8 +12,8 @@ GPU is checked against it (``tests/integration/test_vllm_latest.py`` runs these 
 - ``multiconnector``: its ``MultiConnector`` holding ours by name as a child, in that ``Scheduler`` too;
 - ``worker``: our worker half built by its factory on its CPU platform, KV cache registered, one empty step.
 
-What none of them can run: a forward (the release's kernels are CUDA's; its CPU platform finds no CPU kernels),
-so loads and saves into a KV cache vLLM computes stay with the CPU build's e2e tier.
+- ``cpu_kernels``: whether its CPU platform finds a CPU attention kernel (a CUDA build ships none: then no forward
+  can run, and loads and saves into a KV cache a forward computed stay with the CPU build's e2e tier).
 
 ``python -m tests.vllm_latest install`` (the Makefile's ``vllm-latest``) installs the release alone (no
 dependencies) into ``.cache/vllm-<version>``; ``python -m tests.vllm_latest check REPORT MODEL`` runs the checks
@@ -208,6 +208,10 @@ def _names(params: list[inspect.Parameter]) -> str:
 # -- the checks (run under the release: ``python -m tests.vllm_latest check``) -------------------------------
 
 
+class CannotRunHere(Exception):
+    """A check that found what this machine lacks for it; the message says exactly what."""
+
+
 @dataclass
 class Outcome:
     check: str
@@ -224,6 +228,8 @@ def cannot_run_here(exc: BaseException) -> str | None:
     """
     ours = {"vllm", "dualpath_connector", "nixl_backends", "tests"}
     while exc is not None:
+        if isinstance(exc, CannotRunHere):
+            return str(exc)
         if isinstance(exc, ModuleNotFoundError) and exc.name and exc.name.split(".")[0] not in ours:
             return f"vLLM {VERSION} imports {exc.name!r}, which .venv lacks (the release came without dependencies)"
         if isinstance(exc, (ImportError, OSError)) and "undefined symbol" in str(exc):
@@ -553,6 +559,24 @@ def check_worker(model: str, store_root: str) -> str:
     return f"built, {len(layers)} layers registered, one empty step's hooks, shut down"
 
 
+def check_cpu_kernels() -> str:
+    """A forward on vLLM's CPU platform needs its CPU attention kernel: loaded the way the platform loads it."""
+    import torch
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()
+    try:
+        torch.ops._C.cpu_attention_with_kv_cache
+    except (AttributeError, RuntimeError) as exc:
+        shipped = sorted(path.name for path in (TARGET / "vllm").glob("*.so"))
+        raise CannotRunHere(
+            f"no forward: vLLM {VERSION}'s CPU platform finds no CPU attention kernel ({exc}) in this CUDA build "
+            f"(its compiled extensions: {', '.join(shipped)}), so loads and saves into a KV cache a forward "
+            "computed are checked on the CPU build alone (the e2e tier)"
+        ) from exc
+    return f"vLLM {VERSION}'s CPU attention kernel is registered: a forward could be tried here"
+
+
 CHECKS: dict[str, Callable[..., str | None]] = {
     "release": check_release,
     "interface": check_interface,
@@ -561,6 +585,7 @@ CHECKS: dict[str, Callable[..., str | None]] = {
     "scheduler": check_scheduler,
     "multiconnector": check_multiconnector,
     "worker": check_worker,
+    "cpu_kernels": check_cpu_kernels,
 }
 
 

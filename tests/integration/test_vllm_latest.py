@@ -3,7 +3,8 @@ dependencies): every check of ``tests/vllm_latest.py`` that needs no GPU, each i
 
 The checks run in one process whose ``import vllm`` is the release (``tests/vllm_latest.py`` says how); this
 module installs it if ``make vllm-latest`` has not. A check that needs what this machine lacks is skipped with
-the exact reason; the whole tier is skipped only when the package index cannot be reached. The tests after the
+the exact reason (here ``cpu_kernels``: a CUDA build has no CPU kernels, so no forward runs against the release);
+the whole tier is skipped only when the package index cannot be reached. The tests after the
 checks show that the install's outcome is told apart: an index that cannot be reached from one that answers
 without the release (a failure).
 """
@@ -17,7 +18,6 @@ import subprocess
 import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -25,6 +25,7 @@ from dualpath_dev.processes import free_port
 from tests import vllm_latest as latest
 from tests.conftest import REPO_ROOT
 
+# A bound, never reached when all is well (the checks take well under a minute of CPU): a hung check fails.
 CHECKS_TIMEOUT_S = 600
 
 
