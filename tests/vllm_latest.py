@@ -9,6 +9,7 @@ GPU is checked against it (``tests/integration/test_vllm_latest.py`` runs these 
 - ``factory``: the ``vllm.general_plugins`` entry point run by its plugin loader, then ``KVConnectorFactory``
   resolving the connector by name and by ``kv_connector_module_path``, and every ``configs/*.json``;
 - ``scheduler``: its own ``Scheduler`` driving our scheduler half (a miss, a hit loaded asynchronously);
+- ``handoff``: a PE's hand-off there (blocks held from ``request_finished`` until the send, the parameters out);
 - ``multiconnector``: its ``MultiConnector`` holding ours by name as a child, in that ``Scheduler`` too;
 - ``worker``: our worker half built by its factory on its CPU platform, KV cache registered, one empty step.
 
@@ -387,25 +388,33 @@ def _scheduler(vllm_config: Any) -> Any:
                      structured_output_manager=StructuredOutputManager(vllm_config), block_size=BLOCK)  # fmt: skip
 
 
-def _request(req_id: str, length: int, seed: int) -> Any:
+def _request(req_id: str, length: int, seed: int, max_tokens: int = 64,
+             kv_transfer_params: dict[str, Any] | None = None) -> Any:
     from vllm import SamplingParams
     from vllm.v1.request import Request
 
+    extra_args = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
     return Request(request_id=req_id, prompt_token_ids=[seed * 1000 + i % 1000 for i in range(length)],
-                   sampling_params=SamplingParams(max_tokens=64), pooling_params=None)  # fmt: skip
+                   sampling_params=SamplingParams(max_tokens=max_tokens, extra_args=extra_args),
+                   pooling_params=None)  # fmt: skip
 
 
-def _step(scheduler: Any, finished_recving: set[str] = frozenset()) -> Any:
-    """One engine step: schedule; the model's output (token 7 for each finished prefill) and the loads reported done."""
+def _step(scheduler: Any, finished_recving: set[str] = frozenset(), finished_sending: set[str] = frozenset(),
+          engine_outputs: list[Any] | None = None) -> Any:
+    """One engine step: schedule; the model's output (token 7 for each finished prefill) and the transfers the
+    worker reports done. The step's request outputs are added to ``engine_outputs``."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
     output = scheduler.schedule()
     ids = list(output.num_scheduled_tokens)
     sampled = [[7] if scheduler.requests[r].num_computed_tokens >= scheduler.requests[r].num_prompt_tokens else []
                for r in ids]  # fmt: skip
-    scheduler.update_from_output(output, ModelRunnerOutput(
+    transfers = KVConnectorOutput(finished_recving=set(finished_recving), finished_sending=set(finished_sending))
+    outputs = scheduler.update_from_output(output, ModelRunnerOutput(
         req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)}, sampled_token_ids=sampled,
-        kv_connector_output=KVConnectorOutput(finished_recving=set(finished_recving))))  # fmt: skip
+        kv_connector_output=transfers))  # fmt: skip
+    if engine_outputs is not None:
+        engine_outputs += [o for per_client in outputs.values() for o in per_client.outputs]
     return output
 
 
@@ -471,6 +480,35 @@ def check_scheduler(model: str, store_root: str) -> str:
         return _drive(scheduler, scheduler.connector, lambda meta: meta)
     finally:
         scheduler.shutdown()
+
+
+def check_handoff(model: str, store_root: str) -> str:
+    """A PE's hand-off (a prefill asked for in NixlConnector's convention): request_finished holds the prompt's
+    blocks and returns the hand-off, which vLLM puts into the request's output; the blocks stay allocated until
+    the worker reports the send."""
+    from dualpath_connector.protocol import PrefillHandoff
+    from dualpath_dev.processes import free_port
+
+    extra = {**_extra_config(store_root), "side_channel_port": free_port()}
+    kv = {"kv_connector": CONNECTOR, "kv_connector_module_path": "dualpath_connector", "kv_role": "kv_producer",
+          "kv_connector_extra_config": extra}  # fmt: skip
+    scheduler = _scheduler(_vllm_config(model, kv))
+    try:
+        pool = scheduler.kv_cache_manager.block_pool
+        free_before = pool.get_num_free_blocks()
+        scheduler.add_request(_request("pe", 3 * BLOCK + 5, seed=3, max_tokens=1,
+                                       kv_transfer_params={"do_remote_decode": True}))  # fmt: skip
+        outputs: list[Any] = []
+        _step(scheduler, engine_outputs=outputs)
+        (finished,) = [o for o in outputs if o.request_id == "pe" and o.finish_reason is not None]
+        handoff = PrefillHandoff.from_dict(finished.kv_transfer_params)
+        assert handoff is not None and len(handoff.remote_block_ids) == 4, finished.kv_transfer_params
+        assert pool.get_num_free_blocks() == free_before - 4, "the prompt's blocks were freed before the send"
+        _step(scheduler, finished_sending={"pe"})
+        assert pool.get_num_free_blocks() == free_before, "the blocks stayed allocated after the send"
+    finally:
+        scheduler.shutdown()
+    return "the prompt's 4 blocks held from request_finished until the send, the hand-off in the request's output"
 
 
 def check_multiconnector(model: str, store_root: str) -> str:
@@ -583,6 +621,7 @@ CHECKS: dict[str, Callable[..., str | None]] = {
     "interface_control": check_interface_control,
     "factory": check_factory,
     "scheduler": check_scheduler,
+    "handoff": check_handoff,
     "multiconnector": check_multiconnector,
     "worker": check_worker,
     "cpu_kernels": check_cpu_kernels,
