@@ -4,6 +4,7 @@
 package index is a CUDA build: it cannot run a model here, but its Python code imports, so what does not need a
 GPU is checked against it (``tests/integration/test_vllm_latest.py`` runs these checks and reports them):
 
+- ``release``: the process imports the release (else every other check would test the CPU build);
 - ``interface``: DualPathConnector against its ``KVConnectorBase_V1`` (every abstract method implemented, every
   override callable the way the base's signature lets vLLM call it), with a control that the same check fails;
 - ``factory``: the ``vllm.general_plugins`` entry point run by its plugin loader, then ``KVConnectorFactory``
@@ -11,8 +12,7 @@ GPU is checked against it (``tests/integration/test_vllm_latest.py`` runs these 
 - ``scheduler``: its own ``Scheduler`` driving our scheduler half (a miss, a hit loaded asynchronously);
 - ``handoff``: a PE's hand-off there (blocks held from ``request_finished`` until the send, the parameters out);
 - ``multiconnector``: its ``MultiConnector`` holding ours by name as a child, in that ``Scheduler`` too;
-- ``worker``: our worker half built by its factory on its CPU platform, KV cache registered, one empty step.
-
+- ``worker``: our worker half built by its factory on its CPU platform, KV cache registered, one empty step;
 - ``cpu_kernels``: whether its CPU platform finds a CPU attention kernel (a CUDA build ships none: then no forward
   can run, and loads and saves into a KV cache a forward computed stay with the CPU build's e2e tier).
 
