@@ -9,8 +9,7 @@ VERSITYGW := $(VENV)/bin/versitygw
 UV := python3 -m uv
 
 .PHONY: docs docs-check
-.PHONY: vllm-latest
-.PHONY: setup test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak soak-hostile gpu-connector-check device-check
+.PHONY: setup vllm-latest test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak soak-hostile gpu-connector-check device-check
 
 setup: $(STAMP) mma $(VERSITYGW)
 
