@@ -241,9 +241,10 @@ def plot(payload: dict, path: Path) -> Path | None:
     shown = rtt_shown(payload)
     # One group per topology entry: with store RTTs a topology has one entry per RTT.
     names = [t["topology"] + (f"\n{t.get('store_rtt_ms', 0.0):g} ms RTT" if shown else "") for t in topologies]
-    modes = ["basic", "dualpath", "oracle"]
-    ok = {(name, m): t["runs"][m] for name, t in zip(names, topologies) for m in modes
+    ok = {(name, m): t["runs"][m] for name, t in zip(names, topologies) for m in ("basic", "dualpath", "oracle")
           if "summary" in t["runs"].get(m, {})}  # fmt: skip
+    # Only the modes that ran: a mode with no bars would still take a slot and a legend entry.
+    modes = [m for m in ("basic", "dualpath", "oracle") if any(mode == m for _, mode in ok)] or ["basic"]
     n_series = max(1, len(ok))
     fig = plt.figure(figsize=(12, 4 + 2.2 * ((n_series + 2) // 3)))
     grid = fig.add_gridspec(1 + (n_series + 2) // 3, 3)
@@ -259,7 +260,8 @@ def plot(payload: dict, path: Path) -> Path | None:
         errors = [[y - f.get("min", y) if f.get("median") is not None else 0 for f, y in zip(jct, ys)],
                   [f.get("max", y) - y if f.get("median") is not None else 0 for f, y in zip(jct, ys)]]  # fmt: skip
         ax.bar(xs, ys, width, yerr=errors, capsize=3, label=mode)
-    ax.set_xticks([j + width for j in range(len(topologies))], names, fontsize=8 if shown else 10)
+    ax.set_xticks([j + width * (len(modes) - 1) / 2 for j in range(len(topologies))], names,
+                  fontsize=8 if shown else 10)  # fmt: skip
     ax.set_ylabel("JCT (s)")
     ax.set_title("Job completion time")
     ax.legend()
