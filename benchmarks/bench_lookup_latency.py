@@ -65,12 +65,6 @@ HIT_EXTRA_TOKENS = 16  # new tokens after a stored prompt: its chunks are the hi
 STREAM_PROMPT_TOKENS = 40  # the decode request's prompt (one chunk: a miss)
 
 
-def DelayProxyProcess(upstream_port: int, log_path: Path) -> S3RelayProcess:  # noqa: N802 (bench_read_lanes' name)
-    """The delaying relay in front of ``127.0.0.1:upstream_port``, not started; ``bench_read_lanes.py`` imports it
-    under this name."""
-    return S3RelayProcess(f"http://127.0.0.1:{upstream_port}", log_path)
-
-
 # --- the decode stream ---------------------------------------------------------------------------------------------
 
 

@@ -6,8 +6,8 @@ NIXL's OBJ plugin, the integrity check and the NaN/inf scan of every chunk) whos
 ``store_reads_in_flight`` reads at once, against SeaweedFS on 127.0.0.1. Timed from the first submit to the
 last hit reported; every hit must come back whole and verified, or the run stops (no speed for wrong data).
 The modes are interleaved (1 2 4 4 2 1 ...), medians and spread over ``--reps``, load average at start and end.
-``--store-delay-ms`` puts bench_lookup_latency's delaying proxy in front of SeaweedFS: every request waits
-that long before it reaches the server (a store with milliseconds per request; the bytes then stream at once).
+``--store-delay-ms`` puts the delaying S3 relay (``dualpath_dev.s3_relay``, a process of its own) in front of
+SeaweedFS: every request waits that long before it reaches the server (a store with milliseconds per request).
 
     .venv/bin/python benchmarks/bench_read_lanes.py                   # results/read_lanes.{json,png}
     .venv/bin/python benchmarks/bench_read_lanes.py --store-delay-ms 5 --output read_lanes-5ms.json
@@ -22,7 +22,6 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from urllib.parse import urlsplit
 
 import numpy as np
 import torch
@@ -30,13 +29,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
 from _common import exit_on_sigterm, markdown_table, median, result_payload, run_and_report  # noqa: E402
-from bench_lookup_latency import DelayProxyProcess  # noqa: E402
 
 from dualpath_connector.io_lanes import IOLane  # noqa: E402
 from dualpath_connector.metadata import ChunkLoad, LoadSpec  # noqa: E402
 from dualpath_connector.protocol import StoreKeySpace  # noqa: E402
 from dualpath_connector.read_path import HitReader, LoadedHit  # noqa: E402
 from dualpath_connector.stats_recorder import StatsRecorder  # noqa: E402
+from dualpath_dev.s3_relay import S3RelayProcess  # noqa: E402
 from nixl_backends.buffers import HostBufferPool  # noqa: E402
 from nixl_backends.integrity import ChunkIntegrity  # noqa: E402
 from nixl_backends.layout import KVNamespace, chunk_hashes  # noqa: E402
@@ -86,7 +85,7 @@ def run(args: argparse.Namespace) -> dict:
     with SeaweedFS() as server, contextlib.ExitStack() as stack:
         section = server.store_config(f"bench-{uuid.uuid4().hex[:10]}") | {"create_bucket": True}
         if args.store_delay_ms > 0:
-            proxy = DelayProxyProcess(int(urlsplit(server.endpoint).port), server.data_dir / "delay-proxy.log").start()
+            proxy = S3RelayProcess(server.endpoint, server.data_dir / "delay-relay.log").start()
             stack.callback(proxy.stop)
             proxy.set_delay(args.store_delay_ms)
             section["endpoint"] = proxy.endpoint
