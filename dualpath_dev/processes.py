@@ -67,11 +67,15 @@ def omp_threads_bind(ranks: int) -> str:
     connector's transfer threads, its side channel and the store run there,
     not behind a forward (:func:`dualpath_connector.affinity.kv_transfer_cores`).
     """
+    return "|".join(",".join(map(str, group)) for group in _compute_cores(ranks))
+
+
+def _compute_cores(ranks: int) -> list[list[int]]:
+    """Each rank's cores: this process's cores but the last, split among the ranks (shared when too few)."""
     cores = sorted(os.sched_getaffinity(0))
     compute = cores[:-1] or cores
     per_rank = len(compute) // ranks
-    groups = [compute[i * per_rank : (i + 1) * per_rank] if per_rank else [compute[i % len(compute)]] for i in range(ranks)]
-    return "|".join(",".join(map(str, sorted(group))) for group in groups)
+    return [compute[i * per_rank : (i + 1) * per_rank] if per_rank else [compute[i % len(compute)]] for i in range(ranks)]
 
 
 def forward_threads_env(ranks: int, pinned: bool) -> dict[str, str]:
@@ -87,7 +91,7 @@ def forward_threads_env(ranks: int, pinned: bool) -> dict[str, str]:
     """
     if pinned:
         return {"VLLM_CPU_OMP_THREADS_BIND": omp_threads_bind(ranks)}
-    threads = len(omp_threads_bind(ranks).split("|")[0].split(","))
+    threads = len(_compute_cores(ranks)[0])
     return {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(threads), "OMP_PROC_BIND": "false"}
 
 

@@ -52,7 +52,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Sequence
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -60,7 +60,7 @@ from s3agg_gateway_ext.descriptor import DescriptorError
 from s3agg_gateway_ext.sigv4 import error_xml, sign, verify_headers, verify_payload
 
 from dualpath_dev.credentials_endpoint import RotatingCredentials
-from dualpath_dev.processes import free_port, stop_process_group
+from dualpath_dev.processes import stop_process_group
 from dualpath_dev.threaded_http import ThreadedHTTPService
 
 logger = logging.getLogger(__name__)
@@ -256,9 +256,7 @@ class S3Relay(ThreadedHTTPService):
 
     def start(self, host: str = "127.0.0.1", port: int = 0) -> S3Relay:
         """Serve on ``host:port`` (port 0: a free one); ``0.0.0.0``: on every address of this network namespace."""
-        self._server = ThreadingHTTPServer((host, port or free_port()), self.handler())
-        self._server.daemon_threads = True
-        threading.Thread(target=self._server.serve_forever, name=self.name, daemon=True).start()
+        super().start(host, port)
         logger.info("S3 relay %s -> %s (delay %g ms)", self.endpoint, self.upstream.geturl(), self.delay_s * 1000)
         return self
 

@@ -24,8 +24,9 @@ class ThreadedHTTPService:
         assert self._server is not None, "start() first"
         return self._server.server_port
 
-    def start(self):
-        self._server = ThreadingHTTPServer(("127.0.0.1", free_port()), self.handler())
+    def start(self, host: str = "127.0.0.1", port: int = 0):
+        """Serve on ``host:port`` (port 0: a free one)."""
+        self._server = ThreadingHTTPServer((host, port or free_port()), self.handler())
         self._server.daemon_threads = True
         threading.Thread(target=self._server.serve_forever, name=self.name, daemon=True).start()
         return self
