@@ -131,6 +131,9 @@ class DualPathConnector(KVConnectorBase_V1):
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._scheduler.take_events()
 
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler.has_pending_push_work()
+
     # -- class-level hooks ----------------------------------------------------
 
     @classmethod

@@ -112,15 +112,20 @@ class SavedChunks(KVConnectorWorkerMetadata):
     ``stored`` counts the ranks that wrote each chunk hash (every TP/PP rank
     writes its own shard, so a chunk is durable once all ranks counted it);
     ``failed`` holds chunks some rank could not write (or skipped: full save buffer).
+    ``writes`` counts the SaveSpecs the ranks finished (stored, failed or skipped), each counted once its
+    stats were handed on: the scheduler keeps the engine stepping until every write it planned is counted,
+    so a write that ends after the last request still reaches /metrics and the KV events.
     vLLM merges the ranks' metadata with :meth:`aggregate`.
     """
 
     stored: dict[str, int] = field(default_factory=dict)
     failed: set[str] = field(default_factory=set)
+    writes: int = 0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> SavedChunks:
         assert isinstance(other, SavedChunks)
         for chunk_hash, ranks in other.stored.items():
             self.stored[chunk_hash] = self.stored.get(chunk_hash, 0) + ranks
         self.failed |= other.failed
+        self.writes += other.writes
         return self

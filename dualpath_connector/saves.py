@@ -54,7 +54,8 @@ class ChunkSaver:
         self.blocks_per_chunk = blocks_per_chunk
         self.lane = lane
         self.stats = stats
-        # Told which chunks each write stored (True) or not, once it finished (KV events).
+        # Told which chunks each write stored (True) or not, once it finished and its stats are recorded
+        # (KV events; the scheduler's count of writes in flight).
         self.on_written = on_written
         self._host = view.host_blocks(pool.array, pool.num_slots, blocks_per_chunk)
         self.device = DeviceCopier(view, self._host, save_stream) if save_stream is not None else None
@@ -101,7 +102,6 @@ class ChunkSaver:
             self.pool.release(slots)
         else:
             self.pool.release(slots)
-        self._written(spec, ok)
         written = sum(ok) - present
         self.stats.add(
             saved_chunks=written,
@@ -109,6 +109,8 @@ class ChunkSaver:
             bytes_written=written * self.key_space.layout.full_block_bytes,
         )
         self.stats.sample("save_seconds", time.perf_counter() - started)
+        # Last: once told, the engine may go idle, so the stats above must already be recorded.
+        self._written(spec, ok)
 
     def _write_keys(self, spec: SaveSpec, keys: list[str], slots: list[int]) -> tuple[list[bool], int]:
         """The store write: which chunks are stored, and how many of them already were (``only_missing``:

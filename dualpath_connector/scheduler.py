@@ -52,6 +52,10 @@ logger = logging.getLogger(__name__)
 # After this many loads of one request failed, it is served without the store:
 # the store may keep calling a chunk present that cannot be read.
 MAX_LOAD_ATTEMPTS = 2
+# Writes still counted in flight keep the engine stepping, so their stats and KV events are handed on;
+# a count a worker never reports (a rank gone, a lane that raised) stops doing so after this long
+# without any write planned or finished: only those metrics and events then wait for the next request.
+WRITES_DRAIN_GIVE_UP_S = 120.0
 
 
 def request_chain(namespace_digest: str, request: Request) -> str:
@@ -135,6 +139,10 @@ class DualPathScheduler:
         self._sends: list[SendSpec] = []
         self._dropped: list[str] = []
         self._last_lookup_error_log = 0.0
+        self._clock = clock
+        # SaveSpec writes planned and not yet reported finished, summed over the ranks that write.
+        self._writes_in_flight = 0
+        self._writes_drain_until = 0.0
         self.stats = StatsRecorder()
         # vLLM KV events for the store's blocks (kv_events.py); None: not announced.
         self.events = None
@@ -469,8 +477,18 @@ class DualPathScheduler:
 
     def saves_finished(self, saved: SavedChunks | None) -> None:
         """The workers' finished writes this step (vLLM's worker metadata): durable chunks are announced."""
-        if self.events is not None and isinstance(saved, SavedChunks):
+        if not isinstance(saved, SavedChunks):
+            return
+        if saved.writes:
+            self._writes_in_flight = max(0, self._writes_in_flight - saved.writes)
+            self._writes_drain_until = self._clock() + WRITES_DRAIN_GIVE_UP_S
+        if self.events is not None:
             self.events.saved(saved)
+
+    def has_pending_push_work(self) -> bool:
+        """Whether writes are still in flight: a serving engine (vLLM's busy loop) keeps stepping, empty steps
+        included, so a write ending after the last request still reaches /metrics and the KV events."""
+        return self._writes_in_flight > 0 and self._clock() < self._writes_drain_until
 
     def take_events(self) -> list[KVCacheEvent]:
         """The store's KV events since the last step (vLLM publishes them with its own)."""
@@ -512,6 +530,8 @@ class DualPathScheduler:
             )
         )
         state.saved_chunks = complete
+        self._writes_in_flight += self._lookup_keys.keys_per_chunk
+        self._writes_drain_until = self._clock() + WRITES_DRAIN_GIVE_UP_S
         if self.events is not None:
             self.events.planned(state.request, first, hashes[first:complete])
 

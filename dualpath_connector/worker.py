@@ -70,6 +70,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# How long an empty step (nothing scheduled, no load in flight) waits for a store write to end: it paces
+# the steps vLLM runs while writes are in flight, and is what a request arriving then may wait at most.
+EMPTY_STEP_WAIT_S = 0.002
+
 
 class DualPathWorker:
     def __init__(self, vllm_config: VllmConfig, config: DualPathConfig, kv_role: str) -> None:
@@ -148,9 +152,13 @@ class DualPathWorker:
         self._injection: LayerwiseInjection | None = None
         self._rejected_reported = (0, 0, 0)  # side-channel messages, pulled: notifications, hold claims
         self._store_counters: dict[str, int] = {}
-        # KV events: finished writes, handed to the scheduler as worker metadata each step.
+        # Finished writes, handed to the scheduler as worker metadata each step: the chunks (for KV
+        # events, when enabled) and how many writes ended. A write's count waits in
+        # ``_writes_finished`` until a stats hand-over that includes its stats (``get_stats``).
         self._kv_events = kv_events_enabled(vllm_config, config)
         self._saved = SavedChunks()
+        self._writes_finished = 0
+        self._write_ended = threading.Event()
 
     # -- set-up ---------------------------------------------------------------------
 
@@ -209,7 +217,7 @@ class DualPathWorker:
             view=view, pool=self.save_pool, store=self.store, key_space=self.key_space, integrity=self.integrity,
             blocks_per_chunk=self.geometry.blocks_per_chunk, lane=self._lanes["save"], stats=self.stats,
             save_stream=CudaCopyStream(view.device) if on_cuda else None,
-            on_written=self._note_written if self._kv_events else None,
+            on_written=self._note_written,
         )  # fmt: skip
         if self.peers is not None:
             self.puller = PromptPuller(
@@ -419,20 +427,28 @@ class DualPathWorker:
         self.recompute_time.step_ended()  # the forward is over: its saves below run on the save lane
         if self.saves_chunks:
             self.saver.save(meta.saves)
+        if not (meta.loads or meta.saves or meta.pulls or meta.sends or meta.computed_tokens or self._in_flight):
+            # An empty step: vLLM steps an idle engine while writes are in flight (has_pending_push_work)
+            # and would spin a core; wait for a write to end, briefly, so a new request is not held up.
+            self._write_ended.wait(EMPTY_STEP_WAIT_S)
+            self._write_ended.clear()
 
     def _note_written(self, chunk_hashes: list[str], ok: list[bool]) -> None:
         # On the save lane.
         with self._lock:
-            for chunk_hash, stored in zip(chunk_hashes, ok):
-                if stored:
-                    self._saved.stored[chunk_hash] = 1
-                else:
-                    self._saved.failed.add(chunk_hash)
+            self._writes_finished += 1
+            if self._kv_events:
+                for chunk_hash, stored in zip(chunk_hashes, ok):
+                    if stored:
+                        self._saved.stored[chunk_hash] = 1
+                    else:
+                        self._saved.failed.add(chunk_hash)
+        self._write_ended.set()
 
     def take_saved_chunks(self) -> SavedChunks | None:
-        """The writes finished since the last step, for the scheduler's KV events (None: nothing new)."""
+        """The writes finished since the last step, for the scheduler (None: nothing new)."""
         with self._lock:
-            if not (self._saved.stored or self._saved.failed):
+            if not (self._saved.stored or self._saved.failed or self._saved.writes):
                 return None
             taken, self._saved = self._saved, SavedChunks()
         return taken
@@ -449,7 +465,12 @@ class DualPathWorker:
             self._rejected_reported = rejected
             self.stats.gauge(pd_held_blocks=self.peers.held_blocks)
         self._add_store_metrics()
+        # Writes counted before the take: their stats are in it (a write records them before it counts).
+        with self._lock:
+            writes, self._writes_finished = self._writes_finished, 0
         data = self.stats.take()
+        with self._lock:
+            self._saved.writes += writes
         return DualPathStats(data=data) if data is not None else None
 
     def _add_store_metrics(self) -> None:
