@@ -44,6 +44,8 @@ import urllib.request
 
 import pytest
 
+from dualpath_bench.replay import ReplayConfig, StoreWatcher, replay
+from dualpath_bench.trace import TraceConfig, generate
 from dualpath_connector.cluster_auth import ClusterKey
 from dualpath_connector.config import DualPathConfig
 from dualpath_connector.protocol import (
@@ -319,6 +321,39 @@ def _settled(read, timeout_s: float = 30.0) -> float:
             return value
         value = again
     return value
+
+
+def test_online_replay_through_the_router_judges_a_target_it_can_miss(cluster, seaweedfs, tmp_path):
+    """dualpath-bench's online replay against the real router, PE and DE: Poisson arrivals, every turn served, the
+    later turns hit the earlier ones' chunks, and the SLO verdict is what the measured times say: held under a
+    target above the slowest first token, missed under one below the fastest (the control: it can fail)."""
+    pe, de = cluster
+    key_space = de.key_space()
+    store = seaweedfs.lookup_store(de.kv_config["kv_connector_extra_config"]["store"], key_space.layout)
+    router = RouterProcess([pe], [de], seaweedfs, tmp_path, read_side="auto")
+    router.start()
+    try:
+        agents = generate(TraceConfig(agents=2, seed=41, turns=2, first_append_tokens=6 * BLOCK, append_tokens=BLOCK,
+                                      output_tokens=OUTPUT_TOKENS, sigma=0.0))  # fmt: skip
+        config = ReplayConfig(router.url, router_model(router), mode="online", rate=2.0, seed=3, token_salt=541,
+                              progress=False, request_timeout_s=300.0)  # fmt: skip
+        result = replay(agents, config, StoreWatcher(store, key_space))
+    finally:
+        router.stop()
+        store.close()
+    summary = result.summary()
+    assert (summary["agents_done"], summary["failed_requests"], summary["requests"]) == (2, 0, 4), summary
+    later = [r for r in result.records if r.turn > 0]
+    assert later and all(r.hit_tokens > 0 for r in later), [(r.turn, r.hit_tokens) for r in result.records]
+    ttft = [r.ttft_s for r in result.records]
+    assert len({r.start_s for r in result.records if r.turn == 0}) == 2  # each agent at its own arrival time
+
+    def verdict(ttft_limit_s: float) -> bool:
+        judged = dataclasses.replace(result, config={**result.config, "slo_ttft_s": ttft_limit_s, "slo_tpot_s": 1e9})
+        return judged.summary()["slo"]["holds"]
+
+    assert verdict(2 * max(ttft)) is True
+    assert verdict(min(ttft) / 2) is False
 
 
 def test_engines_answer_only_requests_with_the_api_key(cluster):
