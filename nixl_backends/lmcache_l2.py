@@ -40,7 +40,8 @@ How LMCache's objects map onto ours:
   key, not only a leading run: LMCache plans the prefix itself) and counts a
   lock on each hit; objects this adapter stored or found are answered from
   memory (:class:`~nixl_backends.lookup.PresentChunks`), the rest by the store
-  (S3: HEADs in parallel); a failed load forgets its answer; ``submit_unlock`` releases one. ``delete`` (LMCache's
+  (S3: HEADs in parallel); a failed load forgets its answer; ``submit_unlock`` releases one. An object a
+  lookup found enters LMCache's byte accounting (``get_usage``) as one this adapter stored does. ``delete`` (LMCache's
   eviction) skips locked keys, as LMCache's own nixl_store adapter does. A
   store's own eviction (a full dualblade tier) and ``dualpath-kv gc`` do not
   ask LMCache: a locked key they removed is a failed load bit, as with
@@ -235,7 +236,8 @@ class DualPathL2Adapter(L2AdapterInterface):
         self._state = threading.Lock()
         self._task_ids = itertools.count()
         self._locks: Counter[ObjectKey] = Counter()
-        self._stored: dict[ObjectKey, int] = {}  # objects this adapter stored: key -> bytes (for accounting)
+        # Objects in the accounting: stored by this adapter, or found by its lookups (key -> bytes).
+        self._stored: dict[ObjectKey, int] = {}
         self._group_bytes: dict[tuple[str, int], int] = {}
         self._known = PresentChunks(self.params.lookup_cache_chunks, ttl_s=self.params.lookup_cache_ttl_s)  # (model, object group) -> object size seen
         self._store_results: dict[L2TaskId, L2StoreResult] = {}
@@ -308,7 +310,7 @@ class DualPathL2Adapter(L2AdapterInterface):
     # ---- eviction, status, close ----
 
     def delete(self, keys: list[ObjectKey]) -> None:
-        """Remove unlocked objects this adapter stored; a locked key stays (LMCache retries it later)."""
+        """Remove unlocked objects this adapter stored or found; a locked key stays (LMCache retries it later)."""
         with self._state:
             # (A Counter answers 0 for a missing key without adding it.)
             doomed = [(key, self._stored.pop(key)) for key in keys if key in self._stored and not self._locks[key]]
@@ -440,7 +442,14 @@ class DualPathL2Adapter(L2AdapterInterface):
                 for i in hits:
                     bitmap.set(i)
                     self._locks[keys[i]] += 1
-            self._count(lookup_keys=len(keys), lookup_hits=len(hits))
+                # Objects another server (or this one before a restart) stored enter the accounting once found:
+                # LMCache's usage and eviction see them, and delete() may evict them.
+                adopted = [i for i in hits if keys[i] not in self._stored]
+                for i in adopted:
+                    self._stored[keys[i]] = sizes[i]
+            self._count(lookup_keys=len(keys), lookup_hits=len(hits), adopted_objects=len(adopted))
+            if adopted:
+                self._notify_keys_stored([keys[i] for i in adopted], [sizes[i] for i in adopted])
         except Exception:
             logger.exception("dualpath L2 adapter: lookup task %d failed", task_id)
             bitmap = Bitmap(len(keys))  # the failure is before the locking loop: nothing is locked

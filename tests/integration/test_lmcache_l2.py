@@ -48,12 +48,16 @@ def spec(store: dict, **params) -> dict:
             "adapter_params": {"store": store, **params}}  # fmt: skip
 
 
-def build(adapter_spec: dict) -> DualPathL2Adapter:
-    """The adapter as ``lmcache server --l2-adapter JSON`` builds it."""
+def config_of(adapter_spec: dict):
+    """The adapter's config as ``lmcache server --l2-adapter JSON`` parses it."""
     parser = argparse.ArgumentParser()
     add_l2_adapters_args(parser)
-    config = parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", json.dumps(adapter_spec)]))
-    return create_l2_adapter(config.adapters[0])
+    return parse_args_to_l2_adapters_config(parser.parse_args(["--l2-adapter", json.dumps(adapter_spec)])).adapters[0]
+
+
+def build(adapter_spec: dict) -> DualPathL2Adapter:
+    """The adapter as ``lmcache server --l2-adapter JSON`` builds it."""
+    return create_l2_adapter(config_of(adapter_spec))
 
 
 def memory_objects(count: int, seed: int | None) -> list[TensorMemoryObj]:
@@ -166,14 +170,29 @@ def test_a_new_adapter_finds_what_another_stored(store_section):
     stored = memory_objects(3, seed=2)
     assert store(first, keys(3), stored).is_successful()
     first.close()
-    second = build(spec(store_section))
+    # As `lmcache server` builds it for a bucket several servers share: the spec's own "shared" (LMCache's
+    # setting, beside "type"), which LMCache hands to the adapter with its identity.
+    shared_config = config_of({**spec(store_section), "shared": True})
+    assert shared_config.shared is True
+    second = create_l2_adapter(shared_config)
+    second.set_backend_identity("plugin", shared=shared_config.shared)
     try:
+        assert second.get_usage().total_bytes_used == 0  # nothing of the bucket is known before a lookup
         assert lookup(second, keys(3)) == [1, 1, 1]
+        # Found, so accounted: LMCache's usage and eviction see objects another server stored.
+        assert second.get_usage().total_bytes_used == 3 * OBJECT_BYTES
+        assert second.report_status()["adopted_objects"] == 3
         targets = memory_objects(3, seed=None)
         assert load(second, keys(3), targets) == [1, 1, 1]
         assert all(same_bytes(g, w) for g, w in zip(targets, stored))
         # Without the layout hint a fresh adapter knows no object size: a miss, never a guess.
         assert lookup(second, keys(1, start=50), layouts={}) == [0]
+        # LMCache's eviction may now remove them (each lookup locked each key once; unlocked first).
+        second.submit_unlock(keys(3))
+        second.delete(keys(2))
+        assert second.get_usage().total_bytes_used == OBJECT_BYTES
+        assert lookup(second, keys(3)) == [0, 0, 1]
+        second.submit_unlock(keys(3))
     finally:
         second.close()
 
