@@ -11,9 +11,12 @@ layer-major buffers (each layer's blocks, then their digests) by
   in parallel through NIXL OBJ (what a layerwise reader does without the gateway);
 - ``chunkwise``: one gateway request, whole objects (a gateway whose Theta is
   above every payload);
-- ``aggregated``: one gateway request, layerwise with aggregation (Theta = 1 byte),
-  one ranged GET per chunk and layer inside the gateway;
-- ``aggregated-win``: the same with ``min_read_bytes`` so each GET covers several layers;
+- ``aggregated``: one gateway request, layerwise with aggregation (Theta = 1 byte), the gateway
+  reading the store as its default ``min_read_bytes`` (4 MiB) asks: a chunk object whose layers fit
+  one window with one GET;
+- ``aggregated-win``: the same with ``min_read_bytes`` = ``--min-read``;
+
+the GETs each read cost the store are counted at SeaweedFS (s3 backing), not derived;
 
 plus the store's large-object GET throughput (``S3Store.read`` of 8 x 16 MiB
 objects from SeaweedFS, or from the posix-backed gateway's S3 API), and for
@@ -41,6 +44,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +66,12 @@ MB = 1e6
 GBPS = 1e9 / 8
 CLIENT_KEY, CLIENT_SECRET = "bench-client", "bench-client-secret"
 PATHS = ("per-chunk", "chunkwise", "aggregated", "aggregated-win")
+NO_GATEWAY = "http://127.0.0.1:1"
+GETS_COUNTED = ("`store reads`: the GETs SeaweedFS answered during each read, counted on its /metrics "
+                "(SeaweedFS_s3_request_total, type GET), median over the reads; `client req` of per-chunk likewise; "
+                "n/c: not counted (the posix backing's file reads, and its per-chunk GETs to the gateway).")
+GETS_COMPUTED = ("`client req` and `store reads`: computed from the path's GET pattern by an earlier version of the "
+                 "script, not counted.")
 POLICIES = ("equal", "kv_prop", "bw_prop", "stall_opt", "calibrated_stall_opt")
 # Table A8 (Llama 3.1 8B, A100): cached tokens and total prefill ms per request.
 A8 = {"16K, 50%": (8192, 955.89), "16K, 87.5%": (14336, 281.76), "32K, 50%": (16384, 2589.25),
@@ -75,15 +85,17 @@ A8_LAYERS, A8_BYTES_PER_TOKEN = 32, 4096
 class Client:
     """A NIXL agent and an s3agg store for one layout, with registered layer-major buffers."""
 
-    def __init__(self, s3_section: dict, layout: BlockLayout, num_chunks: int) -> None:
+    def __init__(self, s3_section: dict, layout: BlockLayout, num_chunks: int, gateway: str = NO_GATEWAY) -> None:
+        """A client of ``gateway`` (its URL; the default is never contacted: plain reads and writes only).
+
+        One per gateway: the store keeps its connections to the gateway it was made for."""
         from nixl._api import nixl_agent, nixl_agent_config
 
         # No progress thread: NIXL's busy-polls a whole core; the store's polling progresses UCX.
         self.agent = nixl_agent(f"bench-{uuid.uuid4().hex[:8]}",
                                 nixl_agent_config(enable_prog_thread=False, backends=[]))
         config = parse_store_config({
-            # The gateway is chosen per read (use()); this placeholder is never contacted.
-            "backend": "s3agg", "gateway": "http://127.0.0.1:1", "s3": s3_section,
+            "backend": "s3agg", "gateway": gateway, "s3": s3_section,
             "access_key": CLIENT_KEY, "secret_key": CLIENT_SECRET, "request_timeout_s": 300.0,
         })
         self.store = make_store(config, layout, self.agent)
@@ -92,12 +104,6 @@ class Client:
                                dtype=np.uint8)
         self.agent.register_memory([(self.layers.ctypes.data, self.layers.nbytes, 0, "")], "DRAM")
         self.addrs = [self.layers.ctypes.data + l * self.layers.shape[1] for l in range(layout.num_layers)]
-
-    def use(self, gateway: GatewayProcess) -> Client:
-        """Send the next reads to ``gateway``. The store reads its gateway URL per request; pointing
-        one client at each gateway in turn pays the client set-up (NIXL agent, OBJ backend) once."""
-        self.store.config.gateway = gateway.url
-        return self
 
     def read(self, keys: list[str], plain: bool = False, window_s: float | None = None) -> tuple[list[float], Any]:
         """Read every layer; returns each layer's arrival time (monotonic) and the gateway's answer."""
@@ -213,47 +219,61 @@ def part_paths(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
                 # aggregated deliveries make); a local NIXL POSIX read of the files bounds it from above.
                 large[backing] = large_object_mbps(section, args.reps)
                 local_read = large_object_mbps({"backend": "posix", "root": str(workdir / "posix-large")}, args.reps)
-            rows += paths_of(args, backing, section, gateways)
+            # GETs the store answered, counted at SeaweedFS: the s3 backing's reads. The posix backing's are
+            # file reads that no server counts.
+            count_gets = (lambda: s3.s3_requests("GET", bucket)) if root is None else None
+            rows += paths_of(args, backing, section, gateways, count_gets)
             if root is None:
                 delete_all(s3, bucket)
     return {"large_object_mb_s": large, "local_file_read_mb_s": local_read, "rows": rows}
 
 
-def paths_of(args, backing: str, section: dict, gateways: dict[str, GatewayProcess]) -> list[dict]:
+def paths_of(args, backing: str, section: dict, gateways: dict[str, GatewayProcess],
+             count_gets: Callable[[], int] | None) -> list[dict]:
+    """``count_gets``: the store's GETs so far (None: not countable), read around each read."""
     rows = []
     rng = np.random.default_rng(0)
     for context, chunk in args.grid:
         layout = BlockLayout(args.layers, chunk * args.bytes_per_token)
         n = context // chunk
-        client = Client(section, layout, n)
-        keys, objects = write_chunks(client, rng, n, f"{context}-{chunk}")
+        # per-chunk reads the store itself: the aggregated path's client serves it.
+        clients = {path: Client(section, layout, n, gateways[path].url) for path in gateways}
+        clients["per-chunk"] = clients["aggregated"]
+        keys, objects = write_chunks(clients["aggregated"], rng, n, f"{context}-{chunk}")
         payload = n * layout.object_bytes
-        seconds, firsts, modes = ({path: [] for path in PATHS} for _ in range(3))
+        seconds, firsts, modes, gets = ({path: [] for path in PATHS} for _ in range(4))
         # The paths interleaved (A B C D A B C D ...): a drift in the machine's load falls on every path alike.
         for rep in range(args.reps + 1):
             for path in PATHS:
-                client.use(gateways.get(path, gateways["aggregated"]))
+                client = clients[path]
+                gets_before = count_gets() if count_gets else 0
                 started = time.monotonic()
                 arrivals, result = client.read(keys, plain=path == "per-chunk")
+                if result is not None and result.mode == "fallback":
+                    raise RuntimeError(f"{path}: the gateway {client.store.config.gateway} was not used (fallback)")
                 modes[path] = result.mode if result else path
                 client.check(objects)
                 if rep:  # the first round warms UCX connections and the gateways
                     seconds[path].append(arrivals[-1] - started)
                     firsts[path].append(arrivals[0] - started)
+                    if count_gets:
+                        gets[path].append(count_gets() - gets_before)
         for path in PATHS:
-            mode = modes[path]
-            k = 1 if path != "aggregated-win" else min(args.layers, -(-args.min_read // layout.layer_block_bytes))
-            # Layerwise paths read each chunk's trailer once more; chunkwise reads whole objects.
-            gets = n if path == "chunkwise" else n * -(-args.layers // k) + n
+            counted = int(median(gets[path])) if gets[path] else None
+            # A gateway path is one client request by construction; per-chunk's client GETs are the store's
+            # where the client reads the store itself (s3), and uncounted where it reads the gateway (posix).
+            client_requests = 1 if path != "per-chunk" else counted
             rows.append({
                 "backing": backing, "context": context, "chunk_tokens": chunk, "chunks": n, "path": path,
-                "mode": mode, "payload_bytes": payload, "client_requests": gets if path == "per-chunk" else 1,
-                "store_gets": gets, "seconds": seconds[path], "first_layer_seconds": firsts[path],
+                "mode": modes[path], "payload_bytes": payload, "client_requests": client_requests,
+                "store_gets": counted, "store_gets_per_read": gets[path],
+                "seconds": seconds[path], "first_layer_seconds": firsts[path],
                 "mb_s": payload / median(seconds[path]) / MB, "first_layer_ms": median(firsts[path]) * 1e3,
                 "mb_s_range": [payload / max(seconds[path]) / MB, payload / min(seconds[path]) / MB],
             })
             logging.info("%s", {k: v for k, v in rows[-1].items() if k not in ("seconds", "first_layer_seconds")})
-        client.store.close()
+        for path in gateways:
+            clients[path].store.close()
     return rows
 
 
@@ -273,15 +293,17 @@ def part_scheduling(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
     layout = _sched_layout(args)
     windows = {name: ms / 1000 / A8_LAYERS * args.time_scale for name, (_, ms) in A8.items()}
     rng = np.random.default_rng(2)
-    # One client per request of the largest workload, reused for every gateway.
-    clients = {name: Client({**s3.store_config(bucket), "create_bucket": False}, layout, tokens // args.sched_chunk) for name, (tokens, _) in A8.items()}
-    chunks = {name: write_chunks(clients[name], rng, tokens // args.sched_chunk, f"sched-{i}")
+    section = {**s3.store_config(bucket), "create_bucket": False}
+    writer = {name: Client(section, layout, tokens // args.sched_chunk) for name, (tokens, _) in A8.items()}
+    chunks = {name: write_chunks(writer[name], rng, tokens // args.sched_chunk, f"sched-{i}")
               for i, (name, (tokens, _)) in enumerate(A8.items())}
+    for client in writer.values():
+        client.store.close()
     # A 0.5 s batch window: all requests of a workload share one epoch even on a loaded machine.
     common = {"min_read_bytes": args.sched_min_read, "epoch_s": 0.5, "quantum_bytes": 64 * 1024,
               "margin_bytes_s": 5 * GBPS * scale_rate, "theta_bytes": 1}
 
-    def run_workload(gateway: GatewayProcess, names: list[str]) -> tuple[list[float], list[float]]:
+    def run_workload(clients: dict[str, Client], names: list[str]) -> tuple[list[float], list[float]]:
         """All requests at once; each one's Eq. 3 TTFT and the rate the gateway gave it."""
         ttfts, rates = [0.0] * len(names), [0.0] * len(names)
         barrier = threading.Barrier(len(names))
@@ -289,7 +311,7 @@ def part_scheduling(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
         def one(i: int) -> None:
             barrier.wait()
             start = time.monotonic()
-            arrivals, result = clients[names[i]].use(gateway).read(chunks[names[i]][0], window_s=windows[names[i]])
+            arrivals, result = clients[names[i]].read(chunks[names[i]][0], window_s=windows[names[i]])
             ttfts[i] = eq3_ttft(arrivals, start, windows[names[i]])
             rates[i] = result.summary["rate_bytes_s"]
 
@@ -311,14 +333,18 @@ def part_scheduling(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
         """
         samples, split = [], 0
         with bench_gateway(s3, bucket, workdir, **common, **gateway_overrides) as gateway:
+            # One client per request, made for this gateway (a store keeps its connections to one).
+            clients = {name: Client(section, layout, A8[name][0] // args.sched_chunk, gateway.url) for name in names}
             for name in names:  # warm-up: one chunk each opens the UCX connections
-                clients[name].use(gateway).read(chunks[name][0][:1])
+                clients[name].read(chunks[name][0][:1])
             while len(samples) < args.reps and split <= 3 * args.reps:
-                ttfts, rates = run_workload(gateway, names)
+                ttfts, rates = run_workload(clients, names)
                 if np.allclose(rates, expected, rtol=1e-6):
                     samples.append(ttfts)
                 else:
                     split += 1
+            for client in clients.values():
+                client.store.close()
         return samples, split
 
     def allocation(policy: str, cap: float, names: list[str]) -> list[float]:
@@ -339,8 +365,6 @@ def part_scheduling(args, s3: SeaweedFS, bucket: str, workdir: Path) -> dict:
                          "base_ttft_s": base, "added_s": added, "added_median_s": median(added),
                          "discarded_split_epoch": split})
             logging.info("%s %s added %.3f s", workload, policy, median(added))
-    for client in clients.values():
-        client.store.close()
     delete_all(s3, bucket)
     return {"rows": rows, "byte_scale": args.byte_scale, "time_scale": args.time_scale}
 
@@ -377,6 +401,14 @@ def run(args) -> dict:
     return payload
 
 
+def _load(payload: dict) -> str:
+    """The run's load average (1 min) at start and end, where the file records both."""
+    env = payload.get("environment", {})
+    if "load_avg_at_end" not in env:
+        return ""
+    return f"Load average {env['load_avg_at_start'][0]:.1f} at start, {env['load_avg_at_end'][0]:.1f} at end. "
+
+
 def table(payload: dict) -> str:
     out = []
     if "paths" in payload:
@@ -395,8 +427,11 @@ def table(payload: dict) -> str:
             low, high = r.get("mb_s_range") or (r["mb_s"], r["mb_s"])
             return f"{r['mb_s']:.0f} [{low:.0f}-{high:.0f}]"
 
+        def counted(value: int | None) -> str:
+            return "n/c" if value is None else str(value)
+
         body = [[r["backing"], f"{r['context'] // 1024}K", r["chunk_tokens"], r["chunks"], r["path"], r["mode"],
-                 r["client_requests"], r["store_gets"], spread(r), f"{r['first_layer_ms']:.0f}",
+                 counted(r["client_requests"]), counted(r["store_gets"]), spread(r), f"{r['first_layer_ms']:.0f}",
                  f"{r['mb_s'] / per_chunk[(r['backing'], r['context'], r['chunk_tokens'])]:.2f}x",
                  vs_seaweedfs(r), f"{100 * r['mb_s'] / large[r['backing']]:.0f}"]
                 for r in rows]
@@ -412,7 +447,8 @@ def table(payload: dict) -> str:
             f"S = G x {payload['args']['bytes_per_token']} B; every read checked byte for byte. Backing s3: the "
             f"gateway in front of SeaweedFS (per-chunk = ranged GETs to SeaweedFS); posix: the gateway next to a "
             f"posix store root (per-chunk = ranged GETs to the gateway's own S3 API; aggregated = NIXL POSIX "
-            f"batch reads of the files). Large-object GET (8 x 16 MiB through NIXL OBJ, from SeaweedFS / from the posix gateway's S3 API): {rates}."))
+            f"batch reads of the files). {GETS_COUNTED if 'store_gets_per_read' in rows[0] else GETS_COMPUTED} "
+            f"{_load(payload)}Large-object GET (8 x 16 MiB through NIXL OBJ, from SeaweedFS / from the posix gateway's S3 API): {rates}."))
     if "scheduling" in payload:
         sched = payload["scheduling"]
         by = {(r["workload"], r["policy"]): r for r in sched["rows"]}
