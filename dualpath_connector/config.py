@@ -16,7 +16,7 @@ from nixl_backends.layout import KVNamespace
 from nixl_backends.registry import parse_store_config
 from nixl_backends.traffic_isolation import UcxTraffic, parse_traffic
 
-from dualpath_connector.read_split import DE_READ_TIMEOUT_S, SPLIT_READ_MIN_TOKENS
+from dualpath_connector.load.read_split import DE_READ_TIMEOUT_S, SPLIT_READ_MIN_TOKENS
 
 _WHERE = "kv_connector_extra_config."
 # Where the transport section's keys are named in errors (also those found at the UCX backend's creation).

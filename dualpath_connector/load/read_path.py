@@ -12,7 +12,7 @@ this engine's load pool, or (read side ``de``) a DE's buffer lent to this
 engine under a lease until it is released.
 
 With a store that delivers per layer (the s3agg gateway) and ``load_mode:
-layerwise``, a hit read here is *arriving* (:mod:`~dualpath_connector.arrivals`):
+layerwise``, a hit read here is *arriving* (:mod:`~dualpath_connector.load.arrivals`):
 it is handed on once layer 0 landed and verified, and the read goes on landing
 the other layers while the forward uses the first ones.
 
@@ -42,19 +42,19 @@ from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.s3agg_protocol import LAYOUT_CHUNK_MAJOR, LAYOUT_STRIDED
 from nixl_backends.store import KVStore, TransferAbandoned
 
-from dualpath_connector.affinity import pin_current_thread
-from dualpath_connector.arrivals import LayerArrivals
-from dualpath_connector.hit_verifier import HitVerifier, leading_run
-from dualpath_connector.io_lanes import IOLane
-from dualpath_connector.kv_regions import KVRegions
+from dualpath_connector.lanes.affinity import pin_current_thread
+from dualpath_connector.load.arrivals import LayerArrivals
+from dualpath_connector.load.hit_verifier import HitVerifier, leading_run
+from dualpath_connector.lanes.io_lanes import IOLane
+from dualpath_connector.cache.kv_regions import KVRegions
 from dualpath_connector.metadata import ChunkLoad, LoadSpec
-from dualpath_connector.peer import PeerLink
+from dualpath_connector.pd.peer import PeerLink
 from dualpath_connector.protocol import RELEASE, ReadAnswer, ReadRequest, StoreKeySpace
-from dualpath_connector.read_queue import StoreReadQueue
-from dualpath_connector.read_split import PartsJoin, ReadPlan, plan_read, split_spec
-from dualpath_connector.read_timeline import ReadSpan, ReadTimeline
-from dualpath_connector.side_channel import PeerBusy, PeerTimeout
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.load.read_queue import StoreReadQueue
+from dualpath_connector.load.read_split import PartsJoin, ReadPlan, plan_read, split_spec
+from dualpath_connector.load.read_timeline import ReadSpan, ReadTimeline
+from dualpath_connector.pd.side_channel import PeerBusy, PeerTimeout
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ from nixl_backends.layout import DIGEST_BYTES
 from nixl_backends.store import KVStore
 
 from dualpath_connector.protocol import StoreKeySpace
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 
 logger = logging.getLogger(__name__)
 
