@@ -42,7 +42,7 @@ from dualpath_connector.cache.device_copies import DeviceCopier
 from dualpath_connector.cache.kv_cache_view import CopyPlan, KVCacheView
 from dualpath_connector.cache.kv_regions import full_block_rows
 from dualpath_connector.load.load_timing import StepLoadTiming
-from dualpath_connector.load.read_path import LoadedHit
+from dualpath_connector.load.loaded_hit import LoadedHit
 from dualpath_connector.metrics.stats_recorder import StatsRecorder
 
 logger = logging.getLogger(__name__)

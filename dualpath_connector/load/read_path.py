@@ -7,7 +7,8 @@ cache.
 
 A hit is read into a NIXL-registered host buffer, never straight into the KV
 cache, so that a failed or partial read never leaves wrong bytes where
-attention reads them. Where the bytes sit is a :class:`LoadedHit`: slots of
+attention reads them. Where the bytes sit is a
+:class:`~dualpath_connector.load.loaded_hit.LoadedHit`: slots of
 this engine's load pool, or (read side ``de``) a DE's buffer lent to this
 engine under a lease until it is released.
 
@@ -30,10 +31,8 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
@@ -46,8 +45,8 @@ from dualpath_connector.lanes.affinity import pin_current_thread
 from dualpath_connector.load.arrivals import LayerArrivals
 from dualpath_connector.load.hit_verifier import HitVerifier, leading_run
 from dualpath_connector.lanes.io_lanes import IOLane
-from dualpath_connector.cache.kv_regions import KVRegions
-from dualpath_connector.metadata import ChunkLoad, LoadSpec
+from dualpath_connector.load.loaded_hit import LoadedHit, RemoteBuffer
+from dualpath_connector.metadata import LoadSpec
 from dualpath_connector.pd.peer import PeerLink
 from dualpath_connector.protocol import RELEASE, ReadAnswer, ReadRequest, StoreKeySpace
 from dualpath_connector.load.read_queue import StoreReadQueue
@@ -60,43 +59,6 @@ logger = logging.getLogger(__name__)
 
 # PE: DE-side reads waited for at once (one thread each).
 _DE_READ_THREADS = 8
-
-
-@dataclass
-class RemoteBuffer:
-    """Hit chunks a DE read into its host buffer, leased to this engine until released.
-
-    ``deadline`` (time.monotonic()): the DE's lease surely still runs before it;
-    no READ of the buffer is posted, or trusted, after it (the DE hands the
-    slots to other reads once its lease ends).
-    """
-
-    address: str
-    peer: KVRegions
-    lease: str
-    chunk_addrs: list[int]  # each chunk's layer 0
-    layer_stride: int  # from a chunk's layer l to its layer l + 1
-    deadline: float
-
-    def expired(self) -> bool:
-        return time.monotonic() >= self.deadline
-
-
-@dataclass
-class LoadedHit:
-    """A hit whose leading readable chunks sit in a host buffer: this engine's pool slots, or a DE's.
-
-    An arriving hit (``arrivals`` set) is in the pool only up to its last landed layer.
-    """
-
-    req_id: str
-    chunks: list[ChunkLoad]
-    slots: list[int] = field(default_factory=list)
-    remote: RemoteBuffer | None = None
-    arrivals: LayerArrivals | None = None
-
-    def block_ids(self) -> np.ndarray:
-        return np.asarray([b for c in self.chunks for b in c.block_ids], dtype=np.int64)
 
 
 class HitReader:

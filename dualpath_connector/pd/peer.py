@@ -33,7 +33,7 @@ monotonic clock, so a peer that vanishes never pins memory for good.
 
 A DE's read answer says how long its lease has left, counted from when the
 request came in (``lease_s``): the PE counts it from when it sent the request,
-and reads the buffer only before then (:class:`~dualpath_connector.load.read_path.RemoteBuffer`).
+and reads the buffer only before then (:class:`~dualpath_connector.load.loaded_hit.RemoteBuffer`).
 
 A lease taken with a keep token (the DE reads a hit for the PE that will hand
 it the same prompt to decode) does not return its slots on release: they are

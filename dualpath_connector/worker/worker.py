@@ -59,7 +59,8 @@ from dualpath_connector.pd.peer import PeerLink
 from dualpath_connector.protocol import COUNTERS, GAUGES, RankKeySpace
 from dualpath_connector.pd.pulls import PromptPuller
 from dualpath_connector.worker.recompute_time import RecomputeTime
-from dualpath_connector.load.read_path import HitReader, LoadedHit
+from dualpath_connector.load.loaded_hit import LoadedHit
+from dualpath_connector.load.read_path import HitReader
 from dualpath_connector.load.read_timeline import ReadTimeline
 from dualpath_connector.save.saves import ChunkSaver
 from dualpath_connector.metrics.stats import DualPathStats

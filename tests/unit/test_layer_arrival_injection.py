@@ -30,7 +30,8 @@ from dualpath_connector.lanes.io_lanes import IOLane
 from dualpath_connector.cache.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import ChunkLoad, LoadSpec
 from dualpath_connector.protocol import StoreKeySpace
-from dualpath_connector.load.read_path import HitReader, LoadedHit, RemoteBuffer
+from dualpath_connector.load.loaded_hit import LoadedHit, RemoteBuffer
+from dualpath_connector.load.read_path import HitReader
 from dualpath_connector.metrics.stats_recorder import StatsRecorder
 from dualpath_dev import kv_layouts
 from dualpath_dev.kv_layouts import CacheShape

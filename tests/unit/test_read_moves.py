@@ -22,7 +22,8 @@ from dualpath_connector.lanes.io_lanes import IOLane
 from dualpath_connector.load.read_queue import StoreReadQueue
 from dualpath_connector.metadata import LoadSpec
 from dualpath_connector.protocol import RELEASE
-from dualpath_connector.load.read_path import HitReader, LoadedHit
+from dualpath_connector.load.loaded_hit import LoadedHit
+from dualpath_connector.load.read_path import HitReader
 from dualpath_connector.load.read_split import ReadPlan, plan_read
 from dualpath_connector.load.read_timeline import ReadTimeline, load
 from dualpath_connector.pd.side_channel import PeerBusy, PeerTimeout, SideChannelError
