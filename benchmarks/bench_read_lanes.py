@@ -34,7 +34,7 @@ from dualpath_connector.lanes.io_lanes import IOLane  # noqa: E402
 from dualpath_connector.metadata import ChunkLoad, LoadSpec  # noqa: E402
 from dualpath_connector.protocol import StoreKeySpace  # noqa: E402
 from dualpath_connector.load.loaded_hit import LoadedHit  # noqa: E402
-from dualpath_connector.load.read_path import HitReader  # noqa: E402
+from dualpath_connector.load.fetch import HitReader  # noqa: E402
 from dualpath_connector.metrics.stats_recorder import StatsRecorder  # noqa: E402
 from dualpath_dev.s3_relay import S3RelayProcess  # noqa: E402
 from nixl_backends.buffers import HostBufferPool  # noqa: E402

@@ -1,8 +1,8 @@
 """Where a fetched hit sits: :class:`LoadedHit`, in this engine's pool slots or a DE's buffer (:class:`RemoteBuffer`).
 
-What a fetch (:mod:`~dualpath_connector.load.read_path`) hands on, a split read's join
-(:mod:`~dualpath_connector.load.read_split`) waits for, and injection
-(:mod:`~dualpath_connector.load.injection`) copies from; here, below all three, so none of them imports another
+What a fetch (:mod:`~dualpath_connector.load.fetch`) hands on, a split read's join
+(:mod:`~dualpath_connector.load.plan`) waits for, and injection
+(:mod:`~dualpath_connector.load.inject`) copies from; here, below all three, so none of them imports another
 for it.
 """
 

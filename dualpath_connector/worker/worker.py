@@ -4,8 +4,8 @@ The concerns live in their own modules; this one wires them up and keeps
 what vLLM asks back (``get_finished``, ``get_block_ids_with_load_errors``):
 
 - :mod:`~dualpath_connector.cache.kv_cache_view`: the KV cache as physical blocks, copies in and out;
-- :mod:`~dualpath_connector.load.read_path`: hits read here, through the DE, or (on a DE) for a PE;
-- :mod:`~dualpath_connector.load.injection`: hit bytes into the KV cache, in bulk or layer by layer;
+- :mod:`~dualpath_connector.load.fetch`: hits read here, through the DE, or (on a DE) for a PE;
+- :mod:`~dualpath_connector.load.inject`: hit bytes into the KV cache, in bulk or layer by layer;
 - :mod:`~dualpath_connector.pd.pulls`: a DE pulls a prefilled prompt from its PE;
 - :mod:`~dualpath_connector.save.saves`: completed chunks out of the cache and into the store;
 - :mod:`~dualpath_connector.lanes.io_lanes`: one lane per link (store reads, store writes, pulls);
@@ -51,7 +51,7 @@ from dualpath_connector.config import (
     kv_events_enabled,
     namespace_for,
 )
-from dualpath_connector.load.injection import Injector, LayerwiseInjection
+from dualpath_connector.load.inject import Injector, LayerwiseInjection
 from dualpath_connector.lanes.io_lanes import IOLane
 from dualpath_connector.cache.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import DualPathMetadata, LoadSpec, PullSpec, SavedChunks
@@ -60,7 +60,7 @@ from dualpath_connector.protocol import COUNTERS, GAUGES, RankKeySpace
 from dualpath_connector.pd.pulls import PromptPuller
 from dualpath_connector.worker.recompute_time import RecomputeTime
 from dualpath_connector.load.loaded_hit import LoadedHit
-from dualpath_connector.load.read_path import HitReader
+from dualpath_connector.load.fetch import HitReader
 from dualpath_connector.load.read_timeline import ReadTimeline
 from dualpath_connector.save.saves import ChunkSaver
 from dualpath_connector.metrics.stats import DualPathStats

@@ -17,7 +17,7 @@ SHIPPED = PACKAGES[:-1]
 # The only part of the connector the services may import: the contract (no vLLM import).
 CONTRACT = "dualpath_connector.protocol"
 # The simulator also plans reads with the connector's own rule (no vLLM import either).
-READ_PLAN = "dualpath_connector.load.read_split"
+READ_PLAN = "dualpath_connector.load.plan"
 # The router also speaks the engines' side channel (release_hold): its framing and signing, no vLLM import.
 SIDE_CHANNEL = ("dualpath_connector.pd.side_channel", "dualpath_connector.pd.cluster_auth")
 

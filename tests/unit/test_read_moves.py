@@ -23,8 +23,8 @@ from dualpath_connector.load.read_queue import StoreReadQueue
 from dualpath_connector.metadata import LoadSpec
 from dualpath_connector.protocol import RELEASE
 from dualpath_connector.load.loaded_hit import LoadedHit
-from dualpath_connector.load.read_path import HitReader
-from dualpath_connector.load.read_split import ReadPlan, plan_read
+from dualpath_connector.load.fetch import HitReader
+from dualpath_connector.load.plan import ReadPlan, plan_read
 from dualpath_connector.load.read_timeline import ReadTimeline, load
 from dualpath_connector.pd.side_channel import PeerBusy, PeerTimeout, SideChannelError
 from dualpath_connector.metrics.stats_recorder import StatsRecorder

@@ -1,8 +1,8 @@
 """The store read path of a worker: hits read here, through the DE, and (on a DE) for a PE.
 
-A load goes through four places, each once: :mod:`read_split` plans where it
+A load goes through four places, each once: :mod:`plan` plans where it
 is read (here, by the DE, or split across both), this module fetches it,
-:mod:`hit_verifier` checks what landed, :mod:`injection` copies it into the KV
+:mod:`verify` checks what landed, :mod:`inject` copies it into the KV
 cache.
 
 A hit is read into a NIXL-registered host buffer, never straight into the KV
@@ -43,14 +43,14 @@ from nixl_backends.store import KVStore, TransferAbandoned
 
 from dualpath_connector.lanes.affinity import pin_current_thread
 from dualpath_connector.load.arrivals import LayerArrivals
-from dualpath_connector.load.hit_verifier import HitVerifier, leading_run
+from dualpath_connector.load.verify import HitVerifier, leading_run
 from dualpath_connector.lanes.io_lanes import IOLane
 from dualpath_connector.load.loaded_hit import LoadedHit, RemoteBuffer
 from dualpath_connector.metadata import LoadSpec
 from dualpath_connector.pd.peer import PeerLink
 from dualpath_connector.protocol import RELEASE, ReadAnswer, ReadRequest, StoreKeySpace
 from dualpath_connector.load.read_queue import StoreReadQueue
-from dualpath_connector.load.read_split import PartsJoin, ReadPlan, plan_read, split_spec
+from dualpath_connector.load.plan import PartsJoin, ReadPlan, plan_read, split_spec
 from dualpath_connector.load.read_timeline import ReadSpan, ReadTimeline
 from dualpath_connector.pd.side_channel import PeerBusy, PeerTimeout
 from dualpath_connector.metrics.stats_recorder import StatsRecorder
@@ -167,7 +167,7 @@ class HitReader:
     def submit_here_or_move(self, spec: LoadSpec, on_parts: Callable[[list[LoadedHit]], None]) -> None:
         """A PE-side read: here, or (all or its tail) by the request's DE where that ends sooner.
 
-        Work stealing between the two storage links (:mod:`read_split`): a
+        Work stealing between the two storage links (:mod:`plan`): a
         read that would queue behind this engine's own is offered to the DE,
         a long one is split so both links read it at once; the DE gets the
         time the whole read would take here as its deadline, takes what it
