@@ -30,11 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
 from _common import exit_on_sigterm, markdown_table, median, result_payload, run_and_report  # noqa: E402
 
-from dualpath_connector.io_lanes import IOLane  # noqa: E402
+from dualpath_connector.lanes.io_lanes import IOLane  # noqa: E402
 from dualpath_connector.metadata import ChunkLoad, LoadSpec  # noqa: E402
 from dualpath_connector.protocol import StoreKeySpace  # noqa: E402
-from dualpath_connector.read_path import HitReader, LoadedHit  # noqa: E402
-from dualpath_connector.stats_recorder import StatsRecorder  # noqa: E402
+from dualpath_connector.load.loaded_hit import LoadedHit  # noqa: E402
+from dualpath_connector.load.fetch import HitReader  # noqa: E402
+from dualpath_connector.metrics.stats_recorder import StatsRecorder  # noqa: E402
 from dualpath_dev.s3_relay import S3RelayProcess  # noqa: E402
 from nixl_backends.buffers import HostBufferPool  # noqa: E402
 from nixl_backends.integrity import ChunkIntegrity  # noqa: E402

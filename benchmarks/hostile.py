@@ -35,10 +35,10 @@ from dataclasses import dataclass
 
 import zmq
 
-from dualpath_connector.cluster_auth import ClusterKey, seal_request
+from dualpath_connector.pd.cluster_auth import ClusterKey, seal_request
 from dualpath_connector.protocol import hello_message, pulled_notification
-from dualpath_connector.side_channel import decode_bytes
-from dualpath_connector.side_channel import request as side_channel_request
+from dualpath_connector.pd.side_channel import decode_bytes
+from dualpath_connector.pd.side_channel import request as side_channel_request
 
 OVERSIZE_FRAME_BYTES = (16 << 20) + 1
 

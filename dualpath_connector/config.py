@@ -16,7 +16,7 @@ from nixl_backends.layout import KVNamespace
 from nixl_backends.registry import parse_store_config
 from nixl_backends.traffic_isolation import UcxTraffic, parse_traffic
 
-from dualpath_connector.read_split import DE_READ_TIMEOUT_S, SPLIT_READ_MIN_TOKENS
+from dualpath_connector.load.plan import DE_READ_TIMEOUT_S, SPLIT_READ_MIN_TOKENS
 
 _WHERE = "kv_connector_extra_config."
 # Where the transport section's keys are named in errors (also those found at the UCX backend's creation).
@@ -90,7 +90,7 @@ class DualPathConfig:
     move_queued_reads: bool = True
     # PE, with move_queued_reads: a hit long enough to give each side at least
     # this many tokens is split so that the DE reads its tail while this engine
-    # reads the head, both links at once (read_split.py); 0: never split.
+    # reads the head, both links at once (load/plan.py); 0: never split.
     split_read_min_tokens: int = SPLIT_READ_MIN_TOKENS
     # PE, with move_queued_reads: the least deadline a DE is given for a read moved or split to it (at most
     # de_read_timeout_s). The deadline offered is the time the whole read would take here at this engine's

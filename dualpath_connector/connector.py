@@ -1,8 +1,8 @@
 """``DualPathConnector``: the vLLM ``KVConnectorBase_V1`` facade.
 
 It validates the configuration once and dispatches each hook to the scheduler
-half (:mod:`dualpath_connector.scheduler`) or the worker half
-(:mod:`dualpath_connector.worker`); it holds no logic of its own.
+half (:mod:`dualpath_connector.scheduler.scheduler`) or the worker half
+(:mod:`dualpath_connector.worker.worker`); it holds no logic of its own.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from dualpath_connector.config import check_parallel, expected_kv_cache_layout, parse_config, waits_per_layer
 from dualpath_connector.metadata import DualPathMetadata, SavedChunks
-from dualpath_connector.stats import DualPathPromMetrics, DualPathStats
+from dualpath_connector.metrics.stats import DualPathPromMetrics, DualPathStats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -50,11 +50,11 @@ class DualPathConnector(KVConnectorBase_V1):
         self._scheduler = None
         self._worker = None
         if role == KVConnectorRole.SCHEDULER:
-            from dualpath_connector.scheduler import DualPathScheduler
+            from dualpath_connector.scheduler.scheduler import DualPathScheduler
 
             self._scheduler = DualPathScheduler.from_vllm(vllm_config, self.config, kv_role)
         else:
-            from dualpath_connector.worker import DualPathWorker
+            from dualpath_connector.worker.worker import DualPathWorker
 
             self._worker = DualPathWorker(vllm_config, self.config, kv_role)
 

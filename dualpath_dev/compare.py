@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from dualpath_connector.protocol import METRIC_PREFIX, counter_total_name, metric_totals
-from dualpath_connector.read_timeline import load as load_timeline
+from dualpath_connector.load.read_timeline import load as load_timeline
 
 from dualpath_dev.cluster import ClusterConfig, EmulatedCluster, EngineSpec, NicSampler, NicSample
 from dualpath_bench.errors import BenchUsageError

@@ -15,7 +15,7 @@ from pathlib import Path
 from nixl_backends.integrity import INTEGRITY_KEY_ENV, derived_integrity_key
 from nixl_backends.lookup import wait_stored
 
-from dualpath_connector.cluster_auth import CLUSTER_KEY_ENV
+from dualpath_connector.pd.cluster_auth import CLUSTER_KEY_ENV
 from dualpath_connector.protocol import StoreKeySpace, metric_total
 
 from dualpath_dev.processes import ServiceProcess, forward_threads_env, free_port
@@ -163,7 +163,7 @@ class VLLMServer(ServiceProcess):
             "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
             "--kv-transfer-config", json.dumps(self.kv_config),
             # vLLM's --api-key leaves /invocations open; the guard closes every path but the probes.
-            "--middleware", "dualpath_connector.engine_guard.EngineKeyGuard",
+            "--middleware", "dualpath_connector.pd.engine_guard.EngineKeyGuard",
         ]  # fmt: skip
         if max_num_batched_tokens is not None:
             self.args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]

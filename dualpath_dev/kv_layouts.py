@@ -73,7 +73,7 @@ LAYOUTS: dict[str, tuple[Callable[[CacheShape], list[torch.Tensor]], Callable[[C
 
 def make_caches(layout: str, shape: CacheShape, seed: int) -> list[torch.Tensor]:
     """One tensor per layer in ``layout``, every byte random (seeded)."""
-    from dualpath_connector.kv_cache_view import physical_block_view
+    from dualpath_connector.cache.kv_cache_view import physical_block_view
 
     build, _ = LAYOUTS[layout]
     layers = build(shape)

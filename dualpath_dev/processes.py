@@ -65,7 +65,7 @@ def omp_threads_bind(ranks: int) -> str:
     nodes to bind threads of 2 local CPUWorkers"). The last core stays free,
     as ``VLLM_CPU_NUM_OF_RESERVED_CPU`` keeps it for one-rank engines: the
     connector's transfer threads, its side channel and the store run there,
-    not behind a forward (:func:`dualpath_connector.affinity.kv_transfer_cores`).
+    not behind a forward (:func:`dualpath_connector.lanes.affinity.kv_transfer_cores`).
     """
     return "|".join(",".join(map(str, group)) for group in _compute_cores(ranks))
 

@@ -21,10 +21,10 @@ import logging
 
 from nixl_backends.configuration import ConfigError
 
-from dualpath_connector.cluster_auth import CLUSTER_KEY_ENV, ClusterKey
+from dualpath_connector.pd.cluster_auth import CLUSTER_KEY_ENV, ClusterKey
 from dualpath_connector.protocol import PrefillHandoff, ProtocolError, ReleaseHold
-from dualpath_connector.side_channel import SideChannelError, rank_address
-from dualpath_connector.side_channel import request as side_channel_request
+from dualpath_connector.pd.side_channel import SideChannelError, rank_address
+from dualpath_connector.pd.side_channel import request as side_channel_request
 
 logger = logging.getLogger(__name__)
 

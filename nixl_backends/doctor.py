@@ -192,7 +192,7 @@ def _is_dualblade(config: Any) -> bool:
 def check_cluster_key(target: Target) -> CheckResult | None:
     if target.kv_role not in PD_ROLES:
         return None
-    from dualpath_connector.cluster_auth import CLUSTER_KEY_ENV, ClusterKey
+    from dualpath_connector.pd.cluster_auth import CLUSTER_KEY_ENV, ClusterKey
 
     try:
         ClusterKey.from_env()

@@ -4,7 +4,7 @@ Engines publish a vLLM ``BlockStored`` event (medium ``STORAGE``) for every
 chunk they store; gc runs in another process, so it leaves a small record per
 deleted batch in the namespace's own key space, and each engine's scheduler
 reads the records it has not seen yet and announces ``BlockRemoved`` for the
-chunks it had announced (:mod:`dualpath_connector.kv_events`).
+chunks it had announced (:mod:`dualpath_connector.metrics.kv_events`).
 
 **Keys.** ``<prefix>/<namespace>/gc-removed/<written_ns:020d>-<nonce>.json``,
 beside the chunks (``<prefix>/<namespace>/<hh>/<hash>``) but never matching a

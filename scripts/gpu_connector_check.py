@@ -52,11 +52,11 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dualpath_connector.copy_stream import CopyStream, copy_stream_for, pinned  # noqa: E402
-from dualpath_connector.device_copies import DeviceCopier  # noqa: E402
-from dualpath_connector.kv_cache_view import KVCacheView  # noqa: E402
-from dualpath_connector.load_timing import StepLoadTiming  # noqa: E402
-from dualpath_connector.stats_recorder import StatsRecorder  # noqa: E402
+from dualpath_connector.cache.copy_stream import CopyStream, copy_stream_for, pinned  # noqa: E402
+from dualpath_connector.cache.device_copies import DeviceCopier  # noqa: E402
+from dualpath_connector.cache.kv_cache_view import KVCacheView  # noqa: E402
+from dualpath_connector.load.load_timing import StepLoadTiming  # noqa: E402
+from dualpath_connector.metrics.stats_recorder import StatsRecorder  # noqa: E402
 from dualpath_dev import kv_layouts  # noqa: E402
 from dualpath_dev.kv_layouts import CacheShape  # noqa: E402
 from nixl_backends.layout import BlockLayout  # noqa: E402

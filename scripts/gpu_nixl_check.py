@@ -3,7 +3,7 @@
 Two NIXL agents in this process, set up as the connector's workers set theirs up (no progress thread,
 strict thread sync, ``add_ucx_backend``), exchange metadata as a PeerLink handshake does
 (``add_remote_agent(get_agent_metadata())``) and READ each other's registered memory with
-``nixl_backends.transport.post_read`` (the call ``dualpath_connector/worker.py`` uses for PD pulls and
+``nixl_backends.transport.post_read`` (the call ``dualpath_connector/worker/worker.py`` uses for PD pulls and
 DE-buffer reads):
 
 - agent "gpu" owns a CUDA tensor (``mem_type("cuda")`` -> VRAM) and READs the host agent's DRAM into it;

@@ -518,7 +518,7 @@ def check_multiconnector(model: str, store_root: str) -> str:
 
     from dualpath_connector import plugin
     from dualpath_connector.connector import DualPathConnector
-    from dualpath_connector.stats import DualPathStats
+    from dualpath_connector.metrics.stats import DualPathStats
 
     plugin.register()
     children = [

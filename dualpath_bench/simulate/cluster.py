@@ -12,7 +12,7 @@ A turn's life, every step an event in simulated time:
    once the chunks it will hit are stored: the PE saves the prompt blocks it computed and the DE the
    blocks decoding completed, each through its own node's storage NIC (the write direction).
 
-A PE-side read goes where the connector sends it (:func:`dualpath_connector.read_split.plan_read`,
+A PE-side read goes where the connector sends it (:func:`dualpath_connector.load.plan.plan_read`,
 with the connector's default settings): read on the PE, moved whole to the DE when the PE's storage NIC
 is busy with earlier reads, or split, the DE reading the tail while the PE reads the head; the DE takes
 what it is offered only if its own NIC would finish it sooner (``move_queued_reads``,
@@ -25,7 +25,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from dualpath_connector.read_split import DE_READ_TIMEOUT_S, SPLIT_READ_MIN_TOKENS, plan_read
+from dualpath_connector.load.plan import DE_READ_TIMEOUT_S, SPLIT_READ_MIN_TOKENS, plan_read
 from dualpath_router.accounting import Accounting, EngineLoad, ThroughputEstimate
 from dualpath_router.config import EngineConfig, RouterConfig, SchedulingConfig
 from dualpath_router.dispatcher import Dispatcher, Placement

@@ -25,7 +25,7 @@ import pytest
 import zmq
 from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 
-from dualpath_connector.kv_events import OWNERSHIP
+from dualpath_connector.metrics.kv_events import OWNERSHIP
 from dualpath_dev.processes import free_port
 from nixl_backends.layout import chunk_hashes, chunk_key
 from nixl_backends.removals import RECORDS_DIR

@@ -46,7 +46,7 @@ import pytest
 
 from dualpath_bench.replay import ReplayConfig, StoreWatcher, replay
 from dualpath_bench.trace import TraceConfig, generate
-from dualpath_connector.cluster_auth import ClusterKey
+from dualpath_connector.pd.cluster_auth import ClusterKey
 from dualpath_connector.config import DualPathConfig
 from dualpath_connector.protocol import (
     METRIC_PREFIX,
@@ -56,7 +56,7 @@ from dualpath_connector.protocol import (
     counter_total_name,
     metric_total,
 )
-from dualpath_connector.side_channel import request
+from dualpath_connector.pd.side_channel import request
 from dualpath_router.holds import HoldReleaser
 from dualpath_dev.engines import ClusterKeys, RouterProcess
 from tests.conftest import (
@@ -391,7 +391,7 @@ def test_engines_listen_on_the_side_channels_interface_only(cluster):
 
 # vLLM's --api-key guards only /v1, /v2, /inference and /cohere; its SageMaker route /invocations
 # serves a completions body (kv_transfer_params included) to anyone. The engines run with
-# dualpath_connector.engine_guard.EngineKeyGuard (vLLM --middleware), which closes every path but the probes.
+# dualpath_connector.pd.engine_guard.EngineKeyGuard (vLLM --middleware), which closes every path but the probes.
 def test_no_engine_path_serves_a_completion_without_the_api_key(cluster):
     pe, _ = cluster
     body = {"model": str(pe.model), "prompt": [1, 2, 3], "max_tokens": 1}

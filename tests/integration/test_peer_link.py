@@ -21,7 +21,7 @@ import pytest
 
 import zmq
 
-from dualpath_connector.cluster_auth import (
+from dualpath_connector.pd.cluster_auth import (
     CLUSTER_KEY_ENV,
     ClusterKey,
     open_answer,
@@ -29,8 +29,8 @@ from dualpath_connector.cluster_auth import (
     seal_answer,
     seal_request,
 )
-from dualpath_connector.kv_regions import KVRegions
-from dualpath_connector.peer import PeerLink
+from dualpath_connector.cache.kv_regions import KVRegions
+from dualpath_connector.pd.peer import PeerLink
 from dualpath_connector.protocol import (
     PROTOCOL_VERSION,
     PULLED,
@@ -42,7 +42,7 @@ from dualpath_connector.protocol import (
     hello_message,
     pulled_notification,
 )
-from dualpath_connector.side_channel import MAX_MESSAGE_BYTES, RECEIVE_QUEUE, PeerBusy, SideChannelError, request
+from dualpath_connector.pd.side_channel import MAX_MESSAGE_BYTES, RECEIVE_QUEUE, PeerBusy, SideChannelError, request
 from nixl_backends.configuration import ConfigError
 from dualpath_dev.processes import free_port
 from nixl_backends.buffers import HostBufferPool
@@ -594,7 +594,7 @@ def test_unauthenticated_peers_get_nothing_and_one_warning(pair, raw_peer, caplo
         (b"",),
         (b"", os.urandom(500)),
     ] * 3
-    with caplog.at_level(logging.WARNING, logger="dualpath_connector.side_channel"):
+    with caplog.at_level(logging.WARNING, logger="dualpath_connector.pd.side_channel"):
         for frames in bad:
             raw_peer.send(*frames)
         wait_for(lambda: de.link.rejected_messages == len(bad))
@@ -605,7 +605,7 @@ def test_unauthenticated_peers_get_nothing_and_one_warning(pair, raw_peer, caplo
         # Negative control: the same hello signed with the cluster key is served.
         assert request(de.address, hello_message(), 5)["agent"] == de.agent.name
         assert not raw_peer.answered(0.2)
-    warnings = [r for r in caplog.records if r.name == "dualpath_connector.side_channel"]
+    warnings = [r for r in caplog.records if r.name == "dualpath_connector.pd.side_channel"]
     assert len(warnings) == 1, [r.getMessage() for r in warnings]
     assert "older dualpath-kv release" in warnings[0].getMessage() and "127.0.0.1" in warnings[0].getMessage()
     assert CLUSTER_SECRET not in caplog.text

@@ -31,7 +31,7 @@ import httpx
 import pytest
 import yaml
 
-from dualpath_connector.cluster_auth import CLUSTER_KEY_ENV, ClusterKey
+from dualpath_connector.pd.cluster_auth import CLUSTER_KEY_ENV, ClusterKey
 from dualpath_connector.protocol import (
     OP_RELEASE_HOLD,
     PROTOCOL_VERSION,
@@ -41,7 +41,7 @@ from dualpath_connector.protocol import (
     ReleaseHold,
     new_hold_token,
 )
-from dualpath_connector.side_channel import SideChannelServer
+from dualpath_connector.pd.side_channel import SideChannelServer
 from dualpath_dev.processes import free_port, stop_process_group
 from dualpath_router.credentials import DEFAULT_METRICS_TOKEN_ENV
 

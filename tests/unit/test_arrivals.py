@@ -13,9 +13,9 @@ import types
 
 import pytest
 
-from dualpath_connector import compute_window
-from dualpath_connector.arrivals import LayerArrivals
-from dualpath_connector.compute_window import EWMA_ALPHA, ComputeWindow
+from dualpath_connector.worker import compute_window
+from dualpath_connector.load.arrivals import LayerArrivals
+from dualpath_connector.worker.compute_window import EWMA_ALPHA, ComputeWindow
 
 # Long enough never to expire in a passing test; a wait that must not block is asserted well under it.
 PATIENT_S = 30.0

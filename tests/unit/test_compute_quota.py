@@ -16,14 +16,14 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
 
-from dualpath_connector.compute_quota import (
+from dualpath_connector.scheduler.compute_quota import (
     AsyncQuotaScheduler,
     QuotaScheduler,
     largest_fitting,
     parse_quota_config,
     quota_chunk,
 )
-from dualpath_connector.step_time_model import StepRecorder, StepShape, StepTimeModel, attention_work
+from dualpath_connector.scheduler.step_time_model import StepRecorder, StepShape, StepTimeModel, attention_work
 from nixl_backends.configuration import ConfigError
 
 BLOCK = 32
@@ -288,7 +288,7 @@ def test_profile_written_at_shutdown_and_bad_profile_refused(make_vllm_config, t
 def test_scheduler_class_must_match_async_scheduling(make_vllm_config):
     with pytest.raises(ConfigError, match="AsyncQuotaScheduler"):
         build(QuotaScheduler, make_vllm_config({}, async_scheduling=True))
-    with pytest.raises(ConfigError, match="use dualpath_connector.compute_quota.QuotaScheduler"):
+    with pytest.raises(ConfigError, match="use dualpath_connector.scheduler.compute_quota.QuotaScheduler"):
         build(AsyncQuotaScheduler, make_vllm_config({}))
 
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from dualpath_connector.copy_stream import InlineCopyStream
-from dualpath_connector.device_copies import DeviceCopier
-from dualpath_connector.kv_cache_view import KVCacheView
+from dualpath_connector.cache.copy_stream import InlineCopyStream
+from dualpath_connector.cache.device_copies import DeviceCopier
+from dualpath_connector.cache.kv_cache_view import KVCacheView
 from tests.unit.test_kv_cache_view import LAYERS, LAYOUTS, NUM_BLOCKS, _caches, _host, _trailers_untouched
 
 BPC = 2

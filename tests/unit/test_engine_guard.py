@@ -8,8 +8,8 @@ from starlette.responses import PlainTextResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from dualpath_connector import engine_guard
-from dualpath_connector.engine_guard import KEY_ENV, EngineKeyGuard
+from dualpath_connector.pd import engine_guard
+from dualpath_connector.pd.engine_guard import KEY_ENV, EngineKeyGuard
 
 KEY = "k" * 32
 

@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from dualpath_connector.device_copies import DeviceCopier
+from dualpath_connector.cache.device_copies import DeviceCopier
 from dualpath_dev import kv_layouts
 from tests.conftest import REPO_ROOT
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 
-from dualpath_connector.io_lanes import REPAIR_PRIORITY, IOLane
+from dualpath_connector.lanes.io_lanes import REPAIR_PRIORITY, IOLane
 
 PATIENT_S = 30.0
 

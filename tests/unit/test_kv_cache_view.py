@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from dualpath_connector.kv_cache_view import KVCacheView
+from dualpath_connector.cache.kv_cache_view import KVCacheView
 from dualpath_dev import kv_layouts
 from dualpath_dev.kv_layouts import CacheShape
-from dualpath_connector.kv_regions import KVRegions, full_block_rows
+from dualpath_connector.cache.kv_regions import KVRegions, full_block_rows
 from dualpath_connector.protocol import ProtocolError
 from nixl_backends.layout import BlockLayout
 

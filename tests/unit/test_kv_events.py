@@ -22,9 +22,9 @@ from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.request import Request
 
 from dualpath_connector.config import ChunkGeometry, kv_events_enabled, parse_config
-from dualpath_connector.kv_events import OWNERSHIP, RemovalWatcher
+from dualpath_connector.metrics.kv_events import OWNERSHIP, RemovalWatcher
 from dualpath_connector.metadata import SavedChunks
-from dualpath_connector.scheduler import DualPathScheduler
+from dualpath_connector.scheduler.scheduler import DualPathScheduler
 from nixl_backends.configuration import ConfigError
 from nixl_backends.gc import KeyPattern, PosixChunks
 from nixl_backends.removals import MAX_RECORD_BYTES, RECORDS_DIR, RecordError, RemovalLog, RemovalRecord, records_prefix

@@ -23,15 +23,16 @@ import numpy as np
 import pytest
 import torch
 
-from dualpath_connector.arrivals import LayerArrivals
-from dualpath_connector.copy_stream import InlineCopyStream
-from dualpath_connector.injection import Injector, LayerwiseInjection
-from dualpath_connector.io_lanes import IOLane
-from dualpath_connector.kv_cache_view import KVCacheView
+from dualpath_connector.load.arrivals import LayerArrivals
+from dualpath_connector.cache.copy_stream import InlineCopyStream
+from dualpath_connector.load.inject import Injector, LayerwiseInjection
+from dualpath_connector.lanes.io_lanes import IOLane
+from dualpath_connector.cache.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import ChunkLoad, LoadSpec
 from dualpath_connector.protocol import StoreKeySpace
-from dualpath_connector.read_path import HitReader, LoadedHit, RemoteBuffer
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.load.loaded_hit import LoadedHit, RemoteBuffer
+from dualpath_connector.load.fetch import HitReader
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 from dualpath_dev import kv_layouts
 from dualpath_dev.kv_layouts import CacheShape
 from nixl_backends.buffers import HostBufferPool

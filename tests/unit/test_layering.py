@@ -17,9 +17,9 @@ SHIPPED = PACKAGES[:-1]
 # The only part of the connector the services may import: the contract (no vLLM import).
 CONTRACT = "dualpath_connector.protocol"
 # The simulator also plans reads with the connector's own rule (no vLLM import either).
-READ_PLAN = "dualpath_connector.read_split"
+READ_PLAN = "dualpath_connector.load.plan"
 # The router also speaks the engines' side channel (release_hold): its framing and signing, no vLLM import.
-SIDE_CHANNEL = ("dualpath_connector.side_channel", "dualpath_connector.cluster_auth")
+SIDE_CHANNEL = ("dualpath_connector.pd.side_channel", "dualpath_connector.pd.cluster_auth")
 
 
 def _module_graph() -> dict[str, set[str]]:
@@ -111,13 +111,13 @@ def test_dependencies_point_down(graph):
     "module, dep",
     [
         ("nixl_backends.store", "dualpath_connector.protocol"),
-        ("dualpath_router.app", "dualpath_connector.worker"),
-        ("s3agg_gateway_ext.app", "dualpath_connector.side_channel"),
+        ("dualpath_router.app", "dualpath_connector.worker.worker"),
+        ("s3agg_gateway_ext.app", "dualpath_connector.pd.side_channel"),
         ("s3agg_gateway_ext.app", "dualpath_connector.config"),
-        ("dualpath_bench.replay", "dualpath_connector.scheduler"),
+        ("dualpath_bench.replay", "dualpath_connector.scheduler.scheduler"),
         ("dualpath_bench.replay", READ_PLAN),
         ("dualpath_bench.simulate.cluster", "dualpath_connector.config"),
-        ("dualpath_connector.worker", "dualpath_dev.engines"),
+        ("dualpath_connector.worker.worker", "dualpath_dev.engines"),
         ("dualpath_bench.cli", "dualpath_dev.cluster"),
         ("dualpath_dev.engines", "dualpath_router.credentials"),
     ],

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dualpath_connector.copy_stream import Mark
-from dualpath_connector.load_timing import StepLoadTiming
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.cache.copy_stream import Mark
+from dualpath_connector.load.load_timing import StepLoadTiming
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 
 
 class At(Mark):

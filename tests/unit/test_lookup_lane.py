@@ -20,7 +20,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
-from dualpath_connector.lookup_lane import LookupLane
+from dualpath_connector.scheduler.lookup_lane import LookupLane
 from nixl_backends.lookup import PresentChunks
 from tests.unit.test_scheduler import FakeStore, InlineExecutor
 

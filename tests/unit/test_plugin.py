@@ -25,8 +25,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiCo
 from dualpath_connector import plugin
 from dualpath_connector.config import parse_config
 from dualpath_connector.connector import DualPathConnector
-from dualpath_connector.stats import DualPathStats
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.metrics.stats import DualPathStats
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 
 NAME = "DualPathConnector"
 ENTRY_POINT = "dualpath_connector.plugin:register"
@@ -256,7 +256,7 @@ def bare_logging(monkeypatch) -> None:
 
 
 def _log_one_of_each() -> None:
-    logging.getLogger("dualpath_connector.worker").warning("chunk unreadable; hit shortened")
+    logging.getLogger("dualpath_connector.worker.worker").warning("chunk unreadable; hit shortened")
     logging.getLogger("nixl_backends.s3").info("requests failed; sending them again")
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from dualpath_connector.config import ChunkGeometry, parse_config
 from dualpath_connector.protocol import ProtocolError, RankKeySpace, StoreKeySpace
-from dualpath_connector.scheduler import DualPathScheduler
+from dualpath_connector.scheduler.scheduler import DualPathScheduler
 from nixl_backends.integrity import ChunkIntegrity, chunk_hash_of
 from nixl_backends.layout import chunk_hashes
 from tests.unit.test_scheduler import (

@@ -14,11 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from dualpath_connector.io_lanes import IOLane
-from dualpath_connector.hit_verifier import leading_run
+from dualpath_connector.lanes.io_lanes import IOLane
+from dualpath_connector.load.verify import leading_run
 from dualpath_connector.protocol import StoreKeySpace
-from dualpath_connector.read_path import HitReader
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.load.fetch import HitReader
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 from nixl_backends.buffers import HostBufferPool
 from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.layout import KVNamespace, chunk_hashes

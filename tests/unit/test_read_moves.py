@@ -18,15 +18,16 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from dualpath_connector.io_lanes import IOLane
-from dualpath_connector.read_queue import StoreReadQueue
+from dualpath_connector.lanes.io_lanes import IOLane
+from dualpath_connector.load.read_queue import StoreReadQueue
 from dualpath_connector.metadata import LoadSpec
 from dualpath_connector.protocol import RELEASE
-from dualpath_connector.read_path import HitReader, LoadedHit
-from dualpath_connector.read_split import ReadPlan, plan_read
-from dualpath_connector.read_timeline import ReadTimeline, load
-from dualpath_connector.side_channel import PeerBusy, PeerTimeout, SideChannelError
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.load.loaded_hit import LoadedHit
+from dualpath_connector.load.fetch import HitReader
+from dualpath_connector.load.plan import ReadPlan, plan_read
+from dualpath_connector.load.read_timeline import ReadTimeline, load
+from dualpath_connector.pd.side_channel import PeerBusy, PeerTimeout, SideChannelError
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 from nixl_backends.buffers import HostBufferPool
 from nixl_backends.deadlines import seconds_left
 from nixl_backends.integrity import ChunkIntegrity

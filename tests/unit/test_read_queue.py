@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from dualpath_connector import read_queue as read_queue_module
-from dualpath_connector.read_queue import StoreReadQueue
+from dualpath_connector.load import read_queue as read_queue_module
+from dualpath_connector.load.read_queue import StoreReadQueue
 
 
 @pytest.fixture

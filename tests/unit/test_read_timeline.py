@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from dualpath_connector.read_timeline import ReadSpan, ReadTimeline, load
+from dualpath_connector.load.read_timeline import ReadSpan, ReadTimeline, load
 
 
 def test_spans_write_one_ordered_record_each(tmp_path):

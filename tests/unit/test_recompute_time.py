@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from dualpath_connector import recompute_time
-from dualpath_connector.recompute_time import RecomputeTime
+from dualpath_connector.worker import recompute_time
+from dualpath_connector.worker.recompute_time import RecomputeTime
 from nixl_backends.deadlines import load_deadline, seconds_left
 
 

@@ -16,8 +16,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from dualpath_connector import injection
-from dualpath_connector.read_path import LoadedHit, RemoteBuffer
+from dualpath_connector.load import inject as injection
+from dualpath_connector.load.loaded_hit import LoadedHit, RemoteBuffer
 from tests.unit.test_layer_arrival_injection import (  # noqa: F401 (pool: a fixture)
     CHUNKS,
     LAYERS,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from dualpath_connector.metadata import SaveSpec
-from dualpath_connector.saves import ChunkSaver
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.save.saves import ChunkSaver
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 
 
 class FakeStore:

@@ -18,7 +18,7 @@ from vllm.v1.request import RequestStatus
 from dualpath_connector.config import ChunkGeometry, parse_config
 from dualpath_connector.metadata import ChunkLoad, PullSpec, SaveSpec
 from dualpath_connector.protocol import VERSION_KEY, PrefillHandoff, PrefillRequest
-from dualpath_connector.scheduler import MAX_LOAD_ATTEMPTS, DualPathScheduler
+from dualpath_connector.scheduler.scheduler import MAX_LOAD_ATTEMPTS, DualPathScheduler
 from nixl_backends.layout import KVNamespace, chunk_hashes, chunk_key, isolated_chain
 
 BLOCK = 16

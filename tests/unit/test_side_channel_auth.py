@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from dualpath_connector.cluster_auth import (
+from dualpath_connector.pd.cluster_auth import (
     CLUSTER_KEY_ENV,
     ENVELOPE_OVERHEAD,
     MAX_CLOCK_SKEW_S,

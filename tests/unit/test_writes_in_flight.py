@@ -14,10 +14,10 @@ from types import SimpleNamespace
 
 from dualpath_connector.config import ChunkGeometry, parse_config
 from dualpath_connector.metadata import SavedChunks, SaveSpec
-from dualpath_connector.saves import ChunkSaver
-from dualpath_connector.scheduler import WRITES_DRAIN_GIVE_UP_S, DualPathScheduler
-from dualpath_connector.stats_recorder import StatsRecorder
-from dualpath_connector.worker import DualPathWorker
+from dualpath_connector.save.saves import ChunkSaver
+from dualpath_connector.scheduler.scheduler import WRITES_DRAIN_GIVE_UP_S, DualPathScheduler
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
+from dualpath_connector.worker.worker import DualPathWorker
 from tests.unit.test_kv_events import prompt_of, save_all, vllm_request
 from tests.unit.test_scheduler import BLOCK, CHUNK, KEY_PREFIX, NAMESPACE, FakeStore, InlineExecutor
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dualpath_connector.copy_stream import CopyStream, Mark
-from dualpath_connector.kv_cache_view import CopyPlan, KVCacheView
+from dualpath_connector.cache.copy_stream import CopyStream, Mark
+from dualpath_connector.cache.kv_cache_view import CopyPlan, KVCacheView
 
 # Device memory one batch of Layer Blocks may stage; a plan with more slots is
 # moved in several batches per layer.

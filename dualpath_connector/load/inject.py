@@ -5,20 +5,20 @@
 - ``layerwise`` (:class:`LayerwiseInjection`): the next forward injects layer
   ``l`` of every loaded hit right before attention layer ``l``: a NIXL READ from
   the DE's buffer, or a copy from this engine's pool. READs, and on a GPU the
-  pool copies too (:mod:`~dualpath_connector.device_copies`, on their own
+  pool copies too (:mod:`~dualpath_connector.cache.device_copies`, on their own
   stream), are posted for all layers at the first one, so later layers move
   while earlier ones compute; on a CPU the pool copy of layer ``l`` runs right
   before it.
 
 On a GPU the pool's slots of a hit return to the pool only once its copies
 have run (:meth:`Injector.release_retired`), and the forward's stall is read
-from CUDA events then (:mod:`~dualpath_connector.load_timing`).
+from CUDA events then (:mod:`~dualpath_connector.load.load_timing`).
 
 A READ from a DE that fails after the hit was reported is *repaired*: the
 hit is read from the store here (a callable the read path provides) and the
 remaining layers come from that copy; earlier layers are already right.
 
-An *arriving* hit (:mod:`~dualpath_connector.arrivals`) is injected layer by
+An *arriving* hit (:mod:`~dualpath_connector.load.arrivals`) is injected layer by
 layer as its layers land: before attention layer ``l`` the forward waits for
 layer ``l`` of it alone. Chunks whose layer does not land in time, or fails
 its check, are failed (a callable the worker provides: their blocks are
@@ -37,13 +37,13 @@ from nixl_backends.buffers import HostBufferPool
 from nixl_backends.layout import BlockLayout
 from nixl_backends.transport import PeerRead, post_read
 
-from dualpath_connector.copy_stream import CopyStream, Mark
-from dualpath_connector.device_copies import DeviceCopier
-from dualpath_connector.kv_cache_view import CopyPlan, KVCacheView
-from dualpath_connector.kv_regions import full_block_rows
-from dualpath_connector.load_timing import StepLoadTiming
-from dualpath_connector.read_path import LoadedHit
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.cache.copy_stream import CopyStream, Mark
+from dualpath_connector.cache.device_copies import DeviceCopier
+from dualpath_connector.cache.kv_cache_view import CopyPlan, KVCacheView
+from dualpath_connector.cache.kv_regions import full_block_rows
+from dualpath_connector.load.load_timing import StepLoadTiming
+from dualpath_connector.load.loaded_hit import LoadedHit
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 
 logger = logging.getLogger(__name__)
 

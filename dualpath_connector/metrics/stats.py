@@ -24,7 +24,7 @@ from dualpath_connector.protocol import (
     TIMINGS,
     StoreKeySpace,
 )
-from dualpath_connector.stats_recorder import SAMPLED, empty_stats, stats_empty
+from dualpath_connector.metrics.stats_recorder import SAMPLED, empty_stats, stats_empty
 
 @dataclass
 class DualPathStats(KVConnectorStats):

@@ -33,7 +33,7 @@ monotonic clock, so a peer that vanishes never pins memory for good.
 
 A DE's read answer says how long its lease has left, counted from when the
 request came in (``lease_s``): the PE counts it from when it sent the request,
-and reads the buffer only before then (:class:`~dualpath_connector.read_path.RemoteBuffer`).
+and reads the buffer only before then (:class:`~dualpath_connector.load.loaded_hit.RemoteBuffer`).
 
 A lease taken with a keep token (the DE reads a hit for the PE that will hand
 it the same prompt to decode) does not return its slots on release: they are
@@ -41,7 +41,7 @@ it the same prompt to decode) does not return its slots on release: they are
 (:meth:`PeerLink.claim_kept`) or ``lease_s`` passes.
 
 Every side-channel message is signed with the cluster key
-(``DUALPATH_CLUSTER_KEY``, :mod:`dualpath_connector.cluster_auth`): without it
+(``DUALPATH_CLUSTER_KEY``, :mod:`dualpath_connector.pd.cluster_auth`): without it
 a PD engine does not start, and a peer without it is served nothing.
 """
 
@@ -59,8 +59,8 @@ from typing import Any
 from nixl_backends.buffers import HostBufferPool
 from nixl_backends.notifications import dispatcher_for
 
-from dualpath_connector.cluster_auth import ClusterKey
-from dualpath_connector.kv_regions import KVRegions
+from dualpath_connector.pd.cluster_auth import ClusterKey
+from dualpath_connector.cache.kv_regions import KVRegions
 from dualpath_connector.protocol import (
     OP_CLAIM_HOLD,
     OP_HELLO,
@@ -80,8 +80,8 @@ from dualpath_connector.protocol import (
     new_hold_token,
     parse_pulled,
 )
-from dualpath_connector.side_channel import SideChannelServer, decode_bytes, encode_bytes, rank_address
-from dualpath_connector.side_channel import request as side_channel_request
+from dualpath_connector.pd.side_channel import SideChannelServer, decode_bytes, encode_bytes, rank_address
+from dualpath_connector.pd.side_channel import request as side_channel_request
 
 logger = logging.getLogger(__name__)
 
@@ -446,7 +446,7 @@ class PeerLink:
     def claim(self, address: str, remote_request_id: str, hold_token: str, timeout_s: float) -> tuple[HoldClaim, float]:
         """Claim the PE's hold on a hand-off before READing it: the claim, and the time.monotonic() by which that
         READ must have ended (counted from sending the claim, before the PE's own deadline). Raises
-        :class:`~dualpath_connector.side_channel.SideChannelError` if the PE refuses (the hold is gone or taken)."""
+        :class:`~dualpath_connector.pd.side_channel.SideChannelError` if the PE refuses (the hold is gone or taken)."""
         sent = time.monotonic()
         claim = HoldClaim.from_message(self.request(address, ClaimHold(remote_request_id, hold_token).to_message(),
                                                     timeout_s))  # fmt: skip

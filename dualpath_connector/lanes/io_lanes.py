@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from dualpath_connector.affinity import pin_current_thread
+from dualpath_connector.lanes.affinity import pin_current_thread
 
 logger = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ from nixl_backends.removals import RemovalLog
 from nixl_backends.store import KVStore
 
 from dualpath_connector.config import ChunkGeometry, DualPathConfig, kv_events_enabled, shard_namespaces
-from dualpath_connector.kv_events import RemovalWatcher, StorageEvents
-from dualpath_connector.lookup_lane import LookupLane
+from dualpath_connector.metrics.kv_events import RemovalWatcher, StorageEvents
+from dualpath_connector.scheduler.lookup_lane import LookupLane
 from dualpath_connector.metadata import (
     ChunkLoad,
     DualPathMetadata,
@@ -37,8 +37,8 @@ from dualpath_connector.protocol import (
     new_hold_token,
     new_keep_token,
 )
-from dualpath_connector.stats import DualPathStats
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.metrics.stats import DualPathStats
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

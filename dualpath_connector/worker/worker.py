@@ -3,13 +3,13 @@
 The concerns live in their own modules; this one wires them up and keeps
 what vLLM asks back (``get_finished``, ``get_block_ids_with_load_errors``):
 
-- :mod:`~dualpath_connector.kv_cache_view`: the KV cache as physical blocks, copies in and out;
-- :mod:`~dualpath_connector.read_path`: hits read here, through the DE, or (on a DE) for a PE;
-- :mod:`~dualpath_connector.injection`: hit bytes into the KV cache, in bulk or layer by layer;
-- :mod:`~dualpath_connector.pulls`: a DE pulls a prefilled prompt from its PE;
-- :mod:`~dualpath_connector.saves`: completed chunks out of the cache and into the store;
-- :mod:`~dualpath_connector.io_lanes`: one lane per link (store reads, store writes, pulls);
-- :mod:`~dualpath_connector.peer`: the PD side channel, holds and leases.
+- :mod:`~dualpath_connector.cache.kv_cache_view`: the KV cache as physical blocks, copies in and out;
+- :mod:`~dualpath_connector.load.fetch`: hits read here, through the DE, or (on a DE) for a PE;
+- :mod:`~dualpath_connector.load.inject`: hit bytes into the KV cache, in bulk or layer by layer;
+- :mod:`~dualpath_connector.pd.pulls`: a DE pulls a prefilled prompt from its PE;
+- :mod:`~dualpath_connector.save.saves`: completed chunks out of the cache and into the store;
+- :mod:`~dualpath_connector.lanes.io_lanes`: one lane per link (store reads, store writes, pulls);
+- :mod:`~dualpath_connector.pd.peer`: the PD side channel, holds and leases.
 
 Loads are asynchronous in vLLM's sense. In ``bulk`` mode a hit is injected on
 the thread that read it, before the load is reported. In ``layerwise`` mode
@@ -19,8 +19,8 @@ report, so no attention layer reads a block before its layer is in, and a
 request that ends before that forward has its injection dropped. With a
 store that delivers per layer (s3agg) the report comes once layer 0 landed,
 and the forward waits for each later layer as it reaches it
-(:mod:`~dualpath_connector.arrivals`); the per-layer compute time it measures
-(:mod:`~dualpath_connector.compute_window`) is declared to that store.
+(:mod:`~dualpath_connector.load.arrivals`); the per-layer compute time it measures
+(:mod:`~dualpath_connector.worker.compute_window`) is declared to that store.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.registry import for_rank, make_store
 from nixl_backends.transport import UCX, add_ucx_backend
 
-from dualpath_connector.affinity import kv_transfer_cores, threads_started_on
-from dualpath_connector.compute_window import ComputeWindow
-from dualpath_connector.copy_stream import CudaCopyStream, pinned
+from dualpath_connector.lanes.affinity import kv_transfer_cores, threads_started_on
+from dualpath_connector.worker.compute_window import ComputeWindow
+from dualpath_connector.cache.copy_stream import CudaCopyStream, pinned
 from dualpath_connector.config import (
     TRANSPORT_WHERE,
     ChunkGeometry,
@@ -51,19 +51,20 @@ from dualpath_connector.config import (
     kv_events_enabled,
     namespace_for,
 )
-from dualpath_connector.injection import Injector, LayerwiseInjection
-from dualpath_connector.io_lanes import IOLane
-from dualpath_connector.kv_cache_view import KVCacheView
+from dualpath_connector.load.inject import Injector, LayerwiseInjection
+from dualpath_connector.lanes.io_lanes import IOLane
+from dualpath_connector.cache.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import DualPathMetadata, LoadSpec, PullSpec, SavedChunks
-from dualpath_connector.peer import PeerLink
+from dualpath_connector.pd.peer import PeerLink
 from dualpath_connector.protocol import COUNTERS, GAUGES, RankKeySpace
-from dualpath_connector.pulls import PromptPuller
-from dualpath_connector.recompute_time import RecomputeTime
-from dualpath_connector.read_path import HitReader, LoadedHit
-from dualpath_connector.read_timeline import ReadTimeline
-from dualpath_connector.saves import ChunkSaver
-from dualpath_connector.stats import DualPathStats
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.pd.pulls import PromptPuller
+from dualpath_connector.worker.recompute_time import RecomputeTime
+from dualpath_connector.load.loaded_hit import LoadedHit
+from dualpath_connector.load.fetch import HitReader
+from dualpath_connector.load.read_timeline import ReadTimeline
+from dualpath_connector.save.saves import ChunkSaver
+from dualpath_connector.metrics.stats import DualPathStats
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

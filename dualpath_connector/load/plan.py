@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 # Imported for hints only: the simulator plans reads with this module and must not import vLLM.
 if TYPE_CHECKING:
     from dualpath_connector.metadata import LoadSpec
-    from dualpath_connector.read_path import LoadedHit
+    from dualpath_connector.load.loaded_hit import LoadedHit
 
 
 # The connector's defaults for the settings that shape a plan (config.py's), here so that the simulator,

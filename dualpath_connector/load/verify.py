@@ -1,7 +1,7 @@
 """Whether the bytes a read landed may reach a KV cache: the load path's one check.
 
-A load is planned (:mod:`read_split`), fetched (:mod:`read_path`), verified
-here and injected (:mod:`injection`). An object's digests (its integrity
+A load is planned (:mod:`plan`), fetched (:mod:`fetch`), verified
+here and injected (:mod:`inject`). An object's digests (its integrity
 trailer) are checked, then its values for NaN/inf; a chunk that fails either is
 a miss, never KV: the hit ends before it, and it is deleted from the store so
 the next lookup misses it and the next save stores it again.
@@ -22,7 +22,7 @@ from nixl_backends.layout import DIGEST_BYTES
 from nixl_backends.store import KVStore
 
 from dualpath_connector.protocol import StoreKeySpace
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 
 logger = logging.getLogger(__name__)
 

@@ -19,12 +19,12 @@ import numpy as np
 
 from nixl_backends.transport import post_read
 
-from dualpath_connector.kv_cache_view import KVCacheView
+from dualpath_connector.cache.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import PullSpec
-from dualpath_connector.peer import PeerLink
+from dualpath_connector.pd.peer import PeerLink
 from dualpath_connector.protocol import pulled_notification
-from dualpath_connector.side_channel import SideChannelError
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.pd.side_channel import SideChannelError
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 
 logger = logging.getLogger(__name__)
 

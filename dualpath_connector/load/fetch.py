@@ -1,18 +1,19 @@
 """The store read path of a worker: hits read here, through the DE, and (on a DE) for a PE.
 
-A load goes through four places, each once: :mod:`read_split` plans where it
+A load goes through four places, each once: :mod:`plan` plans where it
 is read (here, by the DE, or split across both), this module fetches it,
-:mod:`hit_verifier` checks what landed, :mod:`injection` copies it into the KV
+:mod:`verify` checks what landed, :mod:`inject` copies it into the KV
 cache.
 
 A hit is read into a NIXL-registered host buffer, never straight into the KV
 cache, so that a failed or partial read never leaves wrong bytes where
-attention reads them. Where the bytes sit is a :class:`LoadedHit`: slots of
+attention reads them. Where the bytes sit is a
+:class:`~dualpath_connector.load.loaded_hit.LoadedHit`: slots of
 this engine's load pool, or (read side ``de``) a DE's buffer lent to this
 engine under a lease until it is released.
 
 With a store that delivers per layer (the s3agg gateway) and ``load_mode:
-layerwise``, a hit read here is *arriving* (:mod:`~dualpath_connector.arrivals`):
+layerwise``, a hit read here is *arriving* (:mod:`~dualpath_connector.load.arrivals`):
 it is handed on once layer 0 landed and verified, and the read goes on landing
 the other layers while the forward uses the first ones.
 
@@ -30,10 +31,8 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
 import torch
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
@@ -42,61 +41,24 @@ from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.s3agg_protocol import LAYOUT_CHUNK_MAJOR, LAYOUT_STRIDED
 from nixl_backends.store import KVStore, TransferAbandoned
 
-from dualpath_connector.affinity import pin_current_thread
-from dualpath_connector.arrivals import LayerArrivals
-from dualpath_connector.hit_verifier import HitVerifier, leading_run
-from dualpath_connector.io_lanes import IOLane
-from dualpath_connector.kv_regions import KVRegions
-from dualpath_connector.metadata import ChunkLoad, LoadSpec
-from dualpath_connector.peer import PeerLink
+from dualpath_connector.lanes.affinity import pin_current_thread
+from dualpath_connector.load.arrivals import LayerArrivals
+from dualpath_connector.load.verify import HitVerifier, leading_run
+from dualpath_connector.lanes.io_lanes import IOLane
+from dualpath_connector.load.loaded_hit import LoadedHit, RemoteBuffer
+from dualpath_connector.metadata import LoadSpec
+from dualpath_connector.pd.peer import PeerLink
 from dualpath_connector.protocol import RELEASE, ReadAnswer, ReadRequest, StoreKeySpace
-from dualpath_connector.read_queue import StoreReadQueue
-from dualpath_connector.read_split import PartsJoin, ReadPlan, plan_read, split_spec
-from dualpath_connector.read_timeline import ReadSpan, ReadTimeline
-from dualpath_connector.side_channel import PeerBusy, PeerTimeout
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.load.read_queue import StoreReadQueue
+from dualpath_connector.load.plan import PartsJoin, ReadPlan, plan_read, split_spec
+from dualpath_connector.load.read_timeline import ReadSpan, ReadTimeline
+from dualpath_connector.pd.side_channel import PeerBusy, PeerTimeout
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 
 logger = logging.getLogger(__name__)
 
 # PE: DE-side reads waited for at once (one thread each).
 _DE_READ_THREADS = 8
-
-
-@dataclass
-class RemoteBuffer:
-    """Hit chunks a DE read into its host buffer, leased to this engine until released.
-
-    ``deadline`` (time.monotonic()): the DE's lease surely still runs before it;
-    no READ of the buffer is posted, or trusted, after it (the DE hands the
-    slots to other reads once its lease ends).
-    """
-
-    address: str
-    peer: KVRegions
-    lease: str
-    chunk_addrs: list[int]  # each chunk's layer 0
-    layer_stride: int  # from a chunk's layer l to its layer l + 1
-    deadline: float
-
-    def expired(self) -> bool:
-        return time.monotonic() >= self.deadline
-
-
-@dataclass
-class LoadedHit:
-    """A hit whose leading readable chunks sit in a host buffer: this engine's pool slots, or a DE's.
-
-    An arriving hit (``arrivals`` set) is in the pool only up to its last landed layer.
-    """
-
-    req_id: str
-    chunks: list[ChunkLoad]
-    slots: list[int] = field(default_factory=list)
-    remote: RemoteBuffer | None = None
-    arrivals: LayerArrivals | None = None
-
-    def block_ids(self) -> np.ndarray:
-        return np.asarray([b for c in self.chunks for b in c.block_ids], dtype=np.int64)
 
 
 class HitReader:
@@ -205,7 +167,7 @@ class HitReader:
     def submit_here_or_move(self, spec: LoadSpec, on_parts: Callable[[list[LoadedHit]], None]) -> None:
         """A PE-side read: here, or (all or its tail) by the request's DE where that ends sooner.
 
-        Work stealing between the two storage links (:mod:`read_split`): a
+        Work stealing between the two storage links (:mod:`plan`): a
         read that would queue behind this engine's own is offered to the DE,
         a long one is split so both links read it at once; the DE gets the
         time the whole read would take here as its deadline, takes what it

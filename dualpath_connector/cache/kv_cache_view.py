@@ -21,7 +21,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
-from dualpath_connector.kv_regions import KVRegions
+from dualpath_connector.cache.kv_regions import KVRegions
 
 
 def physical_block_view(kv: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -140,7 +140,7 @@ class KVCacheView:
     def copy_in(self, host: torch.Tensor, plan: CopyPlan, layers: Sequence[int]) -> None:
         """Copy ``layers`` of the planned blocks from the host buffer into a CPU cache, inline: done on return.
 
-        A CUDA cache is loaded on a copy stream (:class:`~dualpath_connector.device_copies.DeviceCopier`),
+        A CUDA cache is loaded on a copy stream (:class:`~dualpath_connector.cache.device_copies.DeviceCopier`),
         which the forward waits for per layer on the device, never with a host-side synchronize.
         """
         if self.device.type != "cpu":

@@ -43,7 +43,7 @@ from nixl_backends.removals import RecordError, RemovalLog
 from nixl_backends.store import KVStore
 
 from dualpath_connector.metadata import SavedChunks
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 
 if TYPE_CHECKING:
     from vllm.distributed.kv_events import KVCacheEvent

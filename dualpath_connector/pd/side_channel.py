@@ -7,7 +7,7 @@ is done), so replies are handed back to the server thread through an
 in-process socket: ZeroMQ sockets belong to one thread.
 
 Every message, request and answer, is signed with the cluster key
-(:mod:`dualpath_connector.cluster_auth`). A frame that fails the check is
+(:mod:`dualpath_connector.pd.cluster_auth`). A frame that fails the check is
 dropped unanswered (a scanner learns nothing, not even that it was refused),
 counted in :attr:`SideChannelServer.rejected_messages` and logged at most once
 a minute. A client refuses an answer that is not signed or not to its request.
@@ -27,8 +27,8 @@ from typing import Any
 
 import zmq
 
-from dualpath_connector.affinity import pin_current_thread
-from dualpath_connector.cluster_auth import (
+from dualpath_connector.lanes.affinity import pin_current_thread
+from dualpath_connector.pd.cluster_auth import (
     AuthError,
     ClusterKey,
     ReplayGuard,

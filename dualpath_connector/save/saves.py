@@ -20,13 +20,13 @@ from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.store import KVStore, TransferAbandoned
 
-from dualpath_connector.copy_stream import CopyStream, Mark
-from dualpath_connector.device_copies import DeviceCopier
-from dualpath_connector.io_lanes import IOLane
-from dualpath_connector.kv_cache_view import KVCacheView
+from dualpath_connector.cache.copy_stream import CopyStream, Mark
+from dualpath_connector.cache.device_copies import DeviceCopier
+from dualpath_connector.lanes.io_lanes import IOLane
+from dualpath_connector.cache.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import SaveSpec
 from dualpath_connector.protocol import StoreKeySpace
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 
 logger = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dualpath_connector.copy_stream import Mark
-from dualpath_connector.stats_recorder import StatsRecorder
+from dualpath_connector.cache.copy_stream import Mark
+from dualpath_connector.metrics.stats_recorder import StatsRecorder
 
 
 @dataclass
