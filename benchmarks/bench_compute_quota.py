@@ -2,7 +2,7 @@
 
 One engine (the tiny random Llama, vLLM's CPU build, in-process: ``LLMEngine`` stepped by this
 script, so every step's wall time is measured exactly) serves the same load twice, once with
-vLLM's own scheduler and once with ``dualpath_connector.scheduler.compute_quota.QuotaScheduler``; each
+vLLM's own scheduler and once with ``dualpath_connector.QuotaScheduler``; each
 configuration runs in its own child process, one after the other.
 
 - Warm-up (not measured): prompts of mixed lengths with decodes, so the engine is warm and the
@@ -42,7 +42,7 @@ from _common import (  # noqa: E402
     save_figure,
 )
 
-SCHEDULER = "dualpath_connector.scheduler.compute_quota.QuotaScheduler"
+SCHEDULER = "dualpath_connector.QuotaScheduler"
 CONFIGS = ("vLLM scheduler", "compute quota")
 
 

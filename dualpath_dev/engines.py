@@ -163,7 +163,7 @@ class VLLMServer(ServiceProcess):
             "--no-enable-prefix-caching", "--enable-prompt-tokens-details",
             "--kv-transfer-config", json.dumps(self.kv_config),
             # vLLM's --api-key leaves /invocations open; the guard closes every path but the probes.
-            "--middleware", "dualpath_connector.pd.engine_guard.EngineKeyGuard",
+            "--middleware", "dualpath_connector.EngineKeyGuard",
         ]  # fmt: skip
         if max_num_batched_tokens is not None:
             self.args += ["--max-num-batched-tokens", str(max_num_batched_tokens)]

@@ -9,7 +9,7 @@ except the read-only probes a load balancer and Prometheus use; and it refuses
 with a 400 a body whose ``kv_transfer_params`` is not an object (or sits in
 ``vllm_xargs``) before vLLM's scheduler sees it::
 
-    VLLM_API_KEY=... vllm serve ... --middleware dualpath_connector.pd.engine_guard.EngineKeyGuard
+    VLLM_API_KEY=... vllm serve ... --middleware dualpath_connector.EngineKeyGuard
 """
 
 from __future__ import annotations

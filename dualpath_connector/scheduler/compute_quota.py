@@ -6,7 +6,7 @@ under the quota; the first prefill that does not fit is chunked to the largest s
 length then stays near the quota whatever mix of long and short prompts arrives, so decodes
 batched with a long prefill are not stalled behind all of it.
 
-Enable with ``--scheduler-cls dualpath_connector.scheduler.compute_quota.QuotaScheduler`` (engines with
+Enable with ``--scheduler-cls dualpath_connector.QuotaScheduler`` (engines with
 async scheduling, vLLM's default on GPU: ``AsyncQuotaScheduler``). Settings come from
 ``--additional-config '{"compute_quota": {...}}'`` (:class:`ComputeQuotaConfig`).
 
@@ -145,7 +145,7 @@ class _ComputeQuotaMixin:
             wanted = "AsyncQuotaScheduler" if async_engine else "QuotaScheduler"
             raise ConfigError(
                 f"--scheduler-cls {type(self).__name__} on an engine with async scheduling "
-                f"{'on' if async_engine else 'off'}: use dualpath_connector.scheduler.compute_quota.{wanted}"
+                f"{'on' if async_engine else 'off'}: use dualpath_connector.{wanted}"
             )
         if not callable(getattr(Scheduler, _HOOK, None)):
             raise RuntimeError(f"this vLLM's Scheduler has no {_HOOK}(); the compute quota cannot plug in")

@@ -391,7 +391,7 @@ def test_engines_listen_on_the_side_channels_interface_only(cluster):
 
 # vLLM's --api-key guards only /v1, /v2, /inference and /cohere; its SageMaker route /invocations
 # serves a completions body (kv_transfer_params included) to anyone. The engines run with
-# dualpath_connector.pd.engine_guard.EngineKeyGuard (vLLM --middleware), which closes every path but the probes.
+# dualpath_connector.EngineKeyGuard (vLLM --middleware), which closes every path but the probes.
 def test_no_engine_path_serves_a_completion_without_the_api_key(cluster):
     pe, _ = cluster
     body = {"model": str(pe.model), "prompt": [1, 2, 3], "max_tokens": 1}

@@ -288,7 +288,7 @@ def test_profile_written_at_shutdown_and_bad_profile_refused(make_vllm_config, t
 def test_scheduler_class_must_match_async_scheduling(make_vllm_config):
     with pytest.raises(ConfigError, match="AsyncQuotaScheduler"):
         build(QuotaScheduler, make_vllm_config({}, async_scheduling=True))
-    with pytest.raises(ConfigError, match="use dualpath_connector.scheduler.compute_quota.QuotaScheduler"):
+    with pytest.raises(ConfigError, match="use dualpath_connector.QuotaScheduler"):
         build(AsyncQuotaScheduler, make_vllm_config({}))
 
 

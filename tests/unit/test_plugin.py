@@ -8,6 +8,7 @@ nothing leaks into other tests in the same process.
 
 from __future__ import annotations
 
+import importlib
 import importlib.metadata
 import logging
 
@@ -284,3 +285,24 @@ def test_logging_the_user_configured_is_left_alone(monkeypatch, setup):
         monkeypatch.setenv("VLLM_CONFIGURE_LOGGING", "0")
     plugin.configure_logging()
     assert all(not logging.getLogger(name).handlers for name in plugin.ENGINE_PACKAGES)
+
+
+@pytest.mark.parametrize("name, module", [
+    ("DualPathConnector", "dualpath_connector.connector"),
+    ("EngineKeyGuard", "dualpath_connector.pd.engine_guard"),
+    ("QuotaScheduler", "dualpath_connector.scheduler.compute_quota"),
+    ("AsyncQuotaScheduler", "dualpath_connector.scheduler.compute_quota"),
+])  # fmt: skip
+def test_the_names_users_type_resolve_as_vllm_resolves_them(name, module):
+    """``--scheduler-cls`` and ``--middleware`` take ``dualpath_connector.<name>``: vLLM imports the package and
+    reads the attribute, which the package resolves from the module that defines it."""
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    assert resolve_obj_by_qualname(f"dualpath_connector.{name}") is getattr(importlib.import_module(module), name)
+
+
+def test_a_misspelt_name_is_refused_as_a_missing_attribute():
+    from vllm.utils.import_utils import resolve_obj_by_qualname
+
+    with pytest.raises(AttributeError, match="no attribute 'QuotaSchedular'"):
+        resolve_obj_by_qualname("dualpath_connector.QuotaSchedular")
