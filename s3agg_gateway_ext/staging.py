@@ -121,6 +121,8 @@ class StagingReaper:
         self._poll_s = poll_s
         self._held: list[_Abandoned] = []
         self._changed = threading.Condition()
+        # One reap at a time: two would both see an entry's transfers ended and free it twice.
+        self._reaping = threading.Lock()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="s3agg-staging-reaper", daemon=True)
         self._thread.start()
@@ -140,6 +142,10 @@ class StagingReaper:
 
     def reap(self) -> int:
         """Free every held buffer whose transfers all ended; how many were freed."""
+        with self._reaping:
+            return self._reap()
+
+    def _reap(self) -> int:
         with self._changed:
             held = list(self._held)
         done = [entry for entry in held if self._ended(entry)]
