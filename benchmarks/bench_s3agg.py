@@ -70,8 +70,6 @@ NO_GATEWAY = "http://127.0.0.1:1"
 GETS_COUNTED = ("`store reads`: the GETs SeaweedFS answered during each read, counted on its /metrics "
                 "(SeaweedFS_s3_request_total, type GET), median over the reads; `client req` of per-chunk likewise; "
                 "n/c: not counted (the posix backing's file reads, and its per-chunk GETs to the gateway).")
-GETS_COMPUTED = ("`client req` and `store reads`: computed from the path's GET pattern by an earlier version of the "
-                 "script, not counted.")
 POLICIES = ("equal", "kv_prop", "bw_prop", "stall_opt", "calibrated_stall_opt")
 # Table A8 (Llama 3.1 8B, A100): cached tokens and total prefill ms per request.
 A8 = {"16K, 50%": (8192, 955.89), "16K, 87.5%": (14336, 281.76), "32K, 50%": (16384, 2589.25),
@@ -447,7 +445,7 @@ def table(payload: dict) -> str:
             f"S = G x {payload['args']['bytes_per_token']} B; every read checked byte for byte. Backing s3: the "
             f"gateway in front of SeaweedFS (per-chunk = ranged GETs to SeaweedFS); posix: the gateway next to a "
             f"posix store root (per-chunk = ranged GETs to the gateway's own S3 API; aggregated = NIXL POSIX "
-            f"batch reads of the files). {GETS_COUNTED if 'store_gets_per_read' in rows[0] else GETS_COMPUTED} "
+            f"batch reads of the files). {GETS_COUNTED} "
             f"{_load(payload)}Large-object GET (8 x 16 MiB through NIXL OBJ, from SeaweedFS / from the posix gateway's S3 API): {rates}."))
     if "scheduling" in payload:
         sched = payload["scheduling"]
