@@ -92,3 +92,58 @@ def test_failed_empty_or_instant_reads_teach_nothing(clock):
     assert queue.tokens_per_s is None
     read(queue, clock, 6.0, 7.0, 1000)
     assert queue.tokens_per_s == pytest.approx(1000.0)
+
+
+def test_an_idle_queue_probes_a_stale_rate_instead_of_declining_for_ever(clock):
+    """One slow read (a store hiccup) leaves a rate that declines the next reads, and a declining DE reads
+    nothing that could correct it. Once the rate is RATE_PROBE_AFTER_S old, an idle queue takes the next read
+    as a probe; the probe's fast time restores the rate and reads are taken on its word again."""
+    queue = StoreReadQueue(rate_weight=0.5)
+    read(queue, clock, 0.0, 10.0, 1000)  # 100 tokens/s: a 1000-token read "needs" 10 s
+    clock.now = 11.0
+    assert "10.0s, 5.0s are left" in queue.decline_reason(1000, 5.0)
+    clock.now = 10.0 + read_queue_module.RATE_PROBE_AFTER_S
+    assert queue.decline_reason(1000, 5.0) is None  # the probe
+    assert queue.decline_reason(1000, 5.0, tokens_ahead=0) is None  # and at its turn, still the probe
+    read(queue, clock, clock.now, clock.now + 0.1, 1000)  # the store is fast again: ~200 tokens/s by the EWMA
+    assert queue.decline_reason(1000, 6.0) is None  # not a probe (the rate is fresh): the rate's word
+
+
+def test_a_probe_is_never_a_read_behind_others(clock):
+    queue = StoreReadQueue()
+    read(queue, clock, 0.0, 10.0, 1000)
+    clock.now = 100.0
+    queue.add(1000)  # another read queued ahead: its time, not a stale rate, decides
+    assert queue.decline_reason(1000, 5.0) is not None
+    queue.add(-1000)
+    clock.now = 100.0
+    queue.read_started()  # one running: the link is not idle
+    assert queue.decline_reason(1000, 5.0) is not None
+
+
+def test_probes_that_stay_late_back_off(clock):
+    """A store that really is slow: each probe's own time says late again, so the wait before the next probe
+    doubles (a PE pays one late read per wait, not one per request); a read the rate accepts resets it."""
+    after = read_queue_module.RATE_PROBE_AFTER_S
+    queue = StoreReadQueue(rate_weight=1.0)
+    read(queue, clock, 0.0, 10.0, 1000)
+    end = 10.0
+    for wait in (after, 2 * after, 4 * after):
+        clock.now = end + wait - 0.01
+        assert queue.decline_reason(1000, 5.0) is not None, wait
+        clock.now = end + wait
+        assert queue.decline_reason(1000, 5.0) is None, wait  # probe
+        end = clock.now + 10.0
+        read(queue, clock, clock.now, end, 1000)  # as slow as before
+        assert queue.decline_reason(1000, 5.0) is not None
+    assert queue.decline_reason(100, 5.0) is None  # short enough on the rate's word: the wait resets
+    clock.now = end + after
+    assert queue.decline_reason(1000, 5.0) is None
+
+
+def test_a_seeded_rate_is_probed_once_it_is_old(clock):
+    clock.now = 0.0
+    queue = StoreReadQueue(initial_tokens_per_s=100.0)
+    assert queue.decline_reason(1000, 5.0) is not None
+    clock.now = read_queue_module.RATE_PROBE_AFTER_S
+    assert queue.decline_reason(1000, 5.0) is None
