@@ -11,6 +11,10 @@ Every message, request and answer, is signed with the cluster key
 dropped unanswered (a scanner learns nothing, not even that it was refused),
 counted in :attr:`SideChannelServer.rejected_messages` and logged at most once
 a minute. A client refuses an answer that is not signed or not to its request.
+
+A client watches its connection while it waits: a peer whose connection closes
+(a killed or restarting engine) or whose port refuses is :class:`PeerGone` at
+once; only a peer that is up and silent costs the whole deadline.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from dualpath_connector.lanes.affinity import pin_current_thread
 from dualpath_connector.pd.cluster_auth import (
@@ -66,6 +71,16 @@ class PeerTimeout(SideChannelError):
 
 class PeerBusy(SideChannelError):
     """The peer declined at once: it could not answer within the asker's deadline."""
+
+
+class PeerGone(SideChannelError):
+    """The peer's connection closed before it answered, or nothing accepts connections at its address."""
+
+
+# The connection events that mean no answer can come: the peer's process closed it (a killed or restarted
+# engine), or its port refuses connections (nothing listens there). Either way waiting out the deadline would
+# only delay what the caller does without an answer.
+_GONE_EVENTS = {zmq.EVENT_DISCONNECTED: "closed the connection", zmq.EVENT_CONNECT_RETRIED: "refused the connection"}
 
 
 def encode_bytes(data: bytes) -> str:
@@ -251,17 +266,15 @@ def request(address: str, message: dict[str, Any], timeout_s: float, key: Cluste
     # A dead peer must not keep this process from exiting.
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+    events = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
     try:
         sock.connect(f"tcp://{address}")
         sock.send_multipart([b"", frame])
-        if not sock.poll(int(timeout_s * 1000), zmq.POLLIN):
-            # A server drops what fails its check unanswered, so a key mismatch looks like this too.
-            raise PeerTimeout(
-                f"no answer from {address} to {message['op']!r} within {timeout_s:.1f}s (is it up, on this "
-                "dualpath-kv release, with this engine's DUALPATH_CLUSTER_KEY?)"
-            )
+        _await_answer(sock, events, address, message["op"], timeout_s)
         frames = sock.recv_multipart()
     finally:
+        sock.disable_monitor()
+        events.close()
         sock.close()
     try:
         if len(frames) != 2 or frames[0]:
@@ -275,3 +288,24 @@ def request(address: str, message: dict[str, Any], timeout_s: float, key: Cluste
         error = PeerBusy if answer.get("busy") else SideChannelError
         raise error(f"{address} refused {message['op']!r}: {answer['error']}")
     return answer
+
+
+def _await_answer(sock: zmq.Socket, events: zmq.Socket, address: str, op: str, timeout_s: float) -> None:
+    """Return once an answer waits on ``sock``; :class:`PeerGone` as soon as ``events`` says none can come."""
+    poller = zmq.Poller()
+    poller.register(sock, zmq.POLLIN)
+    poller.register(events, zmq.POLLIN)
+    deadline = time.monotonic() + timeout_s
+    while (left_s := deadline - time.monotonic()) > 0:
+        ready = dict(poller.poll(max(1, int(left_s * 1000))))
+        if sock in ready:
+            return
+        if events in ready:
+            event = recv_monitor_message(events)["event"]
+            if event in _GONE_EVENTS:
+                raise PeerGone(f"{address} {_GONE_EVENTS[event]} before answering {op!r}")
+    # A server drops what fails its check unanswered, so a key mismatch looks like this too.
+    raise PeerTimeout(
+        f"no answer from {address} to {op!r} within {timeout_s:.1f}s (is it up, on this "
+        "dualpath-kv release, with this engine's DUALPATH_CLUSTER_KEY?)"
+    )

@@ -42,7 +42,15 @@ from dualpath_connector.protocol import (
     hello_message,
     pulled_notification,
 )
-from dualpath_connector.pd.side_channel import MAX_MESSAGE_BYTES, RECEIVE_QUEUE, PeerBusy, SideChannelError, request
+from dualpath_connector.pd.side_channel import (
+    MAX_MESSAGE_BYTES,
+    RECEIVE_QUEUE,
+    PeerBusy,
+    PeerGone,
+    PeerTimeout,
+    SideChannelError,
+    request,
+)
 from nixl_backends.configuration import ConfigError
 from dualpath_dev.processes import free_port
 from nixl_backends.buffers import HostBufferPool
@@ -465,14 +473,44 @@ def test_read_for_another_namespace_is_refused(pair):
     assert de.reads == []
 
 
-def test_unknown_op_and_silent_peer_are_errors(pair):
+def test_unknown_op_is_an_error(pair):
     _, de = pair
     with pytest.raises(SideChannelError, match="unknown op"):
         request(de.address, {"op": "format-disk"}, timeout_s=5)
+
+
+def test_a_peer_gone_is_known_at_once_and_a_silent_one_at_the_deadline():
+    """A killed or restarted engine (its connection closed, or its port refusing) is PeerGone as soon as the
+    connection says so, not after the deadline: a PE asking a dead DE to read a hit reads it itself at once.
+    The control: a peer that is up and silent (another cluster's key, a hung process) still costs the deadline."""
+    patient_s = 60.0  # what waiting out the deadline would cost; each PeerGone below comes in milliseconds
     started = time.monotonic()
-    with pytest.raises(SideChannelError, match="no answer"):
-        request(f"127.0.0.1:{free_port()}", {"op": "hello"}, timeout_s=0.5)
-    assert time.monotonic() - started < 5
+    with pytest.raises(PeerGone, match="refused the connection before answering 'hello'"):
+        request(f"127.0.0.1:{free_port()}", hello_message(), patient_s, KEY)
+    context = zmq.Context()
+    try:
+        closing = context.socket(zmq.ROUTER)
+        closing.setsockopt(zmq.LINGER, 0)
+        port = closing.bind_to_random_port("tcp://127.0.0.1")
+
+        def take_then_close() -> None:
+            closing.recv_multipart()  # the request arrived: the peer dies before answering
+            closing.close()
+
+        server = threading.Thread(target=take_then_close)
+        server.start()
+        with pytest.raises(PeerGone, match="closed the connection before answering 'hello'"):
+            request(f"127.0.0.1:{port}", hello_message(), patient_s, KEY)
+        server.join(timeout=5)
+        assert time.monotonic() - started < patient_s / 2
+        silent = context.socket(zmq.ROUTER)
+        silent.setsockopt(zmq.LINGER, 0)
+        port = silent.bind_to_random_port("tcp://127.0.0.1")
+        with pytest.raises(PeerTimeout, match="no answer .* within 0.5s"):
+            request(f"127.0.0.1:{port}", hello_message(), 0.5, KEY)
+        silent.close()
+    finally:
+        context.term()
 
 
 def test_coalesce_merges_only_runs_contiguous_on_both_sides():
@@ -530,8 +568,8 @@ def test_a_pd_engine_without_the_cluster_key_does_not_start(monkeypatch):
         PeerLink(None, "127.0.0.1", port, "ns-1", None, None, 30.0)
     assert "too-short" not in str(refused.value)
     # Nothing listens: the refusal came before the side channel bound its port.
-    with pytest.raises(SideChannelError, match="no answer"):
-        request(f"127.0.0.1:{port}", hello_message(), 0.3, KEY)
+    with pytest.raises(PeerGone, match="refused the connection"):
+        request(f"127.0.0.1:{port}", hello_message(), 30, KEY)
 
 
 class RawPeer:
