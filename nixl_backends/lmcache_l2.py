@@ -83,6 +83,7 @@ from nixl_backends.integrity import DEFAULT_INTEGRITY, ChunkIntegrity, Integrity
 from nixl_backends.layout import BlockLayout, chunk_key
 from nixl_backends.lookup import PresentChunks
 from nixl_backends.registry import make_store, parse_store_config
+from nixl_backends.abandoned import process_reaper
 from nixl_backends.store import KVStore, TransferAbandoned
 
 __all__ = ["DualPathL2Adapter", "DualPathL2AdapterConfig", "LMCacheL2Params", "object_namespace", "store_key"]
@@ -402,8 +403,8 @@ class DualPathL2Adapter(L2AdapterInterface):
                 sized.integrity.seal(chunk_hash, view)
                 names.append(name)
             ok = sized.store.write(names, [pool.slot_addr(slot) for slot in slots])
-        except TransferAbandoned:
-            logger.error("dualpath L2 adapter: a store outlived its deadline; %d staging slots stay with NIXL", len(slots))
+        except TransferAbandoned as exc:
+            _retire(exc, pool, slots, "a store")
             raise
         except BaseException:
             pool.release(slots)
@@ -498,8 +499,8 @@ class DualPathL2Adapter(L2AdapterInterface):
                     continue
                 np.copyto(_bytes_of(objects[i]), view[:size])
                 loaded.append(i)
-        except TransferAbandoned:
-            logger.error("dualpath L2 adapter: a load outlived its deadline; %d staging slots stay with NIXL", len(slots))
+        except TransferAbandoned as exc:
+            _retire(exc, pool, slots, "a load")
             raise
         except BaseException:
             pool.release(slots)
@@ -527,3 +528,9 @@ class DualPathL2Adapter(L2AdapterInterface):
         if dropped:
             self._notify_keys_deleted([key for key, _ in dropped], [size for _, size in dropped])
 
+
+def _retire(exc: TransferAbandoned, pool: HostBufferPool, slots: list[int], what: str) -> None:
+    """NIXL may still use ``slots``: they return to ``pool`` only once its transfers ended."""
+    logger.error("dualpath L2 adapter: %s outlived its deadline; %d staging slots stay with NIXL until it ends",
+                 what, len(slots))  # fmt: skip
+    process_reaper().hold_abandoned(exc, lambda: pool.release(slots), label=f"L2 adapter {what}: {len(slots)} slots")

@@ -27,13 +27,31 @@ class TransferAbandoned(RuntimeError):
 
     NIXL may still write their memory, so the caller must neither reuse nor
     deregister it; the store leaves its own registrations in place too.
-    ``handles`` are the NIXL handles still in flight (not released): whoever
-    holds the memory may poll them and free it once they all ended.
+    ``handles`` are the NIXL handles of ``agent`` still in flight (not
+    released). Each layer the exception passes through names what it could
+    not free with :meth:`when_ended` (a store its registrations, a reader its
+    buffer), and whoever catches it last hands it to
+    :class:`nixl_backends.abandoned.AbandonedTransfers`, which runs them all
+    once every handle ended. Without handles (the transfers are another
+    process's) nothing is ever freed.
     """
 
-    def __init__(self, op: str, pending: int, timeout_s: float, handles: Sequence[Any] = ()) -> None:
+    handles: Sequence[Any] = ()
+    agent: Any = None
+
+    def __init__(self, op: str, pending: int, timeout_s: float, handles: Sequence[Any] = (), agent: Any = None) -> None:
         super().__init__(f"NIXL {op}: {pending} transfers still in flight after {timeout_s:.1f}s")
         self.handles = list(handles)
+        self.agent = agent
+
+    @property
+    def cleanups(self) -> list[Callable[[], None]]:
+        """What to run once the handles ended, innermost (the first to add itself) first."""
+        return self.__dict__.setdefault("_cleanups", [])
+
+    def when_ended(self, cleanup: Callable[[], None]) -> None:
+        """Run ``cleanup`` once every transfer ended (never, if that cannot be known)."""
+        self.cleanups.append(cleanup)
 
 
 def descriptors(addrs: Any, lengths: Any, dev_ids: Any = 0) -> np.ndarray:
@@ -160,7 +178,7 @@ def run_nixl_transfers(
             # A handle still in flight cannot be released safely: NIXL may still
             # write its memory, so it is handed to the caller with the error, and
             # so is the memory (not to be reused before the handle ended).
-            raise TransferAbandoned(op, len(pending), timeout_s, [handles[i] for i in pending])
+            raise TransferAbandoned(op, len(pending), timeout_s, [handles[i] for i in pending], agent)
         # Back to the shortest sleep after a completion: with a window, the
         # next request waits on this poll to be posted.
         polling.sleep(progressed=ended > 0)

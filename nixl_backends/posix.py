@@ -98,8 +98,11 @@ class PosixStore(KVStore):
             addrs, lengths = pieces[i][:, 0], pieces[i][:, 1]
             offsets = np.cumsum(lengths) - lengths  # each piece's place in the file
             transfers.append((descriptors(addrs, lengths), descriptors(offsets, lengths, fds[i])))
-        results = run_nixl_transfers(self._agent, op, transfers, "FILE", self.config.io_timeout_s)
-        # Deregistered only after every transfer ended (TransferAbandoned skips this).
+        try:
+            results = run_nixl_transfers(self._agent, op, transfers, "FILE", self.config.io_timeout_s)
+        except TransferAbandoned as exc:
+            exc.when_ended(lambda: self._agent.deregister_memory(registration))
+            raise
         self._agent.deregister_memory(registration)
         for i, result in zip(live, results):
             ok[i] = result
@@ -122,8 +125,8 @@ class PosixStore(KVStore):
             # NIXL reports a file shorter than the object as a failed read.
             ok = self._transfer_files("READ", fds, segments)
             self._mark_used(fds, ok)
-        except TransferAbandoned:
-            # NIXL may still use these descriptors: they stay open.
+        except TransferAbandoned as exc:
+            exc.when_ended(lambda: self._close(fds))  # NIXL may still use these descriptors until then
             raise
         except BaseException:
             self._close(fds)
@@ -147,6 +150,13 @@ class PosixStore(KVStore):
             if fd is not None:
                 os.close(fd)
 
+    def _discard(self, fds: list[int | None], temps: dict[int, str]) -> None:
+        """Close a failed write's descriptors and remove its temporary files."""
+        self._close(fds)
+        for path in temps.values():
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
     def delete(self, keys: Sequence[str]) -> None:
         # An unlink leaves a reader that has the file open its bytes; later opens miss.
         for key in keys:
@@ -169,13 +179,11 @@ class PosixStore(KVStore):
                 fds.append(os.open(temps[i], os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644))
             size = self.layout.object_bytes
             results = self._transfer_files("WRITE", fds, [np.array([[src_addrs[i], size]], dtype=np.uint64) for i in todo])
-        except TransferAbandoned:
-            raise  # NIXL may still write through these descriptors
+        except TransferAbandoned as exc:
+            exc.when_ended(lambda: self._discard(fds, temps))  # NIXL may still write through these descriptors
+            raise
         except BaseException:
-            self._close(fds)
-            for path in temps.values():
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
+            self._discard(fds, temps)
             raise
         for fd, result in zip(fds, results):
             if result:

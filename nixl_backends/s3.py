@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from nixl_backends.deadlines import seconds_left
 from nixl_backends.layout import DIGEST_BYTES, BlockLayout
-from nixl_backends.nixl_io import descriptors, run_nixl_transfers
+from nixl_backends.nixl_io import TransferAbandoned, descriptors, run_nixl_transfers
 from nixl_backends.obj_backend import OBJ, add_obj_backend, obj_device_ids
 from nixl_backends.s3_endpoint import (
     S3StoreConfig,
@@ -111,14 +111,18 @@ class S3Store(KVStore):
                 before(i)
             # As many requests in flight as the plugin has threads: a write (the save lane) then queues behind
             # at most one round of a read's GETs (the read lane), not behind the whole hit.
-            outcome = run_nixl_transfers(self._agent, op, [transfers[i] for i in failed], OBJ,
-                                         self.config.io_timeout_s, window=self.config.io_threads)  # fmt: skip
+            try:
+                outcome = run_nixl_transfers(self._agent, op, [transfers[i] for i in failed], OBJ,
+                                             self.config.io_timeout_s, window=self.config.io_threads)  # fmt: skip
+            except TransferAbandoned as exc:
+                exc.when_ended(lambda: self._agent.deregister_memory(registration))
+                raise
             for i, ok in zip(failed, outcome):
                 results[i] = ok and landed(i)
             failed = [i for i in failed if not results[i]]
             if not failed:
                 break
-        # Deregistered only after every transfer ended (TransferAbandoned skips this).
+        # Deregistered only after every transfer ended (when abandoned: by whoever holds the exception's handles).
         self._agent.deregister_memory(registration)
         return results
 

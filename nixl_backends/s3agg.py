@@ -263,8 +263,6 @@ class S3AggStore(KVStore):
             add_ucx_backend(agent, UcxTraffic().reaching(gateway.hostname, port), "store.")
         self._inner = S3Store(config.s3_config, layout, agent)
         self._inbox = _inbox_for(agent) if agent is not None else None
-        # Buffers of transfers that outlived their deadline: NIXL may still write them, so never freed.
-        self._abandoned: list[np.ndarray] = []
         self._path = f"/{config.s3_config.bucket}?{EXTENSION_QUERY}"
         self._connections = GatewayConnections(config.gateway, config.connect_timeout_s,
                                                ca_bundle=config.gateway_ca_bundle)
@@ -328,16 +326,16 @@ class S3AggStore(KVStore):
         size = self.layout.object_bytes
         scratch = np.empty((len(keys), size), dtype=np.uint8)
         registration = self._agent.register_memory([(scratch.ctypes.data, scratch.nbytes, 0, "")], "DRAM")
-        abandoned = False
         try:
             ok = self._inner.read(keys, [scratch.ctypes.data + j * size for j in range(len(keys))])
-        except TransferAbandoned:
-            abandoned = True
-            self._abandoned.append(scratch)  # NIXL may still write it
+        except TransferAbandoned as exc:
+            # NIXL may still write the scratch buffer: it lives (in this closure) until the transfers ended.
+            exc.when_ended(lambda scratch=scratch: self._agent.deregister_memory(registration))
             raise
-        finally:
-            if not abandoned:
-                self._agent.deregister_memory(registration)
+        except BaseException:
+            self._agent.deregister_memory(registration)
+            raise
+        self._agent.deregister_memory(registration)
         for j, pieces in enumerate(segments):
             if ok[j]:  # one memcpy per piece
                 starts = np.cumsum(pieces[:, 1]) - pieces[:, 1]
@@ -642,15 +640,17 @@ class S3AggStore(KVStore):
                     _host_view(target.addrs[layer] + n * s, n * DIGEST_BYTES).reshape(n, DIGEST_BYTES)[:] = \
                         trailers[:, layer, :]
                 on_layer(layer)
-        except TransferAbandoned:
-            abandoned = True  # NIXL may still use the registrations and write the trailer buffer
-            if trailers is not None:
-                self._abandoned.append(trailers)
+        except TransferAbandoned as exc:
+            abandoned = True  # NIXL may still use the registrations and write the trailer buffer until they ended
+            exc.when_ended(lambda trailers=trailers: self._deregister(registrations))
             raise
         finally:
             if not abandoned:
-                for registration in registrations:
-                    self._agent.deregister_memory(registration)
+                self._deregister(registrations)
+
+    def _deregister(self, registrations: list[Any]) -> None:
+        for registration in registrations:
+            self._agent.deregister_memory(registration)
 
 
 @dataclass(frozen=True)

@@ -52,13 +52,14 @@ from typing import Literal
 import numpy as np
 from botocore.exceptions import BotoCoreError, ClientError
 
+from nixl_backends.abandoned import AbandonedTransfers
 from nixl_backends.nixl_io import TransferAbandoned, coalesce, descriptors, run_nixl_transfers, wait_until
 from nixl_backends.s3agg_protocol import MODE_CHUNKWISE, MODE_LAYERWISE, Mode, encode_notification
 from s3agg_gateway_ext.backing import Backing, make_backing
 from s3agg_gateway_ext.config import GatewayConfig
 from s3agg_gateway_ext.descriptor import Descriptor, DescriptorError, NixlTarget
 from s3agg_gateway_ext.scheduling import Demand, Flow, LinkScheduler
-from s3agg_gateway_ext.staging import StagingBudget, StagingPlan, StagingReaper, staging_plan
+from s3agg_gateway_ext.staging import StagingBudget, StagingPlan, staging_plan
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +170,7 @@ class Aggregator:
         )
         self.staging_budget = StagingBudget(config.max_staging_bytes)
         # Staging still referenced by NIXL after a deadline: kept until its transfers ended, never reused.
-        self.staging_reaper = StagingReaper(self.staging_budget)
+        self.staging_reaper = AbandonedTransfers("s3agg-staging-reaper")
 
     def prepare(self, request_id: str, desc: Descriptor) -> Job:
         """Control path: bucket, objects, mode, target registration; holds nothing that needs releasing."""
@@ -266,7 +267,14 @@ class Aggregator:
         finally:
             if job.abandoned:
                 # The reaper keeps ``staging`` alive (NIXL may still write it) until every handle ended.
-                self.staging_reaper.hold(agent, job.abandoned_handles, staging, free, nbytes, job.request_id)
+                def free_staging() -> None:
+                    try:
+                        free()
+                    finally:  # a deregistration failing must not keep the bytes out of the budget for ever
+                        self.staging_budget.give_back(nbytes)
+
+                self.staging_reaper.hold(agent, job.abandoned_handles, free_staging, nbytes=nbytes,
+                                         label=f"request {job.request_id}", memory=staging)
                 logger.error("request %s: transfers abandoned; staging of %d bytes kept until they end",
                              job.request_id, nbytes)
             else:

@@ -39,6 +39,7 @@ from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.deadlines import load_deadline
 from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.s3agg_protocol import LAYOUT_CHUNK_MAJOR, LAYOUT_STRIDED
+from nixl_backends.abandoned import process_reaper
 from nixl_backends.store import KVStore, TransferAbandoned
 
 from dualpath_connector.lanes.affinity import pin_current_thread
@@ -235,9 +236,8 @@ class HitReader:
         slots = self.pool.acquire(len(spec.chunks))
         try:
             ok = self._store_read([c.chunk_hash for c in spec.chunks], slots)
-        except TransferAbandoned:
-            # NIXL may still write these slots: they never return to the pool.
-            logger.error("request %s: store read abandoned; %d load slots retired", spec.req_id, len(slots))
+        except TransferAbandoned as exc:
+            self._retire(exc, slots, f"request {spec.req_id}")
             raise
         except BaseException:
             self.pool.release(slots)
@@ -307,6 +307,11 @@ class HitReader:
             self.read_queue.read_finished(read_tokens)
         arrivals.end()
         self.stats.add(bytes_read=good * self.key_space.layout.full_block_bytes)
+
+    def _retire(self, exc: TransferAbandoned, slots: list[int], what: str) -> None:
+        """NIXL may still write ``slots``: they return to the pool only once its transfers ended."""
+        logger.error("%s: store read abandoned; %d load slots retired until its transfers end", what, len(slots))
+        process_reaper().hold_abandoned(exc, lambda: self.pool.release(slots), label=f"{what}: {len(slots)} load slots")
 
     def _store_read(self, chunk_hashes: list[str], slots: list[int]) -> list[bool]:
         """Read chunks into load-pool slots and verify them; the read time feeds the read-rate estimate.
@@ -462,8 +467,8 @@ class HitReader:
             return {"error": f"host buffer has no room for {len(chunk_hashes)} chunks"}
         try:
             ok = self._store_read(chunk_hashes, slots)
-        except TransferAbandoned:
-            logger.error("store read for a peer abandoned; %d load slots retired", len(slots))
+        except TransferAbandoned as exc:
+            self._retire(exc, slots, "a read for a peer")
             return {"error": "store read timed out"}
         except Exception as exc:
             self.pool.release(slots)

@@ -18,6 +18,7 @@ import numpy as np
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.integrity import ChunkIntegrity
+from nixl_backends.abandoned import process_reaper
 from nixl_backends.store import KVStore, TransferAbandoned
 
 from dualpath_connector.cache.copy_stream import CopyStream, Mark
@@ -92,9 +93,12 @@ class ChunkSaver:
         present = 0
         try:
             ok, present = self._write_keys(spec, keys, slots)
-        except TransferAbandoned:
-            # NIXL may still read these slots: they never return to the pool.
-            logger.error("request %s: store write abandoned; %d save slots retired", spec.req_id, len(slots))
+        except TransferAbandoned as exc:
+            # NIXL may still read these slots: they return to the pool only once its transfers ended.
+            logger.error("request %s: store write abandoned; %d save slots retired until its transfers end",
+                         spec.req_id, len(slots))  # fmt: skip
+            process_reaper().hold_abandoned(exc, lambda: self.pool.release(slots),
+                                            label=f"request {spec.req_id}: {len(slots)} save slots")  # fmt: skip
             ok = [False] * len(keys)
         except Exception:
             logger.exception("request %s: store write failed", spec.req_id)

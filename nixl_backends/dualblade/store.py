@@ -272,8 +272,10 @@ class DualBladeStore(KVStore):
             chunks = [(dst_addrs[i], b.extent, self._plan.layers_for(keys[i])) for i, b in found]
         try:
             moved = self._transfer("READ", chunks)
-        except TransferAbandoned:
-            raise  # NIXL may still read these extents: they stay pinned
+        except TransferAbandoned as exc:
+            # NIXL may still read these extents: they stay pinned until its transfers ended.
+            exc.when_ended(lambda: self._unpin([b.extent for _, b in found]))
+            raise
         except BaseException:
             self._unpin([b.extent for _, b in found])
             raise
@@ -299,6 +301,11 @@ class DualBladeStore(KVStore):
             self._counters.update(local_tier_hit_chunks=sum(ok), local_tier_miss_chunks=len(keys) - sum(ok),
                                   local_tier_corrupt_chunks=len(corrupt))
         return ok
+
+    def _release_extents(self, extents: list[int]) -> None:
+        """Extents a failed write allocated, free again."""
+        with self._lock:
+            self._map.release(extents)
 
     def _unpin(self, extents: list[int]) -> None:
         with self._lock:
@@ -349,11 +356,11 @@ class DualBladeStore(KVStore):
             written = self._transfer("WRITE", chunks)
             if any(written):
                 self._extents.sync()  # durable before a bind can name it
-        except TransferAbandoned:
-            raise  # NIXL may still write these extents: they stay allocated
+        except TransferAbandoned as exc:
+            exc.when_ended(lambda: self._release_extents(extents))  # NIXL may still write them until then
+            raise
         except BaseException:
-            with self._lock:
-                self._map.release(extents)
+            self._release_extents(extents)
             raise
         with self._lock:
             # Another thread (a save beside a fill) may have stored the same chunk meanwhile: keep its copy.

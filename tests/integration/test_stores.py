@@ -675,3 +675,46 @@ def test_s3_rides_out_throttling_and_connection_resets(seaweedfs, bucket, nixl_a
         finally:
             pool.close()
             store.close()
+
+
+@pytest.mark.parametrize("backend", ["s3"])  # the relay speaks plain HTTP to its store
+def test_an_abandoned_reads_slots_return_only_once_its_late_bytes_landed(seaweedfs, bucket, nixl_agent):
+    """A store that stops answering (the relay holds its GETs): the read is abandoned at io_timeout_s, and its
+    slots go to the reaper, not the pool. Once the store answers, the GETs still land in those slots, after
+    the caller gave up on them (the control: a slot reused at the deadline would now hold the late object, not
+    its new owner's bytes); only then do the slots return to the pool and the store's registration go."""
+    from dualpath_dev.s3_relay import S3Relay
+    from nixl_backends.abandoned import AbandonedTransfers
+    from nixl_backends.nixl_io import TransferAbandoned
+
+    with S3Relay(seaweedfs.endpoint, seaweedfs.access_key, seaweedfs.secret_key) as relay:
+        section = {**seaweedfs.store_config(bucket), "endpoint": relay.endpoint, "io_timeout_s": 3.0, "io_retries": 0}
+        store = make_store(parse_store_config(section), LAYOUT, nixl_agent)
+        pool = HostBufferPool(nixl_agent, FULL, 8)
+        reaper = AbandonedTransfers(poll_s=0.05)
+        try:
+            rng = np.random.default_rng(41)
+            keys = make_keys(rng, 2)
+            fill_random(pool, [0, 1], rng)
+            write_all(store, pool, keys, [0, 1])  # the AWS SDK's first request takes a second (measured: 1.01 s)
+            pool.acquire(2)  # slots 0 and 1 keep the reference bytes
+            slots = pool.acquire(2)
+            poison(pool, slots)
+            relay.hold()
+            try:
+                with pytest.raises(TransferAbandoned) as abandoned:
+                    store.read(keys, addrs(pool, slots))
+                assert len(abandoned.value.handles) == 2 and abandoned.value.cleanups  # the registration's
+                reaper.hold_abandoned(abandoned.value, lambda: pool.release(slots), label="test read")
+                assert pool.free_slots == 4 and reaper.held == 1  # not back in the pool
+                assert relay.held == 2
+            finally:
+                relay.release()
+            poll(lambda: reaper.held, lambda held: held == 0, 60, "the abandoned GETs to end")
+            assert pool.free_slots == 6
+            assert_slots_equal(pool, [0, 1], slots)  # the late bytes landed where the caller had given up
+        finally:
+            relay.release()
+            reaper.close()
+            pool.close()
+            store.close()

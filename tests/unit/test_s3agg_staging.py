@@ -1,20 +1,14 @@
 """The gateway's staging bounds: a request's plan fits its limit or is refused; the budget caps all requests
-together; abandoned staging is freed once (and only once) every NIXL transfer that may touch it ended.
-
-The reaper's NIXL agent is a stand-in whose transfer states the test sets: that is the point (a transfer that
-outlived its deadline, then ends), and what the real gateway does with it is in
-``tests/integration/test_s3agg_gateway.py``."""
+together. Abandoned staging, freed once every NIXL transfer that may touch it ended, is in ``test_abandoned.py``."""
 
 from __future__ import annotations
 
 import threading
-import weakref
 
-import numpy as np
 import pytest
 
 from s3agg_gateway_ext.descriptor import Descriptor, DescriptorError, HttpTarget
-from s3agg_gateway_ext.staging import StagingBudget, StagingBusy, StagingReaper, staging_plan
+from s3agg_gateway_ext.staging import StagingBudget, StagingBusy, staging_plan
 
 MIB = 1 << 20
 D = 16
@@ -81,70 +75,3 @@ def test_the_budget_refuses_what_does_not_fit_and_a_waiter_gets_bytes_given_back
     budget.give_back(60)
     waiter.join(60.0)
     assert taken.is_set() and budget.in_use == 50
-
-
-class HeldTransfers:
-    """A NIXL agent's transfer bookkeeping whose states the test sets: handle -> "PROC" | "DONE" | "ERR"."""
-
-    def __init__(self, states: dict[str, str]) -> None:
-        self.states = states
-        self.released: list[str] = []
-
-    def check_xfer_state(self, handle: str) -> str:
-        if self.states[handle] == "ERR":
-            raise RuntimeError("nixlBackendError")  # NIXL raises for a failed transfer
-        return self.states[handle]
-
-    def release_xfer_handle(self, handle: str) -> None:
-        assert handle not in self.released, "a handle released twice"
-        self.released.append(handle)
-
-
-def test_abandoned_staging_is_freed_only_once_every_transfer_ended():
-    budget = StagingBudget(1000)
-    budget.take(400, timeout_s=0.0)
-    agent, freed = HeldTransfers({"read": "PROC", "write": "PROC"}), []
-    reaper = StagingReaper(budget, poll_s=3600.0)  # reaped by hand here, not by its thread's next round
-    try:
-        memory = np.empty(400, dtype=np.uint8)
-        alive = weakref.ref(memory)
-        reaper.hold(agent, ["read", "write"], memory, lambda: freed.append(True), 400, "r1")
-        del memory  # the caller's reference ends with its request: the reaper's keeps the buffer
-        assert reaper.reap() == 0 and not freed and agent.released == []
-        assert alive() is not None
-        agent.states["read"] = "ERR"  # a failed transfer ended too; its handle is released at once
-        assert reaper.reap() == 0 and not freed and agent.released == ["read"]
-        assert (budget.in_use, reaper.held_bytes) == (400, 400)
-        agent.states["write"] = "DONE"
-        assert reaper.reap() == 1 and freed == [True] and agent.released == ["read", "write"]
-        assert (budget.in_use, reaper.held_bytes) == (0, 0) and alive() is None
-        assert reaper.reap() == 0  # nothing is freed twice
-    finally:
-        reaper.close()
-
-
-def test_control_a_buffer_whose_transfer_never_ends_keeps_its_bytes_out_of_the_budget():
-    budget = StagingBudget(500)
-    budget.take(400, timeout_s=0.0)
-    agent, freed = HeldTransfers({"read": "PROC"}), []
-    reaper = StagingReaper(budget, poll_s=3600.0)
-    try:
-        reaper.hold(agent, ["read"], bytearray(400), lambda: freed.append(True), 400, "r1")
-        assert reaper.reap() == 0 and not freed
-        with pytest.raises(StagingBusy):  # the gateway refuses work instead of reusing or growing
-            budget.take(200, timeout_s=0.0)
-    finally:
-        reaper.close()
-
-
-def test_the_reaper_thread_frees_on_its_own():
-    budget = StagingBudget(100)
-    budget.take(100, timeout_s=0.0)
-    agent, freed = HeldTransfers({"read": "DONE"}), threading.Event()
-    reaper = StagingReaper(budget, poll_s=0.01)
-    try:
-        reaper.hold(agent, ["read"], bytearray(100), freed.set, 100, "r1")
-        budget.take(100, timeout_s=60.0)  # waits for the thread's round, no longer
-        assert freed.is_set()
-    finally:
-        reaper.close()

@@ -1,0 +1,151 @@
+"""Memory that abandoned NIXL transfers may still touch, freed once they all ended.
+
+A transfer still in flight at its deadline (:class:`~nixl_backends.nixl_io.TransferAbandoned`) may write its
+destination (a READ) or read its source (a WRITE) at any later time, so that memory can be neither reused nor
+freed then: a late store answer must never land in a buffer that holds another request's KV. It is not kept
+forever either: :class:`AbandonedTransfers` holds it with the transfers' NIXL handles, polls those handles on
+a thread of its own, and frees the memory (returns pool slots, deregisters, closes descriptors) once every one
+of them has ended. A transfer that never ends keeps its memory for good: its owner then has less to give out
+and refuses work (a pool with no room is a miss) instead of growing or reusing.
+
+The engine's hit reader and chunk saver share one per process (:func:`process_reaper`); the gateway keeps
+its own, for the staging budget it reports.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from nixl_backends.nixl_io import TransferAbandoned
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Held:
+    agent: Any
+    handles: list[Any]
+    # The buffer itself, where the caller's reference may end first: kept so that it outlives every transfer.
+    memory: Any
+    free: Callable[[], None]
+    nbytes: int
+    label: str
+
+
+class AbandonedTransfers:
+    """Frees memory held for abandoned NIXL transfers once every one of them has ended (a thread of its own)."""
+
+    def __init__(self, name: str = "nixl-abandoned", poll_s: float = 0.1) -> None:
+        self._poll_s = poll_s
+        self._held: list[_Held] = []
+        self._changed = threading.Condition()
+        # One reap at a time: two would both see an entry's transfers ended and free it twice.
+        self._reaping = threading.Lock()
+        self._closed = False
+        self.freed = 0  # entries freed so far
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    @property
+    def held_bytes(self) -> int:
+        with self._changed:
+            return sum(entry.nbytes for entry in self._held)
+
+    @property
+    def held(self) -> int:
+        with self._changed:
+            return len(self._held)
+
+    def hold(self, agent: Any, handles: Sequence[Any], free: Callable[[], None], *, nbytes: int = 0,
+             label: str = "", memory: Any = None) -> None:
+        """Keep ``memory`` (``nbytes`` of it) until ``handles`` of ``agent`` have ended, then call ``free``.
+
+        Without handles it is kept for good: nothing says when the transfers end.
+        """
+        if not handles or agent is None:
+            logger.error("%s: abandoned transfers that cannot be watched; %d bytes are never freed", label, nbytes)
+            return
+        with self._changed:
+            self._held.append(_Held(agent, list(handles), memory, free, nbytes, label))
+            self._changed.notify_all()
+
+    def hold_abandoned(self, exc: TransferAbandoned, free: Callable[[], None], *, nbytes: int = 0,
+                       label: str = "", memory: Any = None) -> None:
+        """Hold what ``exc`` abandoned: its layers' cleanups (:meth:`TransferAbandoned.when_ended`), then ``free``."""
+        cleanups = [*exc.cleanups, free]
+
+        def free_all() -> None:
+            for cleanup in cleanups:
+                cleanup()
+
+        self.hold(exc.agent, exc.handles, free_all, nbytes=nbytes, label=label, memory=memory)
+
+    def reap(self) -> int:
+        """Free every held entry whose transfers all ended; how many were freed."""
+        with self._reaping:
+            with self._changed:
+                held = list(self._held)
+            done = [entry for entry in held if self._ended(entry)]
+            for entry in done:
+                try:
+                    entry.free()
+                except Exception:  # one failing cleanup must not keep the rest held for ever
+                    logger.exception("%s: freeing what abandoned transfers held failed", entry.label)
+                entry.memory = None
+                logger.warning("%s: abandoned transfers ended; %d bytes freed", entry.label, entry.nbytes)
+            with self._changed:
+                self._held = [entry for entry in self._held if entry not in done]
+                self.freed += len(done)
+            return len(done)
+
+    @staticmethod
+    def _ended(entry: _Held) -> bool:
+        """True once no handle is in flight; the ended ones are released as they are seen."""
+        still: list[Any] = []
+        for handle in entry.handles:
+            try:
+                state = entry.agent.check_xfer_state(handle)
+            except Exception:  # NIXL reports a failed transfer by raising: it ended
+                state = "ERR"
+            if state == "PROC":
+                still.append(handle)
+            else:
+                entry.agent.release_xfer_handle(handle)
+        entry.handles = still
+        return not still
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                self._changed.wait_for(lambda: self._closed or self._held)
+                if self._closed:
+                    return
+            self.reap()
+            with self._changed:
+                self._changed.wait_for(lambda: self._closed, self._poll_s)
+
+    def close(self) -> None:
+        """Stop polling; what is still held stays allocated (NIXL may still touch it) until the process ends."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
+        self._thread.join()
+
+
+_process_reaper: tuple[int, AbandonedTransfers] | None = None
+_process_reaper_lock = threading.Lock()
+
+
+def process_reaper() -> AbandonedTransfers:
+    """This process's reaper for the engine's buffers (started on first use, again after a fork: a forked
+    child has none of its parent's threads)."""
+    global _process_reaper
+    with _process_reaper_lock:
+        if _process_reaper is None or _process_reaper[0] != os.getpid():
+            _process_reaper = (os.getpid(), AbandonedTransfers())
+        return _process_reaper[1]
