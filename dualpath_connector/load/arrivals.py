@@ -17,6 +17,10 @@ their bytes never reach attention as if they were right.
 The pool slots of an arriving hit return to the pool only when both sides are
 done with them: the read has ended (the gateway writes nothing more) and the
 forward (or the request's end) released them (:meth:`LayerArrivals.when_ended`).
+A read abandoned at its deadline has ended for the forward, not for the slots:
+NIXL may still write them, so they wait until its transfers ended
+(:meth:`LayerArrivals.transfers_ended`, from the reaper), or for ever where
+nothing can tell (a gateway's WRITEs).
 """
 
 from __future__ import annotations
@@ -54,19 +58,30 @@ class LayerArrivals:
             self._cond.notify_all()
 
     def end(self, error: str | None = None, *, abandoned: bool = False) -> None:
-        """The read ended: no more layers will land. Unless ``abandoned`` (NIXL may still write the slots, so
-        they are retired for good), the store writes nothing more and :meth:`when_ended` callbacks run."""
+        """The read ended: no more layers will land. Unless ``abandoned`` (NIXL may still write the slots: the
+        :meth:`when_ended` callbacks wait for :meth:`transfers_ended`), the store writes nothing more and they
+        run."""
         with self._cond:
             if self._ended:
                 return  # the first end says what happened to the slots
             self._ended = True
             self._error = error
             self._abandoned = abandoned
-            callbacks, self._on_end = self._on_end, []
             self._cond.notify_all()
         if not abandoned:
-            for callback in callbacks:
-                callback()
+            self._run_on_end()
+
+    def transfers_ended(self) -> None:
+        """An abandoned read's transfers have all ended: nothing writes the slots any more."""
+        with self._cond:
+            self._abandoned = False
+        self._run_on_end()
+
+    def _run_on_end(self) -> None:
+        with self._cond:
+            callbacks, self._on_end = self._on_end, []
+        for callback in callbacks:
+            callback()
 
     # -- the forward ----------------------------------------------------------------------
 
@@ -93,12 +108,10 @@ class LayerArrivals:
             return self._landed_at[-1] if self._landed_at else None
 
     def when_ended(self, callback: Callable[[], None]) -> None:
-        """Run ``callback`` once the read has ended: now if it has, else on the thread that ends it; never if
-        the read was abandoned."""
+        """Run ``callback`` once the read has ended (an abandoned one: once its transfers ended): now if it has,
+        else on the thread that ends it."""
         with self._cond:
-            if not self._ended:
+            if not self._ended or self._abandoned:
                 self._on_end.append(callback)
-                return
-            if self._abandoned:
                 return
         callback()

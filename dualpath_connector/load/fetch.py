@@ -288,11 +288,17 @@ class HitReader:
                                       on_layer, compute_window_s=self.compute_window_s(), **target)  # fmt: skip
             read_tokens = good * self.key_space.chunk_tokens
         except TransferAbandoned as exc:
-            # NIXL may still write these slots: they never return to the pool.
-            logger.error("request %s: store read abandoned; %d load slots retired", spec.req_id, len(slots))
             arrivals.end(str(exc), abandoned=True)
             if arrivals.last_landed_at() is None:
+                self._retire(exc, slots, f"request {spec.req_id}")
                 on_read(LoadedHit(spec.req_id, []))
+            else:
+                # The hit and its slots went to the forward: they come back through its release, which waits
+                # for the arrivals to end, and they end for the slots once NIXL's transfers did.
+                logger.error("request %s: store read abandoned after layer 0; %d load slots retired until its "
+                             "transfers end", spec.req_id, len(slots))  # fmt: skip
+                process_reaper().hold_abandoned(exc, arrivals.transfers_ended,
+                                                label=f"request {spec.req_id}: {len(slots)} arriving load slots")
             return
         except Exception as exc:
             arrivals.end(f"{type(exc).__name__}: {exc}")

@@ -107,15 +107,19 @@ def test_when_ended_after_the_end_runs_at_once():
     assert calls == ["late"]
 
 
-def test_when_ended_never_runs_for_an_abandoned_read():
+def test_when_ended_waits_for_an_abandoned_reads_transfers_to_end():
     arrivals = LayerArrivals(2)
     calls: list[str] = []
     arrivals.when_ended(lambda: calls.append("before"))
     arrivals.end("timed out", abandoned=True)
     arrivals.when_ended(lambda: calls.append("after"))
-    assert calls == []
+    assert calls == []  # NIXL may still write the slots
     # Waiters are still woken: the forward fails the hit, it does not hang.
     assert arrivals.wait(0, PATIENT_S) == 0
+    arrivals.transfers_ended()  # the reaper saw every handle end
+    assert calls == ["before", "after"]
+    arrivals.when_ended(lambda: calls.append("later"))
+    assert calls == ["before", "after", "later"]
 
 
 def test_last_landed_at_follows_the_landings():

@@ -500,8 +500,10 @@ def test_slots_of_a_hit_released_before_its_read_ended_return_only_when_it_ends(
         hit.arrivals.end("timed out", abandoned=True)
     else:
         hit.arrivals.end()
-    # Abandoned: NIXL may still write them, so they never come back.
+    # Abandoned: NIXL may still write them, so they come back only once its transfers ended.
     assert pool.free_slots == POOL_SLOTS - (len(CHUNKS) if abandoned else 0)
+    hit.arrivals.transfers_ended()
+    assert pool.free_slots == POOL_SLOTS
 
 
 def test_reader_and_forward_together_put_the_stored_kv_in_the_cache(reader, store, pool):
