@@ -474,6 +474,8 @@ SIZES = {
 GAUGES = {
     "pd_held_blocks": "PE: KV blocks of finished prefills held for their DEs to pull",
     "read_queue_tokens": "Tokens queued or in flight in this engine's store reads, including reads served for a PE",
+    "abandoned_transfer_bytes": "Host buffer bytes kept from reuse for store transfers abandoned at their deadline, "
+    "until NIXL reports them ended (held for good: transfers that never end)",
     "layer_load_hidden_fraction": "Layerwise loads: 1 - layer_wait_seconds / layer_load_seconds of the latest "
     "forward (1: every byte moved behind compute)",
     "local_tier_page_cache_budget_bytes": "Local tier: page-cache budget B_pc from the memory cgroup (Dual-Blade Eq. 1-2)",

@@ -141,6 +141,13 @@ _process_reaper: tuple[int, AbandonedTransfers] | None = None
 _process_reaper_lock = threading.Lock()
 
 
+def process_held_bytes() -> int:
+    """Bytes :func:`process_reaper` holds now (0 before it was needed: no thread is started to say so)."""
+    with _process_reaper_lock:
+        reaper = _process_reaper[1] if _process_reaper is not None and _process_reaper[0] == os.getpid() else None
+    return 0 if reaper is None else reaper.held_bytes
+
+
 def process_reaper() -> AbandonedTransfers:
     """This process's reaper for the engine's buffers (started on first use, again after a fork: a forked
     child has none of its parent's threads)."""

@@ -533,4 +533,5 @@ def _retire(exc: TransferAbandoned, pool: HostBufferPool, slots: list[int], what
     """NIXL may still use ``slots``: they return to ``pool`` only once its transfers ended."""
     logger.error("dualpath L2 adapter: %s outlived its deadline; %d staging slots stay with NIXL until it ends",
                  what, len(slots))  # fmt: skip
-    process_reaper().hold_abandoned(exc, lambda: pool.release(slots), label=f"L2 adapter {what}: {len(slots)} slots")
+    process_reaper().hold_abandoned(exc, lambda: pool.release(slots), nbytes=len(slots) * pool.slot_bytes,
+                                    label=f"L2 adapter {what}: {len(slots)} slots")

@@ -297,7 +297,7 @@ class HitReader:
                 # for the arrivals to end, and they end for the slots once NIXL's transfers did.
                 logger.error("request %s: store read abandoned after layer 0; %d load slots retired until its "
                              "transfers end", spec.req_id, len(slots))  # fmt: skip
-                process_reaper().hold_abandoned(exc, arrivals.transfers_ended,
+                process_reaper().hold_abandoned(exc, arrivals.transfers_ended, nbytes=len(slots) * self.pool.slot_bytes,
                                                 label=f"request {spec.req_id}: {len(slots)} arriving load slots")
             return
         except Exception as exc:
@@ -317,7 +317,8 @@ class HitReader:
     def _retire(self, exc: TransferAbandoned, slots: list[int], what: str) -> None:
         """NIXL may still write ``slots``: they return to the pool only once its transfers ended."""
         logger.error("%s: store read abandoned; %d load slots retired until its transfers end", what, len(slots))
-        process_reaper().hold_abandoned(exc, lambda: self.pool.release(slots), label=f"{what}: {len(slots)} load slots")
+        process_reaper().hold_abandoned(exc, lambda: self.pool.release(slots), nbytes=len(slots) * self.pool.slot_bytes,
+                                        label=f"{what}: {len(slots)} load slots")  # fmt: skip
 
     def _store_read(self, chunk_hashes: list[str], slots: list[int]) -> list[bool]:
         """Read chunks into load-pool slots and verify them; the read time feeds the read-rate estimate.

@@ -97,7 +97,7 @@ class ChunkSaver:
             # NIXL may still read these slots: they return to the pool only once its transfers ended.
             logger.error("request %s: store write abandoned; %d save slots retired until its transfers end",
                          spec.req_id, len(slots))  # fmt: skip
-            process_reaper().hold_abandoned(exc, lambda: self.pool.release(slots),
+            process_reaper().hold_abandoned(exc, lambda: self.pool.release(slots), nbytes=len(slots) * self.pool.slot_bytes,
                                             label=f"request {spec.req_id}: {len(slots)} save slots")  # fmt: skip
             ok = [False] * len(keys)
         except Exception:

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from nixl_backends.abandoned import process_held_bytes
 from nixl_backends.buffers import HostBufferPool
 from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.registry import for_rank, make_store
@@ -152,6 +153,7 @@ class DualPathWorker:
         self._dropped: set[str] = set()
         self._injection: LayerwiseInjection | None = None
         self._rejected_reported = (0, 0, 0)  # side-channel messages, pulled: notifications, hold claims
+        self._abandoned_reported = 0  # abandoned_transfer_bytes as last reported
         self._store_counters: dict[str, int] = {}
         # Finished writes, handed to the scheduler as worker metadata each step: the chunks (for KV
         # events, when enabled) and how many writes ended. A write's count waits in
@@ -481,6 +483,10 @@ class DualPathWorker:
         self.stats.add(**{name: value - self._store_counters.get(name, 0) for name, value in counters.items()})
         self._store_counters = counters
         self.stats.gauge(**{name: value for name, value in reported.gauges.items() if name in GAUGES})
+        abandoned = process_held_bytes()
+        if abandoned != self._abandoned_reported:  # changes only: an idle engine's steps stay without stats
+            self.stats.gauge(abandoned_transfer_bytes=abandoned)
+            self._abandoned_reported = abandoned
 
     def shutdown(self) -> None:
         if self.reader is not None:
