@@ -114,7 +114,7 @@ bench-read-sides: setup
 # Basic vs DualPath vs Oracle, 1P1D, on an emulated cluster (root: network namespaces, tc storage NICs);
 # BENCH_ARGS adds options, e.g. BENCH_ARGS="--topologies 1P1D,1P2D,2P1D". Results: benchmarks/results/dualpath-bench.*
 bench-dualpath: setup
-	PYTHONPATH=$(CURDIR) $(PY) -m dualpath_bench.cli cluster --workdir .cache --out-dir benchmarks/results $(BENCH_ARGS)
+	PYTHONPATH=$(CURDIR) $(PY) -m dualpath_dev.bench_cluster --workdir .cache --out-dir benchmarks/results $(BENCH_ARGS)
 
 # A soak, not part of `make test`: agents through the 1P1D stack for 10 minutes, RSS and open fds of the engines and
 # the router sampled every 10 s; SOAK_ARGS adds options, e.g. SOAK_ARGS="--duration 60 --agents 2".

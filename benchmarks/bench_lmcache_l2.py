@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
 from _common import bar_chart, environment, exit_on_sigterm, markdown_table, median, run_and_report  # noqa: E402
 
-from nixl_backends.cli import parse_size  # noqa: E402
+from dualpath_connector.cli import parse_size  # noqa: E402
 
 MB = 1e6
 KIB, MIB = 1024, 1024 * 1024

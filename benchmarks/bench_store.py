@@ -29,7 +29,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: th
 from _common import environment, exit_on_sigterm, markdown_table, median, run_and_report  # noqa: E402
 
 from nixl_backends.buffers import HostBufferPool  # noqa: E402
-from nixl_backends.cli import parse_size  # noqa: E402
+from dualpath_connector.cli import parse_size  # noqa: E402
 from nixl_backends.layout import BlockLayout, chunk_key  # noqa: E402
 from nixl_backends.registry import make_store, parse_store_config  # noqa: E402
 

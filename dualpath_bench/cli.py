@@ -3,10 +3,12 @@
     dualpath-bench generate --out trace.jsonl --agents 64
     dualpath-bench run --router http://127.0.0.1:8000 --model tiny-llama --trace trace.jsonl --out run.json
     dualpath-bench run ... --mode online --rate 0.5 --slo-ttft-s 4 --slo-tpot-ms 50
-    dualpath-bench cluster --topologies 1P1D,1P2D,2P1D     # root: builds network namespaces
-    dualpath-bench cluster --modes basic,dualpath --store-rtt-ms 0 5 20   # at three store round trips
     dualpath-bench pd-range --gpus-per-node 8 --snic 1       # the bottleneck-free P/D range (paper §4.2)
     dualpath-bench simulate --preset paper --topologies 1P1D,1P2D,2P1D --scale 1,4,24   # discrete-event simulator
+
+The emulated cluster's comparison runs from a source checkout (it starts SeaweedFS and vLLM the way the
+tests do): ``python -m dualpath_dev.bench_cluster`` (``make bench-dualpath``), with the trace and replay
+options of ``run``.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 import urllib.request
@@ -33,11 +34,11 @@ from dualpath_bench.trace import Agent, TraceConfig, Turn, generate, read_jsonl,
 
 logger = logging.getLogger(__name__)
 
-# A short storage-bound workload for the cluster comparison on a 2-core machine (see README: the arithmetic).
+# A short storage-bound workload for the emulated cluster's comparison (dualpath_dev.bench_cluster) on a 2-core
+# machine (see README: the arithmetic); the simulator's emulated preset replays it too.
 CLUSTER_TRACE = {"agents": 8, "turns": 8, "first_append_tokens": 2048, "sigma": 0.3}
 
-
-def _trace_args(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
+def trace_args(parser: argparse.ArgumentParser, defaults: dict | None = None) -> None:
     group = parser.add_argument_group("trace (ignored with --trace)")
     group.add_argument("--trace", type=Path, help="a JSONL trace to replay instead of generating one")
     for f in fields(TraceConfig):
@@ -46,13 +47,13 @@ def _trace_args(parser: argparse.ArgumentParser, defaults: dict | None = None) -
                            help=f"default {default}")  # fmt: skip
 
 
-def _agents(args: argparse.Namespace):
+def agents_from(args: argparse.Namespace):
     if args.trace:
         return read_jsonl(args.trace)
     return generate(TraceConfig.from_dict({f.name: getattr(args, f.name) for f in fields(TraceConfig)}))
 
 
-def _replay_args(parser: argparse.ArgumentParser) -> None:
+def replay_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("replay")
     group.add_argument("--mode", choices=("offline", "online"), default="offline")
     group.add_argument("--rate", type=float, default=0.0, help="online: agent arrivals per second")
@@ -63,7 +64,7 @@ def _replay_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    agents = _agents(args)
+    agents = agents_from(args)
     path = write_jsonl(agents, args.out)
     print(json.dumps({"trace": str(path), **summarize(agents)}, indent=1))
     return 0
@@ -80,7 +81,7 @@ def _store_watcher(args: argparse.Namespace) -> StoreWatcher:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    agents = _agents(args)
+    agents = agents_from(args)
     config = ReplayConfig(
         args.router, args.model, mode=args.mode, rate=args.rate, seed=args.seed, token_salt=args.salt,
         max_context=args.max_context, slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_ms / 1000,
@@ -98,62 +99,6 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(json.dumps(result["summary"], indent=1))
     print(f"results: {args.out}")
     return 0 if not result["summary"]["agents_failed"] else 1
-
-
-def _rates(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(r) for r in text.split(",") if r.strip())
-    except ValueError:
-        raise BenchUsageError(f"--rates must be comma-separated numbers, got {text!r}") from None
-
-
-def cmd_cluster(args: argparse.Namespace) -> int:
-    from dualpath_bench import report
-    try:
-        from dualpath_dev.cluster import ClusterConfig, netns_supported
-        from dualpath_dev.compare import BenchConfig, run_comparison
-        from dualpath_dev.tiny_model import make_tiny_llama
-    except ModuleNotFoundError as exc:
-        if exc.name is None or not exc.name.startswith("dualpath_dev"):
-            raise
-        # The emulated cluster (dualpath_dev.cluster) starts SeaweedFS and vLLM from a checkout: not installed.
-        print("dualpath-bench cluster runs from a source checkout (make bench-dualpath): "
-              "it needs the dualpath_dev package, which the wheel does not ship", file=sys.stderr)
-        return 2
-
-    supported, why = netns_supported()
-    if not supported:
-        print(f"dualpath-bench cluster needs network namespaces: {why}", file=sys.stderr)
-        return 2
-    agents = _agents(args)
-    config = BenchConfig(
-        topologies=tuple(t.strip() for t in args.topologies.split(",") if t.strip()),
-        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
-        cluster=ClusterConfig(storage_mbit=args.storage_mbit, compute_mbit=args.compute_mbit, subnet=args.subnet,
-                              store_cpus=args.store_cpus),
-        replay_mode=args.mode, rate=args.rate, rates=_rates(args.rates),
-        slo_ttft_s=args.slo_ttft_s, slo_tpot_s=args.slo_tpot_ms / 1000,
-        slo_percentile=args.slo_percentile, nic_interval_s=args.nic_interval_s,
-        max_model_len=args.max_model_len, progress=args.progress, repeats=args.repeats,
-        store_rtts_ms=tuple(args.store_rtt_ms),
-    ).validate()  # fmt: skip
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    model = make_tiny_llama(args.workdir / "tiny-llama")
-    load_at_start = list(os.getloadavg())
-    payload = run_comparison(agents, config, args.workdir.resolve(), model)
-    # What else ran on the machine (1-, 5-, 15-minute load averages), to judge the figures by.
-    payload["environment"] = {"cpus": os.cpu_count(), "load_avg_at_start": load_at_start,
-                              "load_avg_at_end": list(os.getloadavg())}  # fmt: skip
-    if not args.trace:
-        # What the simulator's calibration regenerates the same trace from.
-        payload["trace_config"] = {f.name: getattr(args, f.name) for f in fields(TraceConfig)}
-    paths = report.write(payload, args.out_dir, args.name)
-    print(paths["md"].read_text())
-    for kind, path in paths.items():
-        print(f"{kind}: {path}")
-    failed = [f"{t['topology']}/{m}" for t in payload["topologies"] for runs in t["repetitions"]
-              for m, r in runs.items() if "error" in r]
-    return 1 if failed else 0
 
 
 def cmd_pd_range(args: argparse.Namespace) -> int:
@@ -270,7 +215,7 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="write a seeded agent trace (JSONL)")
     p.add_argument("--out", type=Path, required=True)
-    _trace_args(p)
+    trace_args(p)
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("run", help="replay a trace through a running dualpath-router")
@@ -281,33 +226,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--store-endpoint", help="S3 endpoint to wait for each turn's chunks on (else no waiting)")
     p.add_argument("--store-bucket", default="dualpath-kv")
     p.add_argument("--namespace-from", help="an engine URL whose /metrics names the store namespace")
-    _trace_args(p)
-    _replay_args(p)
+    trace_args(p)
+    replay_args(p)
     p.set_defaults(func=cmd_run)
-
-    p = sub.add_parser("cluster", help="Basic vs DualPath vs Oracle on an emulated cluster (root, netns)")
-    p.add_argument("--topologies", default="1P1D", help="comma-separated, e.g. 1P1D,1P2D,2P1D")
-    p.add_argument("--modes", default="basic,dualpath,oracle")
-    p.add_argument("--rates", default="", help="online: arrival rates to sweep per mode until the SLO breaks "
-                   "(APS at SLO), e.g. 0.05,0.1,0.2")
-    p.add_argument("--storage-mbit", type=float, default=16.0, help="each node's storage NIC, both directions")
-    p.add_argument("--compute-mbit", type=float, default=0.0, help="compute network per node; 0: unshaped")
-    p.add_argument("--store-cpus", default="", help="cores SeaweedFS runs on, e.g. 0 (taskset's list); default: unpinned")
-    p.add_argument("--store-rtt-ms", type=float, nargs="+", default=[],
-                   help="store round trips to compare at, a cluster each (e.g. 0 5 20): every engine and router "
-                        "request to S3 waits this long in a relay in the S3 namespace; default: no relay")
-    p.add_argument("--subnet", default="10.213", help="first two octets of the private /16 to use")
-    p.add_argument("--nic-interval-s", type=float, default=1.0)
-    p.add_argument("--repeats", type=int, default=3,
-                   help="runs of every mode, interleaved (basic dualpath oracle basic ...); medians and spread")
-    p.add_argument("--max-model-len", type=int, default=8192)
-    p.add_argument("--workdir", type=Path, default=Path("dualpath-bench-work"),
-                   help="model, logs, S3 data")
-    p.add_argument("--out-dir", type=Path, default=Path("."))
-    p.add_argument("--name", default="dualpath-bench", help="results file stem")
-    _trace_args(p, CLUSTER_TRACE)
-    _replay_args(p)
-    p.set_defaults(func=cmd_cluster)
 
     p = sub.add_parser("pd-range", help="the P/D ratios whose compute NICs and DRAM keep up with saturated storage")
     p.add_argument("--gpus-per-node", type=int, default=8, help="g: GPUs (and compute NICs) per node")

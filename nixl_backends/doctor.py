@@ -1,7 +1,8 @@
 """``dualpath-kv doctor``: what would stop an engine, checked before it is launched.
 
-One line per check, in order: the configuration parses (the connector's own parser, so the
-verdict is the engine's), the PD side channel's key is set (producer/consumer roles), the RDMA
+One line per check, in order: the configuration parses (for a connector configuration the
+connector's own parser, so the verdict is the engine's: :mod:`dualpath_connector.doctor`, which
+passes the parsed target and its own checks in, such as the PD side channel's key), the RDMA
 devices pyverbs sees include those the ``transport`` section names, NIXL's UCX (with those
 settings), POSIX and OBJ plugins load, every store the configuration names is reachable with the
 credentials the engine would use, and writable: a probe object is written, read back and
@@ -24,7 +25,7 @@ import logging
 import os
 import sys
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -39,7 +40,6 @@ from nixl_backends.s3_endpoint import UntrustedServer
 from nixl_backends.traffic_isolation import UcxTraffic
 
 OK, FAIL, WARN, SKIP = "ok", "fail", "warn", "skip"
-CONNECTOR = "DualPathConnector"
 PD_ROLES = ("kv_producer", "kv_consumer")
 PLUGINS = ("UCX", "POSIX", "OBJ")
 # Environment variables whose values never appear in the output.
@@ -109,40 +109,6 @@ class Redactor:
 # -- parsing ---------------------------------------------------------------------------------------------
 
 
-def connector_section(document: Any, kv_role: str | None) -> tuple[dict, str]:
-    """The DualPathConnector's ``kv_connector_extra_config`` and role in a document: a whole
-    ``--kv-transfer-config`` (also a ``MultiConnector`` holding DualPathConnector) or the extra config itself."""
-    if not isinstance(document, dict):
-        raise ConfigError(f"the configuration must be a JSON object, got {type(document).__name__}")
-    if "kv_connector" not in document and "kv_connector_extra_config" not in document:
-        return document, kv_role or "kv_both"  # the connector's extra config itself
-    connector = document.get("kv_connector")
-    if connector == "MultiConnector":
-        children = (document.get("kv_connector_extra_config") or {}).get("connectors")
-        ours = [c for c in children or () if isinstance(c, dict) and c.get("kv_connector") == CONNECTOR]
-        if len(ours) != 1:
-            raise ConfigError(f"MultiConnector: kv_connector_extra_config.connectors must hold one {CONNECTOR}, "
-                              f"found {len(ours)}")  # fmt: skip
-        return connector_section({"kv_role": document.get("kv_role"), **ours[0]}, kv_role)
-    if connector != CONNECTOR:
-        raise ConfigError(f"kv_connector is {connector!r}; the doctor checks {CONNECTOR} configurations")
-    role = kv_role or document.get("kv_role")
-    if role is None:
-        raise ConfigError("missing kv_role (vLLM requires it with kv_connector): kv_both, kv_producer or kv_consumer")
-    return document.get("kv_connector_extra_config") or {}, role
-
-
-def parse_target(document: Any, kv_role: str | None = None) -> Target:
-    """Parse as the engine would: the connector's own parser (its validation and messages)."""
-    # The connector's parser ships in the same wheel; it is imported here, in the command, and not at
-    # module level, so the storage layer's modules still import nothing above them.
-    from dualpath_connector.config import TRANSPORT_WHERE, parse_config
-
-    extra, role = connector_section(document, kv_role)
-    config = parse_config(extra, role)
-    return Target(role, config.key_prefix, config.store_config, config.transport_config, TRANSPORT_WHERE)
-
-
 def parse_store_target(section: Any, key_prefix: str) -> Target:
     """A bare ``store`` section (as ``dualpath-kv gc`` takes it)."""
     return Target("kv_both", key_prefix, parse_store_config(section))
@@ -187,18 +153,6 @@ def _is_dualblade(config: Any) -> bool:
 
 
 # -- the checks ------------------------------------------------------------------------------------------
-
-
-def check_cluster_key(target: Target) -> CheckResult | None:
-    if target.kv_role not in PD_ROLES:
-        return None
-    from dualpath_connector.pd.cluster_auth import CLUSTER_KEY_ENV, ClusterKey
-
-    try:
-        ClusterKey.from_env()
-    except ConfigError as exc:
-        return CheckResult("cluster key", FAIL, str(exc), f"export {CLUSTER_KEY_ENV} on every PE and DE")
-    return CheckResult("cluster key", OK, f"{CLUSTER_KEY_ENV} is set ({target.kv_role} signs its side channel)")
 
 
 def check_rdma(target: Target | None) -> CheckResult:
@@ -405,13 +359,10 @@ def check_stores(agent: Any, target: Target, redact: Redactor, stack: ExitStack)
                               "check that the credentials may write and delete under the key prefix")  # fmt: skip
 
 
-def run_checks(target: Target | None, config_result: CheckResult, redact: Redactor) -> list[CheckResult]:
-    """Every check after the config's, in order; those needing what failed are skipped."""
-    results = [config_result]
-    if target is not None:
-        cluster = check_cluster_key(target)
-        if cluster is not None:
-            results.append(cluster)
+def run_checks(target: Target | None, config_results: list[CheckResult], redact: Redactor) -> list[CheckResult]:
+    """Every check after the config's (``config_results``: its parse, and what the caller checked of it), in
+    order; those needing what failed are skipped."""
+    results = list(config_results)
     results.append(check_rdma(target))
     try:
         from nixl._api import nixl_agent, nixl_agent_config
@@ -464,16 +415,24 @@ def exit_code(results: list[CheckResult]) -> int:
     return 1 if any(result.status == FAIL for result in results) else 0
 
 
-def diagnose(document: Any, *, kv_role: str | None = None, store_only: bool = False, key_prefix: str = "dualpath",
-             environ: Mapping[str, str] = os.environ) -> list[CheckResult]:  # fmt: skip
-    """Every check on a config ``document`` (a ``--kv-transfer-config``, the connector's extra config, or with
-    ``store_only`` a bare store section); the results, secrets redacted."""
+def diagnose_target(document: Any, parse: Callable[[Any], Target], *,
+                    checks: Callable[[Target], list[CheckResult]] = lambda target: [],
+                    environ: Mapping[str, str] = os.environ) -> list[CheckResult]:  # fmt: skip
+    """Every check on a config ``document`` that ``parse`` turns into a :class:`Target` (raising
+    :class:`ConfigError` naming the bad key), ``checks`` of the parsed target right after its parse; the
+    results, secrets redacted."""
     redact = Redactor(environ)
     redact.add_from_document(document)
     try:
-        target = parse_store_target(document, key_prefix) if store_only else parse_target(document, kv_role)
+        target = parse(document)
     except ConfigError as exc:
-        return run_checks(None, CheckResult("config", FAIL, str(exc), CONFIG_DOCS), redact)
+        return run_checks(None, [CheckResult("config", FAIL, str(exc), CONFIG_DOCS)], redact)
     stores = ", ".join(describe(config) for config in _stores(target.store))
     parsed = CheckResult("config", OK, f"parses: kv_role {target.kv_role}, key prefix {target.key_prefix!r}, {stores}")
-    return run_checks(target, parsed, redact)
+    return run_checks(target, [parsed, *checks(target)], redact)
+
+
+def diagnose_store(section: Any, key_prefix: str = "dualpath", environ: Mapping[str, str] = os.environ) -> list[CheckResult]:
+    """Every check on a bare store section (as ``dualpath-kv gc`` takes it); the results, secrets redacted.
+    A connector configuration is diagnosed by :func:`dualpath_connector.doctor.diagnose`."""
+    return diagnose_target(section, lambda document: parse_store_target(document, key_prefix), environ=environ)

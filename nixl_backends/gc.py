@@ -1,6 +1,6 @@
 """Store garbage collection: keep chunk objects under a byte budget and/or an age, oldest-last-used first.
 
-What ``dualpath-kv gc`` (:mod:`nixl_backends.cli`) runs. It works on the keys of
+What ``dualpath-kv gc`` (:mod:`dualpath_connector.cli`) runs. It works on the keys of
 :func:`nixl_backends.layout.chunk_key`, ``<prefix>/<namespace>/<hh>/<hash>``,
 of one or more namespaces (or all under a prefix), in a POSIX root or an S3
 bucket (an ``s3agg`` store through its bucket). Anything else under the prefix

@@ -196,7 +196,7 @@ def test_stored_then_removed_chunks_are_announced_with_vllms_block_hashes(engine
     store = json.dumps({"backend": "s3", "endpoint": seaweedfs.endpoint, "bucket": bucket})
     env = dict(os.environ, AWS_ACCESS_KEY_ID=seaweedfs.access_key, AWS_SECRET_ACCESS_KEY=seaweedfs.secret_key)
     done = subprocess.run(
-        [sys.executable, "-m", "nixl_backends.cli", "gc", "--store", store, "--key-prefix", prefix,
+        [sys.executable, "-m", "dualpath_connector.cli", "gc", "--store", store, "--key-prefix", prefix,
          "--namespace", namespace, "--max-bytes", "0"],
         env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

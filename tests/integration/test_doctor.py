@@ -17,7 +17,8 @@ from botocore.exceptions import ClientError
 
 from dualpath_dev.processes import free_port
 from dualpath_dev.tls import make_server_tls
-from nixl_backends.doctor import diagnose, exit_code, format_report
+from dualpath_connector.doctor import diagnose
+from nixl_backends.doctor import diagnose_store, exit_code, format_report
 from tests.conftest import REPO_ROOT
 from tests.s3agg_fixtures import (  # noqa: F401  (fixtures)
     CLIENT_ACCESS_KEY,
@@ -33,7 +34,7 @@ WRONG_SECRET = "wrong-secret-for-doctor-test-0123456789"
 
 
 def doctor(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "nixl_backends.cli", "doctor", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dualpath_connector.cli", "doctor", *args], capture_output=True,
                           text=True, timeout=180, env=env, cwd=REPO_ROOT)  # fmt: skip
 
 
@@ -174,14 +175,14 @@ def test_an_s3agg_store_checks_its_gateway(seaweedfs, s3agg_bucket, gateway):
     only warns (reads fall back to plain S3), the exit status stays 0."""
     section = {"backend": "s3agg", "gateway": gateway.url, "s3": seaweedfs.store_config(s3agg_bucket),
                "access_key": CLIENT_ACCESS_KEY, "secret_key": CLIENT_SECRET_KEY}  # fmt: skip
-    results = {r.name: r for r in diagnose(section, store_only=True)}
+    results = {r.name: r for r in diagnose_store(section)}
     store = f"store s3agg gateway {gateway.url}, bucket {s3agg_bucket!r}"
     assert [results[name].status for name in (store, f"gateway {gateway.url}", f"{store} writable")] == ["ok"] * 3
     assert exit_code(list(results.values())) == 0
     assert CLIENT_SECRET_KEY not in format_report(list(results.values()))
 
     nowhere = f"http://127.0.0.1:{free_port()}"
-    results = {r.name: r for r in diagnose({**section, "gateway": nowhere}, store_only=True)}
+    results = {r.name: r for r in diagnose_store({**section, "gateway": nowhere})}
     assert results[f"gateway {nowhere}"].status == "warn", results
     assert "reads fall back to plain S3 GETs" in results[f"gateway {nowhere}"].detail
     assert exit_code(list(results.values())) == 0

@@ -23,7 +23,7 @@ import pytest
 from botocore.exceptions import ClientError
 
 from nixl_backends.buffers import HostBufferPool
-from nixl_backends.cli import main
+from dualpath_connector.cli import main
 from nixl_backends.integrity import ChunkIntegrity, chunk_hash_of
 from nixl_backends.layout import BlockLayout, chunk_key
 from nixl_backends.gc import open_chunks
@@ -333,7 +333,7 @@ def test_the_command_runs_as_a_process_with_credentials_from_the_environment(sea
     kv.write_generations([keys])
     store_file = tmp_path / "store.json"
     store_file.write_text(json.dumps(kv.section))
-    argv = [sys.executable, "-m", "nixl_backends.cli", "gc", "--store-file", str(store_file),
+    argv = [sys.executable, "-m", "dualpath_connector.cli", "gc", "--store-file", str(store_file),
             "--key-prefix", PREFIX, "--all-namespaces", "--max-bytes", str(SIZE)]  # fmt: skip
     env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
     env.update(AWS_ACCESS_KEY_ID="wrong", AWS_SECRET_ACCESS_KEY="wrong-secret-value", AWS_EC2_METADATA_DISABLED="true")

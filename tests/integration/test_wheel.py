@@ -54,7 +54,7 @@ CONSOLE_SCRIPTS = {
     "dualpath-router": "dualpath_router.app:main",
     "s3agg-gateway": "s3agg_gateway_ext.app:main",
     "dualpath-bench": "dualpath_bench.cli:main",
-    "dualpath-kv": "nixl_backends.cli:main",
+    "dualpath-kv": "dualpath_connector.cli:main",
     "mma-run": "dualpath_mma.launcher:main",
 }
 PLUGIN_ENTRY = ("dualpath_kv", "dualpath_connector.plugin:register")

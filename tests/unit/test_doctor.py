@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from nixl_backends.cli import main
+from dualpath_connector.cli import main
+from dualpath_connector.doctor import connector_section, diagnose, parse_target
 from nixl_backends.configuration import ConfigError
 from nixl_backends.doctor import (
     FAIL,
@@ -17,12 +18,9 @@ from nixl_backends.doctor import (
     WARN,
     CheckResult,
     Redactor,
-    connector_section,
-    diagnose,
     exit_code,
     format_line,
     format_report,
-    parse_target,
 )
 from nixl_backends.s3_endpoint import S3StoreConfig
 from tests.conftest import REPO_ROOT

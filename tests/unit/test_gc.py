@@ -8,7 +8,7 @@ import json
 import numpy as np
 import pytest
 
-from nixl_backends.cli import main, parse_duration, parse_size
+from dualpath_connector.cli import main, parse_duration, parse_size
 from nixl_backends.gc import Cutoff, GcPolicy, KeyPattern, Selection, StoredObject, plan_cutoff, run_gc
 from nixl_backends.lookup import PresentChunks
 

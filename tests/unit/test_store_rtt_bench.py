@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from dualpath_bench import report
-from dualpath_bench.cli import parser
+from dualpath_dev.bench_cluster import parser
 from dualpath_dev import compare
 from dualpath_dev.cluster import ClusterConfig, ClusterError
 from dualpath_dev.compare import BenchConfig
@@ -30,8 +30,8 @@ def test_store_rtts_of_0_and_more_are_taken():
 
 
 def test_the_command_line_takes_several_store_rtts():
-    assert parser().parse_args(["cluster", "--store-rtt-ms", "0", "5", "20"]).store_rtt_ms == [0.0, 5.0, 20.0]
-    assert parser().parse_args(["cluster"]).store_rtt_ms == []
+    assert parser().parse_args(["--store-rtt-ms", "0", "5", "20"]).store_rtt_ms == [0.0, 5.0, 20.0]
+    assert parser().parse_args([]).store_rtt_ms == []
 
 
 def _rtt_payload(monkeypatch, tmp_path) -> tuple[dict, list[float]]:

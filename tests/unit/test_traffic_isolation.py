@@ -283,7 +283,7 @@ def test_doctor_fails_a_configured_device_that_does_not_exist(monkeypatch):
 
 
 def test_doctor_creates_its_ucx_backend_with_the_configured_settings(tmp_path):
-    from nixl_backends.doctor import diagnose
+    from dualpath_connector.doctor import diagnose
 
     def ucx_line(transport: dict) -> tuple[str, str]:
         extra = {"store": {"backend": "posix", "root": str(tmp_path)}, "side_channel_port": 5600, "transport": transport}

@@ -230,14 +230,15 @@ def cmd_gc(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from nixl_backends.doctor import diagnose, exit_code, format_report, nixl_logs_to_stderr
+    from dualpath_connector.doctor import diagnose
+    from nixl_backends.doctor import diagnose_store, exit_code, format_report, nixl_logs_to_stderr
 
     nixl_logs_to_stderr()
 
     if args.store is not None:
         section = _load_json(parser, "--store", args.store, None)
         _refuse_inline_credentials(parser, "--store", section)
-        results = diagnose(section, store_only=True, key_prefix=args.key_prefix)
+        results = diagnose_store(section, key_prefix=args.key_prefix)
     else:
         option = "--kv-transfer-config" if args.kv_transfer_config is not None else "--config-file"
         document = _load_json(parser, option, args.kv_transfer_config, args.config_file)
