@@ -63,9 +63,9 @@ def s3_client(s3_server):
 def bucket(s3_bucket, s3_client):
     """``s3_bucket``, emptied and deleted afterwards.
 
-    Every bucket is a SeaweedFS collection that takes several volumes, and the
-    dev server has only about ten buckets' worth; without the cleanup the
-    eleventh test bucket cannot be written to.
+    Every bucket is a SeaweedFS collection that takes a volume of its own, and
+    the dev server's volume count is bounded (``-volume.max``): the cleanup
+    keeps a long session's buckets from using it up.
     """
     yield s3_bucket
     try:
