@@ -19,6 +19,7 @@ import logging
 import signal
 import sys
 import urllib.request
+from collections.abc import Callable
 from dataclasses import fields
 from fractions import Fraction
 from pathlib import Path
@@ -263,25 +264,30 @@ def parser() -> argparse.ArgumentParser:
     return top
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+def run_command(prog: str, command: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Run a bench command the way every bench entry point does: logging set up by ``args.verbose``, SIGTERM
+    unwinding like Ctrl-C (every context manager tears down what it built), usage errors as exit status 2."""
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     # One line per HTTP request would bury the progress bar.
     logging.getLogger("httpx").setLevel(logging.WARNING)
-    if args.command == "run" and bool(args.store_endpoint) != bool(args.namespace_from):
-        print("--store-endpoint and --namespace-from go together", file=sys.stderr)
-        return 2
-    # SIGTERM unwinds like Ctrl-C, so every context manager tears down what it built.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
-        return args.func(args)
+        return command(args)
     except BenchUsageError as exc:
-        print(f"dualpath-bench: {exc}", file=sys.stderr)
+        print(f"{prog}: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("interrupted; everything this run started has been stopped", file=sys.stderr)
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    if args.command == "run" and bool(args.store_endpoint) != bool(args.namespace_from):
+        print("--store-endpoint and --namespace-from go together", file=sys.stderr)
+        return 2
+    return run_command("dualpath-bench", args.func, args)
 
 
 if __name__ == "__main__":

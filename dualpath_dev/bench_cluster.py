@@ -11,15 +11,13 @@ takes (``dualpath_bench.cli``); the result files are ``dualpath_bench.report``'s
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import signal
 import sys
 from dataclasses import fields
 from pathlib import Path
 
 from dualpath_bench import report
-from dualpath_bench.cli import CLUSTER_TRACE, agents_from, replay_args, trace_args
+from dualpath_bench.cli import CLUSTER_TRACE, agents_from, replay_args, run_command, trace_args
 from dualpath_bench.errors import BenchUsageError
 from dualpath_bench.trace import TraceConfig
 from dualpath_dev.cluster import ClusterConfig, netns_supported
@@ -97,20 +95,7 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
-    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per HTTP request would bury the progress bar
-    # SIGTERM unwinds like Ctrl-C, so every context manager tears down what it built.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        return run(args)
-    except BenchUsageError as exc:
-        print(f"bench_cluster: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted; everything this run started has been stopped", file=sys.stderr)
-        return 130
+    return run_command("bench_cluster", run, parser().parse_args(argv))
 
 
 if __name__ == "__main__":
