@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import tempfile
 import time
+import uuid
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -69,7 +70,7 @@ class S3Server:
             section = section["s3"]  # lookups of an s3agg store go to its bucket
         return make_store(parse_store_config({**section, **self.store_config(section["bucket"])}), layout)
 
-    def client(self, max_attempts: int = 3):
+    def client(self, max_attempts: int = 3, read_timeout_s: float = 60.0):
         """A boto3 S3 client for this server (path-style, its credentials, its CA)."""
         import boto3
         from botocore.config import Config
@@ -81,8 +82,31 @@ class S3Server:
             aws_secret_access_key=self.secret_key,
             region_name="us-east-1",
             verify=self.ca_bundle,
-            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": max_attempts}),
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": max_attempts},
+                          read_timeout=read_timeout_s),
         )
+
+    def warm_bucket(self, bucket: str, timeout_s: float = 300.0) -> float:
+        """PUT, GET back and DELETE a probe object in ``bucket`` (created if missing); the seconds it took.
+
+        What a test awaits before its first timed read of a fresh bucket: the bucket's volume exists and the
+        server can serve objects from it (a new SeaweedFS volume is looked up on its first GET). A server
+        that stalls first GETs under load then stalls this probe instead of a claim the test makes.
+        """
+        from botocore.exceptions import ClientError
+
+        client = self.client(read_timeout_s=timeout_s)
+        started = time.monotonic()
+        try:
+            client.create_bucket(Bucket=bucket)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise
+        key = f"warm-up-probe-{uuid.uuid4().hex}"
+        client.put_object(Bucket=bucket, Key=key, Body=b"probe")
+        assert client.get_object(Bucket=bucket, Key=key)["Body"].read() == b"probe"
+        client.delete_object(Bucket=bucket, Key=key)
+        return time.monotonic() - started
 
     def start(self, timeout_s: float = 60.0) -> S3Server:
         raise NotImplementedError

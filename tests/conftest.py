@@ -241,6 +241,11 @@ def pd_pair(model: Path, seaweedfs: SeaweedFS, logs: Path, **options) -> Iterato
     de = VLLMServer(model, seaweedfs, logs / "de.log", config="de.json", **options)
     try:
         start_all([pe, de])
+        # The store serves objects of the pair's bucket before a session claims who read them: at the suite's
+        # start a fresh SeaweedFS left every first GET of a new bucket unanswered for a minute (twice at TP=2,
+        # cause unknown), and a turn's read lost that minute to its deadline. The probe's time is in the output.
+        bucket = options.get("bucket", "dualpath-kv")
+        print(f"bucket {bucket!r} served a probe object after {seaweedfs.warm_bucket(bucket):.2f}s")
         # vLLM compiles its logprobs gather on first use, which stalls that
         # engine for seconds to a minute on 2 cores; do it before the DE serves
         # peers, in both engines at once.
