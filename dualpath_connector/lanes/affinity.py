@@ -21,13 +21,20 @@ def kv_transfer_cores(device_type: str) -> set[int] | None:
     transfer threads (NixlConnector pins its own there); so do we, unless the
     forward was bound there (``VLLM_CPU_OMP_THREADS_BIND`` naming it): then the
     node's last core it does not compute on. Called once the worker is bound.
+    A worker that is not bound (``VLLM_CPU_OMP_THREADS_BIND=nobind``: its
+    forward threads go wherever the kernel puts them) reserves no core, and
+    pinning our threads would only take their freedom: every engine on the
+    machine would crowd them onto the same last core. None then.
     """
     if device_type != "cpu":
         return None
     from vllm.platforms import current_platform
 
     computing = os.sched_getaffinity(0)
-    cores = {max(set(node) - computing or node) for node in current_platform.discover_numa_topology() if node}
+    nodes = [set(node) for node in current_platform.discover_numa_topology() if node]
+    if all(node <= computing for node in nodes):
+        return None
+    cores = {max(node - computing or node) for node in nodes}
     return cores or None
 
 
