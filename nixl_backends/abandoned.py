@@ -47,7 +47,6 @@ class AbandonedTransfers:
         # One reap at a time: two would both see an entry's transfers ended and free it twice.
         self._reaping = threading.Lock()
         self._closed = False
-        self.freed = 0  # entries freed so far
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -100,7 +99,6 @@ class AbandonedTransfers:
                 logger.warning("%s: abandoned transfers ended; %d bytes freed", entry.label, entry.nbytes)
             with self._changed:
                 self._held = [entry for entry in self._held if entry not in done]
-                self.freed += len(done)
             return len(done)
 
     @staticmethod
@@ -156,3 +154,11 @@ def process_reaper() -> AbandonedTransfers:
         if _process_reaper is None or _process_reaper[0] != os.getpid():
             _process_reaper = (os.getpid(), AbandonedTransfers())
         return _process_reaper[1]
+
+
+def retire_slots(exc: TransferAbandoned, pool: Any, slots: list[int], what: str) -> None:
+    """NIXL may still touch ``slots`` of ``pool`` (a HostBufferPool): logged, and held by :func:`process_reaper`
+    until ``exc``'s transfers ended, then released to the pool."""
+    logger.error("%s: store transfer abandoned; %d slots retired until its transfers end", what, len(slots))
+    process_reaper().hold_abandoned(exc, lambda: pool.release(slots), nbytes=len(slots) * pool.slot_bytes,
+                                    label=f"{what}: {len(slots)} slots")

@@ -83,7 +83,7 @@ from nixl_backends.integrity import DEFAULT_INTEGRITY, ChunkIntegrity, Integrity
 from nixl_backends.layout import BlockLayout, chunk_key
 from nixl_backends.lookup import PresentChunks
 from nixl_backends.registry import make_store, parse_store_config
-from nixl_backends.abandoned import process_reaper
+from nixl_backends.abandoned import retire_slots
 from nixl_backends.store import KVStore, TransferAbandoned
 
 __all__ = ["DualPathL2Adapter", "DualPathL2AdapterConfig", "LMCacheL2Params", "object_namespace", "store_key"]
@@ -404,7 +404,7 @@ class DualPathL2Adapter(L2AdapterInterface):
                 names.append(name)
             ok = sized.store.write(names, [pool.slot_addr(slot) for slot in slots])
         except TransferAbandoned as exc:
-            _retire(exc, pool, slots, "a store")
+            retire_slots(exc, pool, slots, "dualpath L2 adapter: a store")
             raise
         except BaseException:
             pool.release(slots)
@@ -500,7 +500,7 @@ class DualPathL2Adapter(L2AdapterInterface):
                 np.copyto(_bytes_of(objects[i]), view[:size])
                 loaded.append(i)
         except TransferAbandoned as exc:
-            _retire(exc, pool, slots, "a load")
+            retire_slots(exc, pool, slots, "dualpath L2 adapter: a load")
             raise
         except BaseException:
             pool.release(slots)
@@ -527,11 +527,3 @@ class DualPathL2Adapter(L2AdapterInterface):
             dropped = [(key, self._stored.pop(key)) for key in keys if key in self._stored]
         if dropped:
             self._notify_keys_deleted([key for key, _ in dropped], [size for _, size in dropped])
-
-
-def _retire(exc: TransferAbandoned, pool: HostBufferPool, slots: list[int], what: str) -> None:
-    """NIXL may still use ``slots``: they return to ``pool`` only once its transfers ended."""
-    logger.error("dualpath L2 adapter: %s outlived its deadline; %d staging slots stay with NIXL until it ends",
-                 what, len(slots))  # fmt: skip
-    process_reaper().hold_abandoned(exc, lambda: pool.release(slots), nbytes=len(slots) * pool.slot_bytes,
-                                    label=f"L2 adapter {what}: {len(slots)} slots")

@@ -39,7 +39,7 @@ from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.deadlines import load_deadline
 from nixl_backends.integrity import ChunkIntegrity
 from nixl_backends.s3agg_protocol import LAYOUT_CHUNK_MAJOR, LAYOUT_STRIDED
-from nixl_backends.abandoned import process_reaper
+from nixl_backends.abandoned import process_reaper, retire_slots
 from nixl_backends.store import KVStore, TransferAbandoned
 
 from dualpath_connector.lanes.affinity import pin_current_thread
@@ -237,7 +237,7 @@ class HitReader:
         try:
             ok = self._store_read([c.chunk_hash for c in spec.chunks], slots)
         except TransferAbandoned as exc:
-            self._retire(exc, slots, f"request {spec.req_id}")
+            retire_slots(exc, self.pool, slots, f"request {spec.req_id}: a read")
             raise
         except BaseException:
             self.pool.release(slots)
@@ -290,7 +290,7 @@ class HitReader:
         except TransferAbandoned as exc:
             arrivals.end(str(exc), abandoned=True)
             if arrivals.last_landed_at() is None:
-                self._retire(exc, slots, f"request {spec.req_id}")
+                retire_slots(exc, self.pool, slots, f"request {spec.req_id}: a read")
                 on_read(LoadedHit(spec.req_id, []))
             else:
                 # The hit and its slots went to the forward: they come back through its release, which waits
@@ -313,12 +313,6 @@ class HitReader:
             self.read_queue.read_finished(read_tokens)
         arrivals.end()
         self.stats.add(bytes_read=good * self.key_space.layout.full_block_bytes)
-
-    def _retire(self, exc: TransferAbandoned, slots: list[int], what: str) -> None:
-        """NIXL may still write ``slots``: they return to the pool only once its transfers ended."""
-        logger.error("%s: store read abandoned; %d load slots retired until its transfers end", what, len(slots))
-        process_reaper().hold_abandoned(exc, lambda: self.pool.release(slots), nbytes=len(slots) * self.pool.slot_bytes,
-                                        label=f"{what}: {len(slots)} load slots")  # fmt: skip
 
     def _store_read(self, chunk_hashes: list[str], slots: list[int]) -> list[bool]:
         """Read chunks into load-pool slots and verify them; the read time feeds the read-rate estimate.
@@ -475,7 +469,7 @@ class HitReader:
         try:
             ok = self._store_read(chunk_hashes, slots)
         except TransferAbandoned as exc:
-            self._retire(exc, slots, "a read for a peer")
+            retire_slots(exc, self.pool, slots, "a read for a peer")
             return {"error": "store read timed out"}
         except Exception as exc:
             self.pool.release(slots)

@@ -18,7 +18,7 @@ import numpy as np
 
 from nixl_backends.buffers import HostBufferPool, PoolExhausted
 from nixl_backends.integrity import ChunkIntegrity
-from nixl_backends.abandoned import process_reaper
+from nixl_backends.abandoned import retire_slots
 from nixl_backends.store import KVStore, TransferAbandoned
 
 from dualpath_connector.cache.copy_stream import CopyStream, Mark
@@ -94,11 +94,7 @@ class ChunkSaver:
         try:
             ok, present = self._write_keys(spec, keys, slots)
         except TransferAbandoned as exc:
-            # NIXL may still read these slots: they return to the pool only once its transfers ended.
-            logger.error("request %s: store write abandoned; %d save slots retired until its transfers end",
-                         spec.req_id, len(slots))  # fmt: skip
-            process_reaper().hold_abandoned(exc, lambda: self.pool.release(slots), nbytes=len(slots) * self.pool.slot_bytes,
-                                            label=f"request {spec.req_id}: {len(slots)} save slots")  # fmt: skip
+            retire_slots(exc, self.pool, slots, f"request {spec.req_id}: a write")  # NIXL may still read them
             ok = [False] * len(keys)
         except Exception:
             logger.exception("request %s: store write failed", spec.req_id)

@@ -90,13 +90,14 @@ SPLIT_READ_MIN_TOKENS = 8 * BLOCK
 # and the default 10 s is not enough on two cores under the suite (CI at e82a473: one DE-side read of 832 tokens
 # ended late). The DE killed at the end is known at once (its connection closes), not after the deadline.
 DE_DEADLINE_S = 90.0
+PD_LEASE_S = 2 * DE_DEADLINE_S
 # Who read a turn's hit: the PE from the store, the DE for the PE, the split tail the PE counted as the DE's, the
 # DE's declines and the PE's fallbacks (a DE that answered late or failed).
 READ_COUNTERS = (("pe", "bytes_read"), ("de", "bytes_read_for_peer"), ("pe", "split_read_tail_tokens"),
                  ("de", "de_reads_declined"), ("pe", "de_read_fallbacks"))  # fmt: skip
-# A released hold is gone well before its lease (2 x DE_DEADLINE_S here) could end it. Not one second: under a full
+# A released hold is gone well before its lease (PD_LEASE_S) could end it. Not one second: under a full
 # `make test` on two cores each /metrics read waits its turn behind forwards (CI once measured 1.01 s).
-RELEASED_WITHIN_S = 2 * DE_DEADLINE_S / 12
+RELEASED_WITHIN_S = PD_LEASE_S / 12
 
 
 def session_prompts(seed: int) -> list[list[int]]:
@@ -140,7 +141,7 @@ def cluster(tiny_model, seaweedfs, tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd-logs")
     options = {"bucket": BUCKET, "max_num_batched_tokens": BATCH_TOKENS, "keys": ClusterKeys.generate(),
                "extra": {"split_read_min_tokens": SPLIT_READ_MIN_TOKENS, "de_read_timeout_s": DE_DEADLINE_S,
-                         "moved_read_min_deadline_s": DE_DEADLINE_S, "pd_lease_s": 2 * DE_DEADLINE_S}}
+                         "moved_read_min_deadline_s": DE_DEADLINE_S, "pd_lease_s": PD_LEASE_S}}
     with pd_pair(tiny_model, seaweedfs, logs, **options) as pair:
         yield pair
 
