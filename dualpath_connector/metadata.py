@@ -62,6 +62,9 @@ class PullSpec:
     No ``block_ids``: nothing to pull (a local prefix hit, an aborted request),
     only the PE's blocks to release. ``block_ids`` without matching remote
     blocks: the PE's answer was unusable, so the pull fails and vLLM recomputes.
+    ``remote_block_ids`` None: a push hand-off's (no ``remote_hold_token``):
+    the PE's answer to the claim names its blocks, pulled from
+    ``remote_first_block`` on.
 
     ``kept``: hit chunks this DE read for the PE and kept under ``kept_token``,
     with the blocks here they fill (a subset of ``block_ids``; hashes computed
@@ -72,9 +75,10 @@ class PullSpec:
     req_id: str
     remote_side_channel: str
     remote_req_id: str
-    remote_hold_token: str  # ends the PE's hold: sent with the pulled notification
-    remote_block_ids: list[int]
+    remote_hold_token: str  # ends the PE's hold: sent with the pulled notification; "" in a push hand-off
+    remote_block_ids: list[int] | None
     block_ids: list[int]
+    remote_first_block: int = 0
     kept_token: str | None = None
     kept: list[ChunkLoad] = field(default_factory=list)
 
@@ -89,7 +93,7 @@ class SendSpec:
     req_id: str
     expires_at: float
     hold_token: str
-    num_blocks: int  # for the held-blocks gauge
+    block_ids: list[int]  # a push hand-off's DE learns them from its claim
 
 
 @dataclass

@@ -100,6 +100,17 @@ def _nonempty_str(value: Any, name: str) -> str:
     return value
 
 
+def _side_channel(params: dict[str, Any]) -> str:
+    """A hand-off's PE side channel, ``host:port``: NixlConnector's ``remote_host`` and ``remote_port`` where a
+    proxy left both (it may have rewritten the host), else ours, ``remote_side_channel``."""
+    host, port = params.get("remote_host"), params.get("remote_port")
+    if host is None and port is None:
+        return _nonempty_str(params.get("remote_side_channel"), "remote_side_channel")
+    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+        raise ProtocolError(f"remote_port must be a TCP port, got {port!r}"[:200])
+    return f"{_nonempty_str(host, 'remote_host')}:{port}"
+
+
 # -- kv_transfer_params --------------------------------------------------------
 
 
@@ -180,25 +191,43 @@ class PrefillHandoff:
     who saw the hand-off has it (the DE, in its ``pulled:`` notification; the
     router, in a ``release_hold`` message when the DE refused the request or the
     client went away): a notification or message without it ends nothing.
+
+    The dict also carries NixlConnector's ``remote_host`` and ``remote_port``
+    (the side channel's), which P/D proxies copy or rewrite: where both are
+    present the DE reaches the PE there (a proxy may have put in the address it
+    reached the PE at). A push-mode proxy (vLLM's ``toy_push_proxy_server.py``)
+    sends the DE only ``remote_request_id``, ``remote_host``, ``remote_port``
+    and ``tp_size``, without our version, the blocks or the hold token: that is
+    a *push* hand-off (``remote_block_ids`` None, ``hold_token`` empty), which
+    the DE still pulls: its claim names the request alone, and the PE's answer
+    names the blocks (:class:`ClaimHold`).
     """
 
     remote_side_channel: str
     remote_request_id: str
-    remote_block_ids: list[int]
+    remote_block_ids: list[int] | None  # None: a push hand-off, the blocks come with the claim
     stored_chunks: int = 0
     kept_token: str | None = None
     kept_first_chunk: int = 0
     kept_chunks: int = 0
     tp_size: int = 1
-    hold_token: str = ""  # always set by a PE; a hand-off without one is refused
+    hold_token: str = ""  # always set by a PE; empty only in a push hand-off
+
+    @property
+    def push(self) -> bool:
+        """A push-mode proxy's hand-off: no blocks and no hold token, the DE claims the hold by request id."""
+        return self.remote_block_ids is None
 
     def to_dict(self) -> dict[str, Any]:
+        host, _, port = self.remote_side_channel.rpartition(":")
         params = {
             "do_remote_prefill": True,
             "tp_size": self.tp_size,
             "remote_side_channel": self.remote_side_channel,
+            "remote_host": host,
+            "remote_port": int(port),
             "remote_request_id": self.remote_request_id,
-            "remote_block_ids": list(self.remote_block_ids),
+            "remote_block_ids": None if self.push else list(self.remote_block_ids),
             "hold_token": self.hold_token,
             "stored_chunks": self.stored_chunks,
             VERSION_KEY: PROTOCOL_VERSION,
@@ -213,15 +242,17 @@ class PrefillHandoff:
         require_object(params)
         if not params or not params.get("do_remote_prefill"):
             return None
-        check_version(params, "the prefill engine's kv_transfer_params")
-        token = params.get("kept_token")
+        push = params.get("remote_block_ids") is None
+        if not push or VERSION_KEY in params:  # a push-mode proxy keeps NixlConnector's keys only
+            check_version(params, "the prefill engine's kv_transfer_params")
+        token = None if push else params.get("kept_token")  # a push-mode proxy drops it with the blocks
         if token is not None:
             token = _keep_token(token, "kept_token")
         return cls(
-            remote_side_channel=_nonempty_str(params.get("remote_side_channel"), "remote_side_channel"),
+            remote_side_channel=_side_channel(params),
             remote_request_id=_nonempty_str(params.get("remote_request_id"), "remote_request_id"),
-            remote_block_ids=_int_list(params.get("remote_block_ids"), "remote_block_ids"),
-            hold_token=_keep_token(params.get("hold_token"), "hold_token"),
+            remote_block_ids=None if push else _int_list(params.get("remote_block_ids"), "remote_block_ids"),
+            hold_token="" if push else _keep_token(params.get("hold_token"), "hold_token"),
             stored_chunks=_count(params.get("stored_chunks", 0), "stored_chunks"),
             kept_token=token,
             kept_first_chunk=_count(params.get("kept_first_chunk", 0), "kept_first_chunk") if token else 0,
@@ -284,15 +315,28 @@ class ClaimHold(ReleaseHold):
     NIXL READs are one-sided: the PE cannot refuse one at read time, so the
     claim is where a late DE (the hold expired and the blocks went to another
     request) or a second DE with the same hand-off is refused.
+
+    An empty ``hold_token`` is a push hand-off's claim (:attr:`PrefillHandoff.push`:
+    the proxy dropped the token): the cluster key that signs every side-channel
+    message proves a cluster engine sent it, the hold is still granted once,
+    and the answer names the blocks.
     """
 
     OP: ClassVar[str] = OP_CLAIM_HOLD
+
+    @classmethod
+    def from_message(cls, message: dict[str, Any]) -> ClaimHold:
+        check_version(message, f"the {cls.OP} message")
+        token = message.get("hold_token")
+        return cls(_nonempty_str(message.get("remote_request_id"), "remote_request_id"),
+                   "" if token == "" else _keep_token(token, "hold_token"))  # fmt: skip
 
 
 @dataclass(frozen=True)
 class HoldClaim:
     """PE -> DE: the hold is this DE's for ``claim_s`` seconds from when the PE answered; its READ's notification
-    carries ``claim_token`` (:func:`pulled_notification`).
+    carries ``claim_token`` (:func:`pulled_notification`). The answer to a push hand-off's claim also names the
+    held blocks, in token order (``remote_block_ids``).
 
     The DE counts ``claim_s`` from when it *sent* the claim, which is earlier,
     so its deadline falls before the PE's on any pair of clocks that tick at
@@ -301,13 +345,19 @@ class HoldClaim:
 
     claim_token: str
     claim_s: float
+    remote_block_ids: list[int] | None = None
 
     def to_message(self) -> dict[str, Any]:
-        return {"claim_token": self.claim_token, "claim_s": self.claim_s}
+        message: dict[str, Any] = {"claim_token": self.claim_token, "claim_s": self.claim_s}
+        if self.remote_block_ids is not None:
+            message["remote_block_ids"] = list(self.remote_block_ids)
+        return message
 
     @classmethod
     def from_message(cls, message: dict[str, Any]) -> HoldClaim:
-        return cls(_keep_token(message.get("claim_token"), "claim_token"), _seconds(message.get("claim_s"), "claim_s"))
+        blocks = message.get("remote_block_ids")
+        return cls(_keep_token(message.get("claim_token"), "claim_token"), _seconds(message.get("claim_s"), "claim_s"),
+                   None if blocks is None else _int_list(blocks, "remote_block_ids"))  # fmt: skip
 
 
 def _seconds(value: Any, name: str) -> float:

@@ -11,10 +11,14 @@ header and one ``X-Request-Id`` (the client's, else a new one), which starts
 vLLM's request id in both engines' logs. ``--de-side-channel`` adds the one
 optional field dualpath-kv documents for proxies (the decoding engine's side
 channel), ``--read-side`` the other; without them the proxy is exactly the
-NixlConnector convention.
+NixlConnector convention. ``--push`` is vLLM's push-mode proxy
+(``toy_push_proxy_server.py``): the decode engine gets only
+``do_remote_prefill``, ``do_remote_decode`` false and the prefill answer's
+``remote_engine_id``, ``remote_request_id``, ``remote_host``, ``remote_port``
+and ``tp_size``: no blocks, nothing else of the answer.
 
     python tests/nixl_style_proxy.py --port P --prefill URL [URL ...] --decode URL [URL ...]
-        [--de-side-channel H:P] [--read-side de]
+        [--de-side-channel H:P] [--read-side de] [--push]
 """
 
 from __future__ import annotations
@@ -36,9 +40,18 @@ TIMEOUT_S = 600.0
 
 # Sampling fields a one-token prefill must not carry: vLLM refuses a min_tokens above max_tokens.
 PREFILL_DROPPED = ("stream_options", "min_tokens", "min_completion_tokens", "max_completion_tokens")
+# What a push-mode proxy copies from the prefill answer's kv_transfer_params into the decode request's.
+PUSH_KEPT = ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size")
 
 
-def app(prefills: list[str], decodes: list[str], extra_params: dict) -> Starlette:
+def push_params(handed: dict | None) -> dict | None:
+    """The decode request's kv_transfer_params as vLLM's push-mode proxy builds them from the prefill answer's."""
+    if not handed:
+        return handed
+    return {"do_remote_prefill": True, "do_remote_decode": False, **{key: handed.get(key) for key in PUSH_KEPT}}
+
+
+def app(prefills: list[str], decodes: list[str], extra_params: dict, push: bool = False) -> Starlette:
     client = httpx.AsyncClient(timeout=TIMEOUT_S)
     next_prefill, next_decode = itertools.cycle(prefills), itertools.cycle(decodes)
 
@@ -62,7 +75,8 @@ def app(prefills: list[str], decodes: list[str], extra_params: dict) -> Starlett
         first = await client.post(f"{next(next_prefill)}{path}", json=prefill_body, headers=headers)
         if first.status_code != 200:
             return Response(first.content, first.status_code, media_type="application/json")
-        decode_body = dict(body, kv_transfer_params=first.json().get("kv_transfer_params"))
+        handed = first.json().get("kv_transfer_params")
+        decode_body = dict(body, kv_transfer_params=push_params(handed) if push else handed)
         decode = next(next_decode)
         if not body.get("stream"):
             answer = await client.post(f"{decode}{path}", json=decode_body, headers=headers)
@@ -101,13 +115,14 @@ def main() -> None:
     parser.add_argument("--decode", required=True, nargs="+", help="the decode engines' base URLs")
     parser.add_argument("--de-side-channel", help="the decode engine's side channel (host:port)")
     parser.add_argument("--read-side", choices=("pe", "de"), help="who reads a stored hit")
+    parser.add_argument("--push", action="store_true", help="decode requests as vLLM's push-mode proxy sends them")
     args = parser.parse_args()
     extra = {}
     if args.de_side_channel:
         extra["de_side_channel"] = args.de_side_channel
     if args.read_side:
         extra["read_side"] = args.read_side
-    uvicorn.run(app(args.prefill, args.decode, extra), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app(args.prefill, args.decode, extra, args.push), host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

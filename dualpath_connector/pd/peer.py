@@ -218,16 +218,19 @@ class PeerLink:
     def _grant(self, req_id: str, token: str) -> dict[str, Any]:
         """Under the lock: the answer to a claim of ``req_id``'s hold with ``token``; granted at most once."""
         hold = self._holds.get(req_id)
+        push = token == ""  # a push hand-off's claim (ClaimHold): signed by a cluster engine, no token to match
         if hold is None:
             refusal = "no hold (it ended, or never registered here)"
-        elif not hmac.compare_digest(hold.token, token):
+        elif not push and not hmac.compare_digest(hold.token, token):
             refusal = "the wrong hold token"
         elif hold.claim_token is not None:
             refusal = "claimed already (the hand-off was pulled once)"
         elif hold.expires_at < time.monotonic():
             refusal = "its lease ended"
         else:
-            claim = HoldClaim(new_hold_token(), self._claim_s)
+            claim = HoldClaim(new_hold_token(), self._claim_s, list(hold.block_ids) if push else None)
+            if push:
+                logger.info("request %s: its hold claimed by request id (a push-mode proxy's DE)", req_id)
             # From now on only the claimer's READ (or the claim's end) ends the hold: the blocks are its.
             self._holds[req_id] = dataclasses.replace(hold, expires_at=time.monotonic() + claim.claim_s,
                                                       claim_token=claim.claim_token)  # fmt: skip
@@ -283,7 +286,7 @@ class PeerLink:
 
     # -- PE holds -------------------------------------------------------------
 
-    def hold(self, req_id: str, expires_at: float, token: str, num_blocks: int) -> None:
+    def hold(self, req_id: str, expires_at: float, token: str, block_ids: list[int]) -> None:
         """Keep a finished prefill's blocks for its DE until pulled (with ``token``) or ``expires_at`` (time.time()).
 
         ``expires_at`` comes from the scheduler's process on the wall clock; it is kept on the monotonic one.
@@ -304,7 +307,7 @@ class PeerLink:
                 if early is not None:
                     self.forged_notifications += 1
                     logger.warning("request %s: a release with the wrong hold token; ignored", req_id)
-                self._holds[req_id] = _Hold(time.monotonic() + (expires_at - time.time()), token, num_blocks)
+                self._holds[req_id] = _Hold(time.monotonic() + (expires_at - time.time()), token, tuple(block_ids))
             if claim is not None:
                 self._claim_answers.append((claim[1], self._grant(req_id, claim[0])))
         if released:
@@ -314,7 +317,7 @@ class PeerLink:
     def held_blocks(self) -> int:
         """KV blocks this PE holds for DEs to pull."""
         with self._lock:
-            return sum(hold.num_blocks for hold in self._holds.values())
+            return sum(len(hold.block_ids) for hold in self._holds.values())
 
     def take_released_holds(self) -> set[str]:
         """Holds ended since the last call: pulled by the DE, released by the router, or expired."""
@@ -481,7 +484,7 @@ class _Hold:
 
     expires_at: float
     token: str
-    num_blocks: int
+    block_ids: tuple[int, ...]  # named in a push hand-off's claim; counted in the held-blocks gauge
     claim_token: str | None = None
 
 

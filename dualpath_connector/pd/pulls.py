@@ -8,6 +8,10 @@ the prompt here instead. The READ carries ``pulled:<PE request id>:<claim token>
 its completion tells the PE it may free the blocks. A pull with nothing to copy
 (a local prefix hit, an aborted request) only sends ``pulled:`` with the
 hand-off's hold token.
+
+A push-mode proxy's hand-off has neither the blocks nor the hold token: its
+claim names the request alone and the PE's answer names the blocks; with
+nothing to copy, the claim's token ends the hold.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from nixl_backends.transport import post_read
 from dualpath_connector.cache.kv_cache_view import KVCacheView
 from dualpath_connector.metadata import PullSpec
 from dualpath_connector.pd.peer import PeerLink
-from dualpath_connector.protocol import pulled_notification
+from dualpath_connector.protocol import HoldClaim, pulled_notification
 from dualpath_connector.pd.side_channel import SideChannelError
 from dualpath_connector.metrics.stats_recorder import StatsRecorder
 
@@ -58,10 +62,12 @@ class PromptPuller:
             peer = self.peers.peer(address, self.transfer_timeout_s)
             if not spec.block_ids:
                 # Nothing to copy: only the PE's blocks to release.
-                self.peers.notify(peer.agent, pulled_notification(spec.remote_req_id, spec.remote_hold_token))
+                token = spec.remote_hold_token or self._claim(spec)[0].claim_token
+                self.peers.notify(peer.agent, pulled_notification(spec.remote_req_id, token))
                 return True
             local = self.view.regions
-            if len(spec.remote_block_ids) == len(spec.block_ids) and self._same_block_geometry(local, peer):
+            matched = spec.remote_block_ids is None or len(spec.remote_block_ids) == len(spec.block_ids)
+            if matched and self._same_block_geometry(local, peer):
                 ok = self._claimed_read(spec, peer, local)
         except SideChannelError as exc:
             # Refused (the hold ended or was claimed) or late, not known to be gone: other pulls may be READing
@@ -86,8 +92,16 @@ class PromptPuller:
 
     def _claimed_read(self, spec: PullSpec, peer, local) -> bool:
         """Claim the PE's hold, then READ within the claim: True only if the READ ended before its deadline."""
-        claim, deadline = self.peers.claim(spec.remote_side_channel, spec.remote_req_id, spec.remote_hold_token,
-                                           self.transfer_timeout_s)  # fmt: skip
+        claim, deadline = self._claim(spec)
+        remote = spec.remote_block_ids
+        if remote is None:  # a push hand-off: the claim names the PE's blocks
+            remote = (claim.remote_block_ids or [])[spec.remote_first_block:][: len(spec.block_ids)]
+            if len(remote) != len(spec.block_ids):
+                logger.warning("request %s: the PE's claim named %d of the %d blocks from block %d on",
+                               spec.req_id, len(remote), len(spec.block_ids), spec.remote_first_block)  # fmt: skip
+                # Nothing was read: the claim's token ends the hold now.
+                self.peers.notify(peer.agent, pulled_notification(spec.remote_req_id, claim.claim_token))
+                return False
         layers = list(range(self.view.num_layers))
         if time.monotonic() >= deadline:
             logger.warning("request %s: the PE's claim ended before the READ could start", spec.req_id)
@@ -97,7 +111,7 @@ class PromptPuller:
             peer.agent,
             local.rows(layers, np.asarray(spec.block_ids)),
             local.mem_type,
-            peer.rows(layers, np.asarray(spec.remote_block_ids)),
+            peer.rows(layers, np.asarray(remote)),
             peer.mem_type,
             pulled_notification(spec.remote_req_id, claim.claim_token),
         )
@@ -108,6 +122,11 @@ class PromptPuller:
             logger.warning("request %s: the READ of its prompt KV ended after the PE's claim did", spec.req_id)
             return False
         return ok
+
+    def _claim(self, spec: PullSpec) -> tuple[HoldClaim, float]:
+        """The PE's claim of ``spec``'s hold and its READ deadline (:meth:`PeerLink.claim`)."""
+        return self.peers.claim(spec.remote_side_channel, spec.remote_req_id, spec.remote_hold_token,
+                                self.transfer_timeout_s)  # fmt: skip
 
     @staticmethod
     def _same_block_geometry(local, peer) -> bool:

@@ -362,21 +362,17 @@ class DualPathScheduler:
         request without a hand-off: a PE computes and saves it itself, a DE
         recomputes the prompt. Never a wrong KV, never a dead engine.
         """
-        params = request.kv_transfer_params
-        if message is PrefillHandoff and isinstance(params, dict) and params.get("do_remote_prefill") \
-                and params.get("remote_block_ids") is None:
-            # vLLM's push-mode proxy sends the DE the PE's coordinates without its blocks (or our hold token),
-            # expecting the PE to WRITE: nothing here can claim that hold, so it ends at its lease.
-            logger.warning("request %s: push-mode kv_transfer_params (no remote_block_ids: the proxy expects the "
-                           "PE to WRITE); dualpath-kv serves pull-mode hand-offs only: hits come from the store, "
-                           "the rest is recomputed, and the PE's hold ends at its lease (pd_lease_s)",
-                           request.request_id)  # fmt: skip
-            return None
         try:
-            return message.from_dict(params)
+            parsed = message.from_dict(request.kv_transfer_params)
         except ProtocolError as exc:
             logger.warning("request %s: ignoring kv_transfer_params: %s", request.request_id, exc)
             return None
+        if isinstance(parsed, PrefillHandoff) and parsed.push:
+            # vLLM's push-mode proxy expects the PE to WRITE here; this DE pulls instead, as from any hand-off.
+            logger.info("request %s: a push-mode proxy's hand-off (no blocks, no hold token): pulling request %s "
+                        "from PE %s by its id", request.request_id, parsed.remote_request_id,
+                        parsed.remote_side_channel)  # fmt: skip
+        return parsed
 
     def _plan_pull(self, state: _RequestState, num_external_tokens: int) -> None:
         handoff, state.remote_prefill = state.remote_prefill, None
@@ -385,15 +381,20 @@ class DualPathScheduler:
         request.kv_transfer_params = {**request.kv_transfer_params, "do_remote_prefill": False}
         num_prompt = len(request.prompt_token_ids or ())
         state.stored_chunks = state.saved_chunks = handoff.stored_chunks
-        remote_blocks = list(handoff.remote_block_ids)
         wanted = -(-num_prompt // self.geometry.block_size)
         # Leading blocks the local prefix cache already held are not pulled.
         first = (num_prompt - num_external_tokens) // self.geometry.block_size
         local = state.block_ids[first:wanted] if num_external_tokens else []
-        if len(remote_blocks) < wanted:
+        if handoff.push:
+            # Its blocks come with the claim: the worker takes them from ``first`` on.
+            remote_blocks = None
+        elif len(handoff.remote_block_ids) < wanted:
             # The worker reports every local block failed: vLLM recomputes.
-            logger.warning("request %s: PE sent %d blocks for %d prompt tokens", request.request_id, len(remote_blocks), num_prompt)
+            logger.warning("request %s: PE sent %d blocks for %d prompt tokens", request.request_id,
+                           len(handoff.remote_block_ids), num_prompt)  # fmt: skip
             remote_blocks = []
+        else:
+            remote_blocks = handoff.remote_block_ids[first:wanted] if local else []
         kept = self._kept_chunks(state, handoff, first) if local and remote_blocks else []
         self._pulls.append(
             PullSpec(
@@ -401,8 +402,9 @@ class DualPathScheduler:
                 remote_side_channel=handoff.remote_side_channel,
                 remote_req_id=handoff.remote_request_id,
                 remote_hold_token=handoff.hold_token,
-                remote_block_ids=remote_blocks[first:wanted] if local else [],
+                remote_block_ids=remote_blocks,
                 block_ids=local,
+                remote_first_block=first,
                 kept_token=handoff.kept_token if kept else None,
                 kept=kept,
             )
@@ -563,7 +565,7 @@ class DualPathScheduler:
         if not (state.remote_decode is not None and prefilled and block_ids):
             return False, None
         hold_token = new_hold_token()
-        self._sends.append(SendSpec(request.request_id, time.time() + self.config.pd_lease_s, hold_token, len(block_ids)))
+        self._sends.append(SendSpec(request.request_id, time.time() + self.config.pd_lease_s, hold_token, list(block_ids)))
         kept_token, kept_first_chunk, kept_chunks = state.kept or (None, 0, 0)
         return True, PrefillHandoff(
             remote_side_channel=f"{self.config.side_channel_host}:{self.config.side_channel_port}",

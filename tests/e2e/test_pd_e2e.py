@@ -430,16 +430,20 @@ def test_bad_token_id_through_router_is_refused_and_the_pe_stays_healthy(cluster
 
 
 # Two turns a session: the second finds the first's chunks stored (a hit) and must still match.
-PROXY_SESSIONS = {"nixl convention": session_prompts(201)[:2], "naming the DE, read side de": session_prompts(202)[:2]}
+PROXY_SESSIONS = {"nixl convention": session_prompts(201)[:2], "naming the DE, read side de": session_prompts(202)[:2],
+                  "push mode": session_prompts(203)[:2]}
+PROXY_ARGS = {"nixl convention": [], "push mode": ["--push"]}
 
 
 @pytest.mark.parametrize("session", PROXY_SESSIONS)
 def test_a_proxy_in_nixl_connector_convention_drives_the_handoff(session, cluster, plain_engine, tmp_path):
     """Behind a proxy that knows only NixlConnector's convention (``do_remote_decode``, then the prefill
     answer's params to the decode engine), the PE hands off and the DE pulls; with the one optional field
-    naming the DE, the DE reads the hit for the PE. Outputs equal an engine's without the connector."""
+    naming the DE, the DE reads the hit for the PE. Behind vLLM's push-mode proxy (the DE gets the PE's
+    coordinates, no blocks, no hold token) the DE still pulls, claiming the hold by request id. Outputs equal
+    an engine's without the connector."""
     pe, de = cluster
-    extra = ["--de-side-channel", de.side_channel, "--read-side", "de"] if "naming" in session else []
+    extra = PROXY_ARGS.get(session, ["--de-side-channel", de.side_channel, "--read-side", "de"])
     proxy = NixlStyleProxy(pe, de, tmp_path / "proxy.log", *extra).start(timeout_s=120)
     try:  # from here on the proxy is stopped whatever fails, an engine's /metrics too
         engines = {"pe": pe, "de": de}
@@ -474,6 +478,9 @@ def test_a_proxy_in_nixl_connector_convention_drives_the_handoff(session, cluste
     found = poll(grown, lambda names: {("de", "pulled_tokens"), reader} <= names, 60,
                  f"the DE's pull and the hit's read by {reader} after the session")  # fmt: skip
     assert found == {("de", "pulled_tokens"), reader}, found
+    # Every hand-off's hold ended with its pull, none waits for its lease (PD_LEASE_S): in push mode too, where
+    # before the DE recomputed (nothing pulled, control above) and the PE held the blocks to the lease's end.
+    poll(lambda: held_blocks(pe), lambda held: held == 0, 60, "the PE's holds ended by the DE's pulls")
 
 
 def held_blocks(pe) -> float:

@@ -13,6 +13,7 @@ import pytest
 
 from dualpath_dev.processes import free_port, stop_process_group
 from tests.conftest import poll
+from dualpath_connector.protocol import PrefillHandoff
 from tests.integration.test_router_http import API_KEY, MODEL, PROMPT, StandInEngine
 
 PROXY = Path(__file__).parents[1] / "nixl_style_proxy.py"
@@ -21,6 +22,13 @@ PROXY = Path(__file__).parents[1] / "nixl_style_proxy.py"
 @pytest.fixture
 def proxied(tmp_path):
     """Two stand-in PEs and two DEs behind the proxy; yields ``(pes, des, url)``, all stopped after."""
+    with proxy_of(tmp_path) as stack:
+        yield stack
+
+
+@contextlib.contextmanager
+def proxy_of(tmp_path, *extra: str):
+    """Two stand-in PEs and two DEs behind the proxy started with ``extra``; ``(pes, des, url)``, stopped after."""
     with contextlib.ExitStack() as stack:
         pes = [StandInEngine(f"pe{i}", "prefill") for i in range(2)]
         des = [StandInEngine(f"de{i}", "decode") for i in range(2)]
@@ -29,7 +37,7 @@ def proxied(tmp_path):
         port = free_port()
         log = stack.enter_context(open(tmp_path / "proxy.log", "wb"))
         proc = subprocess.Popen([sys.executable, str(PROXY), "--port", str(port), "--prefill", *(e.url for e in pes),
-                                 "--decode", *(e.url for e in des)], stdout=log, stderr=subprocess.STDOUT,
+                                 "--decode", *(e.url for e in des), *extra], stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # fmt: skip
         stack.callback(stop_process_group, proc, 5.0)
         url = f"http://127.0.0.1:{port}"
@@ -66,3 +74,18 @@ def test_the_proxy_sends_one_request_id_drops_min_tokens_on_the_prefill_and_take
             assert decode["min_tokens"] == (2 if "messages" in decode else 3)
             assert decode["kv_transfer_params"] is not None
     assert pes[0].request_ids[1] == "turn-3" and len(set(pes[0].request_ids + pes[1].request_ids)) == 3
+
+
+def test_in_push_mode_the_decode_gets_only_the_pes_coordinates(tmp_path):
+    """``--push`` sends what vLLM's toy_push_proxy_server.py does: our DE then claims the hold by request id."""
+    with proxy_of(tmp_path, "--push") as (pes, des, url):
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5}
+        answer = httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"},
+                            timeout=30)  # fmt: skip
+        assert answer.status_code == 200, answer.text
+        handed = pes[0].sent_kv_transfer_params[0]
+        decode = des[0].received[0]["kv_transfer_params"]
+        assert decode == {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": None,
+                          **{k: handed[k] for k in ("remote_request_id", "remote_host", "remote_port", "tp_size")}}
+        assert PrefillHandoff.from_dict(decode) == PrefillHandoff(handed["remote_side_channel"],
+                                                                  handed["remote_request_id"], None, hold_token="")

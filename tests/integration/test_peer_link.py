@@ -166,7 +166,7 @@ TOKEN = "5a" * 16  # the hand-off's hold token
 
 def test_de_pulls_pe_blocks_and_the_notification_ends_the_hold(pair):
     pe, de = pair
-    pe.link.hold("req-1", time.time() + 60, TOKEN, 3)
+    pe.link.hold("req-1", time.time() + 60, TOKEN, list(range(3)))
     assert pe.link.held_blocks == 3
     peer = de.link.peer(pe.address, timeout_s=5)
     assert peer.layer_addrs == tuple(layer.ctypes.data for layer in pe.layers)
@@ -193,14 +193,14 @@ def test_a_flood_of_forged_pulled_notifications_does_not_crowd_out_the_genuine_o
     table when the genuine one came, every time."""
     pe, de = pair
     peer = de.link.peer(pe.address, timeout_s=5)
-    pe.link.hold("victim", time.time() + 60, TOKEN, 5)
+    pe.link.hold("victim", time.time() + 60, TOKEN, list(range(5)))
     forgeries = pe.link.forged_notifications
     for i in range(5000):
         de.link.notify(peer.agent, pulled_notification(f"nobody-{i}", f"{i:032x}"))
     for i in range(100):
         de.link.notify(peer.agent, pulled_notification("victim", f"{i:032x}"))
     de.link.notify(peer.agent, pulled_notification("victim", TOKEN))
-    pe.link.hold("barrier", time.time() + 60, TOKEN, 1)
+    pe.link.hold("barrier", time.time() + 60, TOKEN, [0])
     de.link.notify(peer.agent, pulled_notification("barrier", TOKEN))
     ended: set[str] = set()
     assert wait_for(lambda: ended.update(pe.link.take_released_holds()) or ended >= {"victim", "barrier"})
@@ -213,12 +213,12 @@ def test_forged_pulled_notifications_end_no_hold(pair):
     """Anyone reaching the UCX listener can send a notification: without the hand-off's token it ends nothing."""
     pe, de = pair
     peer = de.link.peer(pe.address, timeout_s=5)
-    pe.link.hold("victim", time.time() + 60, TOKEN, 5)
+    pe.link.hold("victim", time.time() + 60, TOKEN, list(range(5)))
     for forged in (PULLED + b"victim", pulled_notification("victim", "00" * 16), PULLED + b"victim:not-hex",
                    pulled_notification("nobody", TOKEN)):  # fmt: skip
         de.link.notify(peer.agent, forged)
     # A barrier behind the forgeries: once its hold ends, every forgery before it was handled.
-    pe.link.hold("barrier", time.time() + 60, TOKEN, 1)
+    pe.link.hold("barrier", time.time() + 60, TOKEN, [0])
     de.link.notify(peer.agent, pulled_notification("barrier", TOKEN))
     assert wait_for(pe.link.take_released_holds) == {"barrier"}
     assert pe.link.held_blocks == 5  # the victim's blocks stay held
@@ -231,7 +231,7 @@ def test_forged_pulled_notifications_end_no_hold(pair):
 
 def test_a_router_releases_a_hold_with_its_token_only(pair):
     pe, _ = pair
-    pe.link.hold("refused-by-de", time.time() + 60, TOKEN, 4)
+    pe.link.hold("refused-by-de", time.time() + 60, TOKEN, list(range(4)))
     key = KEY
     wrong = request(pe.address, ReleaseHold("refused-by-de", "00" * 16).to_message(), 5, key)
     assert wrong == {"released": False, "pending": False} and pe.link.held_blocks == 4
@@ -249,18 +249,18 @@ def test_a_release_before_its_hold_registers_ends_it_as_it_registers(pair):
     early = request(pe.address, ReleaseHold("refused-early", TOKEN).to_message(), 5, key)
     forged = request(pe.address, ReleaseHold("other-request", "00" * 16).to_message(), 5, key)
     assert early == {"released": False, "pending": True} and forged["pending"] is True
-    pe.link.hold("refused-early", time.time() + 60, TOKEN, 4)
+    pe.link.hold("refused-early", time.time() + 60, TOKEN, list(range(4)))
     assert pe.link.held_blocks == 0 and pe.link.take_released_holds() == {"refused-early"}
     # The control: a release with another token ends nothing; the hold stays until its own token comes.
     forgeries = pe.link.forged_notifications
-    pe.link.hold("other-request", time.time() + 60, TOKEN, 3)
+    pe.link.hold("other-request", time.time() + 60, TOKEN, list(range(3)))
     assert pe.link.held_blocks == 3 and pe.link.forged_notifications == forgeries + 1
     assert pe.link.take_released_holds() == set()
 
 
 def test_a_hold_nobody_pulls_expires(pair):
     pe, _ = pair
-    pe.link.hold("req-2", time.time() + 0.2, TOKEN, 1)
+    pe.link.hold("req-2", time.time() + 0.2, TOKEN, [0])
     assert wait_for(pe.link.take_released_holds) == {"req-2"}
 
 
@@ -273,7 +273,7 @@ def blocks_bytes(layers: list[np.ndarray], blocks: list[int]) -> list[bytes]:
 
 def sync_notifications(pe: Side, de: Side) -> None:
     """A pull behind what ``de`` sent ``pe`` before: once its hold ends, everything before it was handled."""
-    pe.link.hold("sync", time.time() + 60, TOKEN, 1)
+    pe.link.hold("sync", time.time() + 60, TOKEN, [0])
     de.link.notify(de.link.peer(pe.address, timeout_s=5).agent, pulled_notification("sync", TOKEN))
     assert "sync" in wait_for(pe.link.take_released_holds)
 
@@ -282,7 +282,7 @@ def test_a_de_that_comes_after_the_hold_ended_is_refused_before_it_reads_reused_
     """The PE's hold expired, vLLM gave its blocks to another request: a DE's claim now is refused, so it
     recomputes; without the claim (the control) its READ brings the other request's KV."""
     pe, de = pair
-    pe.link.hold("late", time.time() + 0.2, TOKEN, 2)
+    pe.link.hold("late", time.time() + 0.2, TOKEN, list(range(2)))
     prompt_kv = blocks_bytes(pe.layers, [3, 4])
     assert "late" in wait_for(pe.link.take_released_holds)  # expired: vLLM frees the blocks after this step
     for layer in pe.layers:  # ... and another request's forward writes its own KV there
@@ -303,7 +303,7 @@ def test_a_handoff_is_claimed_once_and_its_claim_alone_ends_the_hold(pair):
     pe, de = pair
     second = Side()
     try:
-        pe.link.hold("once", time.time() + 60, TOKEN, 2)
+        pe.link.hold("once", time.time() + 60, TOKEN, list(range(2)))
         claim, _ = de.link.claim(pe.address, "once", TOKEN, timeout_s=5)
         with pytest.raises(SideChannelError, match="claimed already"):
             second.link.claim(pe.address, "once", TOKEN, timeout_s=5)
@@ -320,9 +320,34 @@ def test_a_handoff_is_claimed_once_and_its_claim_alone_ends_the_hold(pair):
         with pytest.raises(SideChannelError, match="no hold"):
             second.link.claim(pe.address, "once", TOKEN, timeout_s=5)
         with pytest.raises(SideChannelError, match="wrong hold token"):
-            pe.link.hold("other", time.time() + 60, TOKEN, 1)
+            pe.link.hold("other", time.time() + 60, TOKEN, [0])
             second.link.claim(pe.address, "other", "00" * 16, timeout_s=5)
         assert pe.link.refused_claims == 3
+    finally:
+        second.close()
+
+
+def test_a_push_handoffs_claim_names_the_blocks_is_granted_once_and_its_token_alone_ends_the_hold(pair):
+    """A push-mode proxy drops the hold token: the DE claims by request id over the signed side channel and the
+    answer names the held blocks; a second claim (token or not) is refused, and only the claim's token ends it."""
+    pe, de = pair
+    second = Side()
+    try:
+        pe.link.hold("pushed", time.time() + 60, TOKEN, [11, 4, 7])
+        claim, _ = de.link.claim(pe.address, "pushed", "", timeout_s=5)
+        assert claim.remote_block_ids == [11, 4, 7]
+        for token in ("", TOKEN):
+            with pytest.raises(SideChannelError, match="claimed already"):
+                second.link.claim(pe.address, "pushed", token, timeout_s=5)
+        # A claim with the token is answered without the blocks: its DE has them.
+        pe.link.hold("pulled", time.time() + 60, TOKEN, [1])
+        assert second.link.claim(pe.address, "pulled", TOKEN, timeout_s=5)[0].remote_block_ids is None
+        peer = de.link.peer(pe.address, timeout_s=5)
+        de.link.notify(peer.agent, pulled_notification("pushed", TOKEN))  # the hand-off's token: not the claim's
+        sync_notifications(pe, de)
+        assert pe.link.held_blocks == 4
+        de.link.notify(peer.agent, pulled_notification("pushed", claim.claim_token))
+        assert wait_for(pe.link.take_released_holds) == {"pushed"} and pe.link.held_blocks == 1
     finally:
         second.close()
 
@@ -333,7 +358,7 @@ def test_a_claim_before_its_hold_registers_is_answered_when_it_does(pair):
     claimer = threading.Thread(target=lambda: answer.update(claim=de.link.claim(pe.address, "early", TOKEN, 10)))
     claimer.start()
     wait_for(lambda: "early" in pe.link._early_claims)  # waiting on the PE, unanswered
-    pe.link.hold("early", time.time() + 60, TOKEN, 3)
+    pe.link.hold("early", time.time() + 60, TOKEN, list(range(3)))
     claimer.join(10)
     assert answer["claim"][0].claim_s == 30.0 and pe.link.refused_claims == 0
 
@@ -352,7 +377,7 @@ def test_a_claimed_hold_whose_read_never_ends_is_released_when_the_claim_ends():
     """The claim replaces the hold's lease: a DE that claimed and vanished pins the blocks claim_s, not 60 s."""
     pe, de = Side(claim_s=0.3), Side()
     try:
-        pe.link.hold("vanished", time.time() + 60, TOKEN, 2)
+        pe.link.hold("vanished", time.time() + 60, TOKEN, list(range(2)))
         _, deadline = de.link.claim(pe.address, "vanished", TOKEN, timeout_s=5)
         assert wait_for(pe.link.take_released_holds) == {"vanished"}
         assert time.monotonic() >= deadline  # never before the DE's own deadline
@@ -405,7 +430,7 @@ def test_unreleased_lease_expires(caplog):
 def release_and_sync(pe: Side, de: Side, lease: str) -> None:
     """The PE's release, then a notification behind it: once that one is seen, the release was handled."""
     peer = pe.link.peer(de.address, timeout_s=5)
-    de.link.hold("barrier", time.time() + 60, TOKEN, 1)
+    de.link.hold("barrier", time.time() + 60, TOKEN, [0])
     pe.link.notify(peer.agent, RELEASE + lease.encode())
     pe.link.notify(peer.agent, pulled_notification("barrier", TOKEN))
     assert wait_for(de.link.take_released_holds) == {"barrier"}

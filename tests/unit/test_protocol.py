@@ -74,6 +74,37 @@ def test_a_handoff_names_the_pe_tensor_parallel_size_one_when_absent():
             PrefillHandoff.from_dict({**HANDOFF.to_dict(), "tp_size": bad})
 
 
+def test_a_handoff_carries_nixl_connectors_address_keys_and_a_rewritten_host_wins():
+    """P/D proxies copy ``remote_host``/``remote_port`` (vLLM's multi-turn proxy rewrites the host with the
+    address it reached the PE at): the DE reaches the PE there."""
+    params = HANDOFF.to_dict()
+    assert (params["remote_host"], params["remote_port"]) == ("10.0.0.1", 5600)
+    assert PrefillHandoff.from_dict({**params, "remote_host": "pe-0.svc"}).remote_side_channel == "pe-0.svc:5600"
+    # Our own key alone (a proxy that dropped NixlConnector's) still names it.
+    only_ours = {k: v for k, v in params.items() if k not in ("remote_host", "remote_port")}
+    assert PrefillHandoff.from_dict(only_ours) == HANDOFF
+
+
+# What vLLM's push-mode proxy (toy_push_proxy_server.py) sends a DE, built from our PE's answer.
+PUSH = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": None,
+        "remote_request_id": "cmpl-1", "remote_host": "10.0.0.1", "remote_port": 5600, "tp_size": 2}  # fmt: skip
+
+
+def test_a_push_mode_proxys_handoff_is_a_push_handoff_to_claim_by_request_id():
+    handoff = PrefillHandoff.from_dict(PUSH)
+    assert handoff == PrefillHandoff("10.0.0.1:5600", "cmpl-1", None, tp_size=2, hold_token="")
+    assert handoff.push and not HANDOFF.push
+    # Whatever else rides along, a push hand-off keeps no kept hit (its token came with the blocks).
+    assert PrefillHandoff.from_dict({**PUSH, "kept_token": "0f" * 16, "kept_chunks": 2}).kept_token is None
+    assert PrefillHandoff.from_dict(handoff.to_dict()) == handoff
+    with pytest.raises(ProtocolError, match="version"):
+        PrefillHandoff.from_dict({**PUSH, VERSION_KEY: PROTOCOL_VERSION + 1})
+    for change, what in (({"remote_request_id": None}, "remote_request_id"), ({"remote_host": None}, "remote_host"),
+                         ({"remote_port": None}, "remote_port"), ({"tp_size": 0}, "tp_size")):  # fmt: skip
+        with pytest.raises(ProtocolError, match=what):
+            PrefillHandoff.from_dict({**PUSH, **change})
+
+
 def test_a_handoff_needs_its_hold_token():
     """What ends the PE's hold: without it a DE could not release the blocks, so such a hand-off is refused."""
     for bad in (None, "", "not hex", "AB" * 16, "a" * 65, 7):
@@ -102,8 +133,19 @@ def test_a_claim_and_its_answer_round_trip_and_bad_ones_are_refused():
     assert message["op"] == "claim_hold" and ClaimHold.from_message(message) == ClaimHold("cmpl-1", HOLD)
     with pytest.raises(ProtocolError, match="hold_token"):
         ClaimHold.from_message({**message, "hold_token": "zz"})
+    # A push hand-off's claim has no token (a release must have one); its answer names the blocks.
+    assert ClaimHold.from_message(ClaimHold("cmpl-1", "").to_message()) == ClaimHold("cmpl-1", "")
+    for bad in (None, 7):
+        with pytest.raises(ProtocolError, match="hold_token"):
+            ClaimHold.from_message({**message, "hold_token": bad})
+    with pytest.raises(ProtocolError, match="hold_token"):
+        ReleaseHold.from_message(ReleaseHold("cmpl-1", "").to_message())
     granted = HoldClaim(new_hold_token(), 30.0)
     assert HoldClaim.from_message(granted.to_message()) == granted
+    named = HoldClaim(new_hold_token(), 30.0, [7, 3, 9])
+    assert HoldClaim.from_message(named.to_message()) == named
+    with pytest.raises(ProtocolError, match="remote_block_ids"):
+        HoldClaim.from_message({**named.to_message(), "remote_block_ids": [1, -1]})
     for change, what in (({"claim_token": "zz"}, "claim_token"), ({"claim_s": float("nan")}, "claim_s"),
                          ({"claim_s": 1e999}, "claim_s"), ({"claim_s": 0}, "claim_s"), ({"claim_s": "30"}, "claim_s")):
         with pytest.raises(ProtocolError, match=what):
@@ -215,7 +257,14 @@ def test_a_de_read_without_a_side_channel_key_is_refused():
         ({"stored_chunks": True}, "stored_chunks"),
         ({"stored_chunks": -1}, "stored_chunks"),
         ({"stored_chunks": "2"}, "stored_chunks"),
-        ({"remote_side_channel": ""}, "remote_side_channel"),
+        ({"remote_side_channel": "", "remote_host": None, "remote_port": None}, "remote_side_channel"),
+        ({"remote_host": ""}, "remote_host"),
+        ({"remote_host": None}, "remote_host"),
+        ({"remote_port": None}, "remote_port"),
+        ({"remote_port": 0}, "remote_port"),
+        ({"remote_port": 65536}, "remote_port"),
+        ({"remote_port": "5600"}, "remote_port"),
+        ({"remote_port": True}, "remote_port"),
         ({"remote_request_id": None}, "remote_request_id"),
     ],
 )

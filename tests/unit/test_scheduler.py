@@ -607,7 +607,7 @@ def test_pe_hands_its_prefill_to_the_de(tmp_path):
     assert [s.req_id for s in meta.sends] == ["p1"]
     # The hold ends only with the hand-off's secret; each hand-off gets its own.
     assert meta.sends[0].hold_token == parsed.hold_token and len(parsed.hold_token) == 32
-    assert meta.sends[0].num_blocks == len(blocks)
+    assert meta.sends[0].block_ids == blocks  # a push hand-off's claim names them
     assert before + 120.0 <= meta.sends[0].expires_at <= time.time() + 120.0
     assert "p1" in meta.dropped_req_ids
 
@@ -689,18 +689,35 @@ def test_pe_ignores_unusable_prefill_requests(tmp_path, params):
     assert scheduler.request_finished(request, list(range(7))) == (False, None)
 
 
-# What vLLM's push-mode proxy (toy_push_proxy_server.py) sends a DE: the PE's coordinates, no blocks, no token.
+# What vLLM's push-mode proxy (toy_push_proxy_server.py) sends a DE, copied from our PE's answer: the PE's
+# coordinates, no blocks, no hold token, no version.
 PUSH_MODE_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": None,
-                    "remote_request_id": handoff().remote_request_id, "remote_host": None, "remote_port": None,
+                    "remote_request_id": handoff().remote_request_id, "remote_host": "pe-host", "remote_port": 7001,
                     "tp_size": 1}  # fmt: skip
 
 
-def test_a_push_mode_handoff_is_named_in_the_log(tmp_path, caplog):
+def test_a_push_mode_handoff_is_pulled_with_the_blocks_its_claim_names(tmp_path, caplog):
+    scheduler, store = make_scheduler(tmp_path, "kv_consumer")
+    request = make_request("d1", prompt_of(100), PUSH_MODE_PARAMS)
+    with caplog.at_level("INFO"):
+        # Two leading blocks are in the local prefix cache: the pull starts after them.
+        assert scheduler.get_num_new_matched_tokens(request, 2 * BLOCK) == (100 - 2 * BLOCK, True)
+    assert "a push-mode proxy's hand-off" in caplog.text and "ignoring kv_transfer_params" not in caplog.text
+    assert store.calls == []  # the PE prefilled it: no lookup
+    scheduler.update_state_after_alloc(request, Blocks(range(10, 17)), 100 - 2 * BLOCK)
+    meta = scheduler.build_connector_meta(empty_step())
+    assert meta.pulls == [PullSpec("d1", "pe-host:7001", "pe-r1", "", None, [12, 13, 14, 15, 16], remote_first_block=2)]
+    assert meta.loads == []
+
+
+def test_an_aborted_push_mode_request_still_ends_the_pes_hold(tmp_path):
     scheduler, _ = make_scheduler(tmp_path, "kv_consumer")
-    with caplog.at_level("WARNING"):
-        scheduler.get_num_new_matched_tokens(make_request("d1", prompt_of(100), PUSH_MODE_PARAMS), 0)
-    assert "push-mode kv_transfer_params (no remote_block_ids" in caplog.text
-    assert "ignoring kv_transfer_params" not in caplog.text  # not reported as a malformed hand-off
+    request = make_request("d1", prompt_of(100), PUSH_MODE_PARAMS)
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (100, True)
+    request.status = RequestStatus.FINISHED_ABORTED
+    assert scheduler.request_finished(request, []) == (False, None)
+    # No token here: the worker claims the hold by request id and ends it with the claim's token.
+    assert scheduler.build_connector_meta(empty_step()).pulls == [PullSpec("d1", "pe-host:7001", "pe-r1", "", [], [])]
 
 
 @pytest.mark.parametrize(
@@ -709,13 +726,14 @@ def test_a_push_mode_handoff_is_named_in_the_log(tmp_path, caplog):
         {**handoff().to_dict(), VERSION_KEY: 99},
         {**handoff().to_dict(), "remote_block_ids": "1,2,3"},
         {**handoff().to_dict(), "stored_chunks": -1},
-        {**handoff().to_dict(), "remote_side_channel": None},
+        {**handoff().to_dict(), "remote_side_channel": None, "remote_host": None, "remote_port": None},
         {**handoff().to_dict(), "tp_size": 0},
         {**handoff().to_dict(), "tp_size": 2},
-        PUSH_MODE_PARAMS,
+        # A push-mode proxy in front of a PE whose answer had no remote_host/remote_port (an older release).
+        {**PUSH_MODE_PARAMS, "remote_host": None, "remote_port": None},
     ],
     ids=["other-version", "bad-blocks", "bad-stored-chunks", "no-side-channel", "bad-tp-size", "pe-of-another-tp-size",
-         "push-mode"],
+         "push-mode-without-address"],
 )
 def test_de_ignores_unusable_handoffs_and_looks_up_the_store(tmp_path, params):
     scheduler, store = make_scheduler(tmp_path, "kv_consumer")
