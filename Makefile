@@ -5,13 +5,14 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 VERSITYGW_VERSION := v1.8.0
 VERSITYGW := $(VENV)/bin/versitygw
+PD_SIDECAR := $(VENV)/bin/pd-sidecar
 # uv from the machine's python3 (installed there on first use), so no PATH or shim setup is needed.
 UV := python3 -m uv
 
 .PHONY: docs docs-check
 .PHONY: setup vllm-latest test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak soak-hostile gpu-connector-check device-check
 
-setup: $(STAMP) mma $(VERSITYGW)
+setup: $(STAMP) mma $(VERSITYGW) $(PD_SIDECAR)
 
 # libmma_preload.so and its modelled CUDA runtime (C++17, no CUDA toolkit needed).
 mma:
@@ -30,6 +31,12 @@ $(STAMP): pyproject.toml setup.py overrides.txt nixl_backends/csrc/cuobj_compat.
 # proxy with the machine's Go (minutes the first time, then Go's build cache), into .venv/bin.
 $(VERSITYGW): | $(STAMP)
 	GOBIN=$(abspath $(VENV)/bin) GOFLAGS=-trimpath go install -ldflags='-s -w' github.com/versity/versitygw/cmd/versitygw@$(VERSITYGW_VERSION)
+
+# A P/D proxy nobody here wrote, for tests/e2e/test_pd_e2e.py: llm-d's routing sidecar (Apache-2.0), its pinned
+# release built from the Go module proxy (third_party/llm-d-pd-sidecar: go.mod and go.sum), into .venv/bin.
+$(PD_SIDECAR): third_party/llm-d-pd-sidecar/go.mod third_party/llm-d-pd-sidecar/go.sum | $(STAMP)
+	cd third_party/llm-d-pd-sidecar && GOFLAGS=-trimpath go build -ldflags='-s -w' -o $(abspath $(PD_SIDECAR)) \
+		github.com/llm-d/llm-d-inference-scheduler/cmd/pd-sidecar
 
 # vLLM's newest release (a CUDA build: imported, never run) beside the CPU build, for tests/integration/test_vllm_latest.py:
 # without its dependencies, into .cache/vllm-<version> (tests/vllm_latest.py; a stamp there makes a second run free).

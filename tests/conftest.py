@@ -260,15 +260,13 @@ def pd_pair(model: Path, seaweedfs: SeaweedFS, logs: Path, **options) -> Iterato
         de.stop()
 
 
-class NixlStyleProxy(ServiceProcess):
-    """tests/nixl_style_proxy.py (vLLM's P/D proxy example's flow, nothing of ours imported); stopped by its PID."""
+class ThirdPartyProxy(ServiceProcess):
+    """A P/D proxy in front of one PE and one DE on a free port, stopped by its PID; subclasses set ``args``."""
 
     stop_grace_s = 5.0
 
-    def __init__(self, pe, de, log_path, *extra: str) -> None:
+    def __init__(self, pe, log_path) -> None:
         self.port = free_port()
-        self.args = [sys.executable, str(Path(__file__).with_name("nixl_style_proxy.py")), "--port", str(self.port),
-                     "--prefill", pe.base_url, "--decode", de.base_url, *extra]  # fmt: skip
         self.log_path = log_path
         self.url = f"http://127.0.0.1:{self.port}"
         self.health_url = f"{self.url}/health"
@@ -282,3 +280,27 @@ class NixlStyleProxy(ServiceProcess):
         assert status == 200, answer
         choice = answer["choices"][0]
         return {"tokens": choice["token_ids"], "logprobs": choice["logprobs"]["token_logprobs"]}
+
+
+class NixlStyleProxy(ThirdPartyProxy):
+    """tests/nixl_style_proxy.py (vLLM's P/D proxy example's flow, nothing of ours imported)."""
+
+    def __init__(self, pe, de, log_path, *extra: str) -> None:
+        super().__init__(pe, log_path)
+        self.args = [sys.executable, str(Path(__file__).with_name("nixl_style_proxy.py")), "--port", str(self.port),
+                     "--prefill", pe.base_url, "--decode", de.base_url, *extra]  # fmt: skip
+
+
+class LlmdSidecar(ThirdPartyProxy):
+    """llm-d's P/D routing sidecar (third_party/llm-d-pd-sidecar, built by ``make setup``) as llm-d runs it: beside
+    the DE, NixlConnector's protocol, the PE named per request in ``x-prefiller-host-port`` (llm-d's scheduler
+    sets it), plain HTTP."""
+
+    def __init__(self, pe, de, log_path) -> None:
+        super().__init__(pe, log_path)
+        binary = Path(sys.executable).with_name("pd-sidecar")
+        if not binary.exists():
+            raise FileNotFoundError(f"{binary}: `make setup` builds llm-d's sidecar (third_party/llm-d-pd-sidecar)")
+        self.args = [str(binary), "--port", str(self.port), "--vllm-port", str(de.port), "--connector", "nixlv2",
+                     "--secure-proxy=false"]  # fmt: skip
+        self._headers = {**self._headers, "x-prefiller-host-port": f"127.0.0.1:{pe.port}"}

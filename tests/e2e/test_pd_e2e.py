@@ -61,6 +61,7 @@ from dualpath_router.holds import HoldReleaser
 from dualpath_dev.engines import ClusterKeys, RouterProcess
 from tests.conftest import (
     PLAIN_ENGINE_BATCH_TOKENS,
+    LlmdSidecar,
     NixlStyleProxy,
     pd_pair,
     poll,
@@ -431,7 +432,7 @@ def test_bad_token_id_through_router_is_refused_and_the_pe_stays_healthy(cluster
 
 # Two turns a session: the second finds the first's chunks stored (a hit) and must still match.
 PROXY_SESSIONS = {"nixl convention": session_prompts(201)[:2], "naming the DE, read side de": session_prompts(202)[:2],
-                  "push mode": session_prompts(203)[:2]}
+                  "push mode": session_prompts(203)[:2], "llm-d sidecar": session_prompts(204)[:2]}
 PROXY_ARGS = {"nixl convention": [], "push mode": ["--push"]}
 
 
@@ -440,11 +441,15 @@ def test_a_proxy_in_nixl_connector_convention_drives_the_handoff(session, cluste
     """Behind a proxy that knows only NixlConnector's convention (``do_remote_decode``, then the prefill
     answer's params to the decode engine), the PE hands off and the DE pulls; with the one optional field
     naming the DE, the DE reads the hit for the PE. Behind vLLM's push-mode proxy (the DE gets the PE's
-    coordinates, no blocks, no hold token) the DE still pulls, claiming the hold by request id. Outputs equal
-    an engine's without the connector."""
+    coordinates, no blocks, no hold token) the DE still pulls, claiming the hold by request id. Behind llm-d's
+    routing sidecar, built from its published source, the same as behind the first. Outputs equal an engine's
+    without the connector."""
     pe, de = cluster
-    extra = PROXY_ARGS.get(session, ["--de-side-channel", de.side_channel, "--read-side", "de"])
-    proxy = NixlStyleProxy(pe, de, tmp_path / "proxy.log", *extra).start(timeout_s=120)
+    if session == "llm-d sidecar":
+        proxy = LlmdSidecar(pe, de, tmp_path / "sidecar.log").start(timeout_s=120)
+    else:
+        extra = PROXY_ARGS.get(session, ["--de-side-channel", de.side_channel, "--read-side", "de"])
+        proxy = NixlStyleProxy(pe, de, tmp_path / "proxy.log", *extra).start(timeout_s=120)
     try:  # from here on the proxy is stopped whatever fails, an engine's /metrics too
         engines = {"pe": pe, "de": de}
         watched = [("de", "pulled_tokens"), ("pe", "bytes_read"), ("de", "bytes_read_for_peer"),
