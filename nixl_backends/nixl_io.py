@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from nixl_backends.window import InFlightWindow
+
 logger = logging.getLogger(__name__)
 
 # Polling waits on NIXL start at _MIN_SLEEP_S and double up to _MAX_SLEEP_S:
@@ -123,10 +125,13 @@ def run_nixl_transfers(
     transfers: Sequence[tuple[np.ndarray, np.ndarray]],
     remote_mem_type: str,
     timeout_s: float,
-    window: int | None = None,
+    window: int | InFlightWindow | None = None,
     local_mem_type: str = "DRAM",
 ) -> list[bool]:
     """Post the transfers (at most ``window`` in flight; all at once without one), wait for all; one flag each.
+
+    An :class:`~nixl_backends.window.InFlightWindow` is asked before each post and told of each end, so the
+    window follows the link's measured bandwidth-delay product.
 
     Each transfer is a pair of Nx3 descriptor arrays: local descriptors (DRAM,
     or VRAM for a GDS read) and the backend-side descriptors. One NIXL request per chunk lets a single
@@ -140,11 +145,19 @@ def run_nixl_transfers(
     ok = [False] * len(transfers)
     pending: set[int] = set()
     posted = 0
+    sizer = window if isinstance(window, InFlightWindow) else None
+    stamps: list[Any] = [None] * len(transfers)
+
+    def room() -> bool:
+        limit = sizer.size() if sizer is not None else window
+        return limit is None or len(pending) < limit
 
     def post_more() -> None:
         nonlocal posted
-        while posted < len(transfers) and (window is None or len(pending) < window):
+        while posted < len(transfers) and room():
             index, posted = posted, posted + 1
+            if sizer is not None:
+                stamps[index] = sizer.posted()
             handle = _post(agent, op, *transfers[index], local_mem_type, remote_mem_type)
             if handle is not None:
                 handles[index] = handle
@@ -164,6 +177,8 @@ def run_nixl_transfers(
             pending.discard(i)
             ok[i] = state == "DONE"
             agent.release_xfer_handle(handles[i])
+            if sizer is not None:
+                sizer.ended(stamps[i], int(transfers[i][0][:, 1].sum()), ok[i])
             ended += 1
         post_more()
         return ended

@@ -31,6 +31,7 @@ from nixl_backends.s3_endpoint import (
     s3_session,
 )
 from nixl_backends.store import KVStore, StoreMetrics
+from nixl_backends.window import InFlightWindow
 
 __all__ = ["S3Store", "S3StoreConfig"]
 
@@ -52,6 +53,8 @@ class S3Store(KVStore):
         self._retried = 0  # payload requests sent again after they failed
         self._not_retried = 0  # failed payload requests not sent again: their load's deadline was too near
         self._lookup_pool = ThreadPoolExecutor(_LOOKUP_WINDOW, thread_name_prefix="s3-lookup")
+        # One link, one window: reads and writes measure and share it.
+        self.window = InFlightWindow(min(config.io_window_min, config.io_threads), config.io_threads)
         if agent is not None:
             add_obj_backend(agent, config, session)
         logger.info(
@@ -109,11 +112,11 @@ class S3Store(KVStore):
                 time.sleep(pause)  # backoff: the store may be shedding load (503 SlowDown)
             for i in failed:
                 before(i)
-            # As many requests in flight as the plugin has threads: a write (the save lane) then queues behind
-            # at most one round of a read's GETs (the read lane), not behind the whole hit.
+            # The link's bandwidth-delay product in flight, at most as many requests as the plugin has threads: a
+            # write (the save lane) then queues behind at most one round of a read's GETs, not the whole hit.
             try:
                 outcome = run_nixl_transfers(self._agent, op, [transfers[i] for i in failed], OBJ,
-                                             self.config.io_timeout_s, window=self.config.io_threads)  # fmt: skip
+                                             self.config.io_timeout_s, window=self.window)  # fmt: skip
             except TransferAbandoned as exc:
                 exc.when_ended(lambda: self._agent.deregister_memory(registration))
                 raise

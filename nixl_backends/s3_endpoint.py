@@ -44,7 +44,11 @@ class S3StoreConfig:
     secret_key: str | None = field(default=None, repr=False)
     ca_bundle: str | None = None
     create_bucket: bool = True
-    io_threads: int = 8
+    # NIXL OBJ worker threads: the most requests in flight per read or write. How many are in flight follows the
+    # link's measured bandwidth-delay product (nixl_backends/window.py), from io_window_min (what runs before
+    # anything is measured, and the least) up to io_threads.
+    io_threads: int = 32
+    io_window_min: int = 8
     io_timeout_s: float = 30.0
     # Requests of one read or write that failed (a dropped connection, a 5xx the SDK gave up on) are sent again
     # this many times before their chunk counts as failed: one lost GET would otherwise cost a hit its tail.
@@ -71,8 +75,8 @@ class S3StoreConfig:
             raise ConfigError(f"store.endpoint must start with http:// or https://, got {self.endpoint!r}")
         if self.ca_bundle is not None and not os.path.isfile(self.ca_bundle):
             raise ConfigError(f"store.ca_bundle: no such file {self.ca_bundle!r}")
-        if self.io_threads <= 0 or self.io_timeout_s <= 0:
-            raise ConfigError("store.io_threads and store.io_timeout_s must be positive")
+        if self.io_threads <= 0 or self.io_window_min <= 0 or self.io_timeout_s <= 0:
+            raise ConfigError("store.io_threads, store.io_window_min and store.io_timeout_s must be positive")
         if isinstance(self.io_retries, bool) or not isinstance(self.io_retries, int) or self.io_retries < 0:
             raise ConfigError(f"store.io_retries must be a whole number >= 0, got {self.io_retries!r}")
         if not 0 <= self.io_retry_base_s <= self.io_retry_cap_s <= 60:

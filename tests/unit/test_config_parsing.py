@@ -179,6 +179,7 @@ def test_s3_secret_key_without_access_key_does_not_leak_secret():
         ({"endpoint": "127.0.0.1:8333"}, "endpoint"),
         ({"ca_bundle": "/nonexistent/ca.pem"}, "ca_bundle"),
         ({"io_threads": 0}, "io_threads"),
+        ({"io_window_min": 0}, "io_window_min"),
         ({"io_timeout_s": 0}, "io_timeout_s"),
         ({"io_timeout_s": -1.5}, "io_timeout_s"),
         ({"io_retries": -1}, "io_retries"),
