@@ -78,6 +78,11 @@ class DualPathConfig:
     # How long one side keeps memory for the other: a PE's prompt blocks
     # awaiting the DE's pull, a DE's host buffer awaiting the PE's pull.
     pd_lease_s: float = 120.0
+    # DE: how long a finished decode's blocks are held for the conversation's next prefill to pull (vLLM's
+    # multi-turn P/D proxy hands the DE's answer to the next turn's PE: RetainedDecode); 0: not held (the next
+    # turn's hit comes from the store). Off by default: a front door that does not hand the answer on would
+    # leave every decode's blocks held this long.
+    pd_retain_decode_s: float = 0.0
     # A PE waits this long for a DE to read a hit into its buffer, then reads
     # the store itself.
     de_read_timeout_s: float = DE_READ_TIMEOUT_S
@@ -178,6 +183,8 @@ class DualPathConfig:
                      "lookup_cache_ttl_s", "lookup_absent_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{_WHERE}{name} must be positive, got {getattr(self, name)}")
+        if not 0 <= self.pd_retain_decode_s <= 3600:
+            raise ConfigError(f"{_WHERE}pd_retain_decode_s must be 0 (off) to 3600 seconds, got {self.pd_retain_decode_s}")
         if self.pd_lease_s <= self.de_read_timeout_s + self.pd_transfer_timeout_s:
             # A lease must outlive the peer's own deadlines, or memory could be
             # reused under a transfer the peer still counts on.

@@ -85,7 +85,8 @@ class PullSpec:
 
 @dataclass
 class SendSpec:
-    """PE: a finished prefill's blocks are held until the DE's pull or ``expires_at`` (time.time()).
+    """PE: a finished prefill's blocks are held until the DE's pull or ``expires_at`` (time.time()); DE: the same
+    for a finished decode, until the next turn's PE pulls it (``retained``).
 
     Only a ``pulled:`` notification or ``release_hold`` message carrying ``hold_token`` ends the hold early.
     """
@@ -94,6 +95,7 @@ class SendSpec:
     expires_at: float
     hold_token: str
     block_ids: list[int]  # a push hand-off's DE learns them from its claim
+    retained: bool = False  # a DE's finished decode held for the next turn's PE (RetainedDecode), not a prefill
 
 
 @dataclass

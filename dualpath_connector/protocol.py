@@ -262,6 +262,86 @@ class PrefillHandoff:
         )
 
 
+# The chunk boundaries at the end of a retained decode whose hashes it names: a prompt that re-renders the
+# last turn's end differently (a chat template's closing tokens) still matches at an earlier boundary.
+RETAINED_CHECKPOINTS = 4
+_HASH_CHARS = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True)
+class RetainedDecode:
+    """DE -> multi-turn proxy -> PE: a finished decode's blocks, held for the conversation's next turn.
+
+    vLLM's multi-turn P/D proxy (``disagg_proxy_multiturn.py``) keeps a DE's
+    final ``kv_transfer_params`` per ``conversation_id`` and gives them to the
+    next turn's prefill engine with ``do_remote_decode`` true: that PE pulls
+    the turn's KV from the DE's blocks instead of the store (a DE configured
+    with ``pd_retain_decode_s``).
+
+    ``remote_block_ids`` hold the KV of the conversation's first
+    ``retained_tokens`` tokens (the prompt and every output token but the
+    last). ``checkpoints`` name the chain hash of the conversation's tokens
+    at its last full-chunk boundaries (``[[chunks, hash], ...]``, most chunks
+    first): the PE pulls only chunks its own prompt hashes to the same value
+    (same tokens, same model, salt and adapter), never KV of other tokens.
+    ``hold_token`` ends the DE's hold, as a :class:`PrefillHandoff`'s does; an
+    unclaimed hold ends after ``pd_retain_decode_s``.
+    """
+
+    remote_side_channel: str
+    remote_request_id: str
+    remote_block_ids: list[int]
+    hold_token: str
+    retained_tokens: int
+    checkpoints: list[tuple[int, str]]
+    tp_size: int = 1
+
+    def to_dict(self) -> dict[str, Any]:
+        host, _, port = self.remote_side_channel.rpartition(":")
+        return {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "remote_side_channel": self.remote_side_channel,
+            "remote_host": host,
+            "remote_port": int(port),
+            "remote_request_id": self.remote_request_id,
+            "remote_block_ids": list(self.remote_block_ids),
+            "hold_token": self.hold_token,
+            "tp_size": self.tp_size,
+            "retained_tokens": self.retained_tokens,
+            "retained_checkpoints": [[chunks, digest] for chunks, digest in self.checkpoints],
+            VERSION_KEY: PROTOCOL_VERSION,
+        }
+
+    @classmethod
+    def from_dict(cls, params: dict[str, Any] | None) -> RetainedDecode | None:
+        """The retained decode in a prefill request's ``params``; None if it names none."""
+        require_object(params)
+        if not params or not params.get("do_remote_decode") or params.get("retained_checkpoints") is None:
+            return None
+        check_version(params, "the decode engine's kv_transfer_params")
+        checkpoints = params["retained_checkpoints"]
+        if not isinstance(checkpoints, list) or not 0 < len(checkpoints) <= RETAINED_CHECKPOINTS \
+                or not all(isinstance(c, list) and len(c) == 2 for c in checkpoints):  # fmt: skip
+            raise ProtocolError(f"retained_checkpoints must be 1 to {RETAINED_CHECKPOINTS} [chunks, hash] pairs")
+        return cls(
+            remote_side_channel=_side_channel(params),
+            remote_request_id=_nonempty_str(params.get("remote_request_id"), "remote_request_id"),
+            remote_block_ids=_int_list(params.get("remote_block_ids"), "remote_block_ids"),
+            hold_token=_keep_token(params.get("hold_token"), "hold_token"),
+            retained_tokens=_count(params.get("retained_tokens"), "retained_tokens"),
+            checkpoints=[(_positive(chunks, "retained_checkpoints chunks"), _chain_hash(digest))
+                         for chunks, digest in checkpoints],  # fmt: skip
+            tp_size=_positive(params.get("tp_size", 1), "tp_size"),
+        )
+
+
+def _chain_hash(value: Any) -> str:
+    if not isinstance(value, str) or not 0 < len(value) <= 128 or not set(value) <= _HASH_CHARS:
+        raise ProtocolError("retained_checkpoints hashes must be 1-128 lowercase hex characters")
+    return value
+
+
 # -- the side channel between engines ------------------------------------------
 
 OP_HELLO = "hello"

@@ -78,6 +78,14 @@ class SeaweedFS(S3Server):
         self.metrics_port = free_port()
         args = [
             *self.launcher,
+            # Ahead of busy engines for the CPU (root may raise a priority; otherwise nice warns and runs it as it
+            # is). Its master, volume server, filer and S3 gateway keep gRPC streams to each other whose keepalive
+            # pings must be answered within seconds: on the suite's two cores, under a dozen vLLM processes, they
+            # were not, and the master dropped the volume server ("keepalive ping failed to receive ACK within
+            # timeout", "Removing Volume 3 from the dead volume server", "online volume server: map[]"): for the
+            # minutes until it re-registered, every GET failed ("all filers failed") and every hit became a
+            # recompute (tests/e2e/test_tp_e2e.py, in most runs of the suite).
+            "nice", "-n", "-10",
             _weed_binary(),
             "server",
             "-ip=127.0.0.1",

@@ -272,10 +272,12 @@ class ThirdPartyProxy(ServiceProcess):
         self.health_url = f"{self.url}/health"
         self._model, self._headers = str(pe.model), pe.keys.auth_headers()
 
-    def complete(self, prompt: list[int], max_tokens: int) -> dict:
-        """A greedy completion through the proxy, as a baseline has it (tokens and logprobs)."""
+    def complete(self, prompt: list[int], max_tokens: int, **fields) -> dict:
+        """A greedy completion through the proxy, as a baseline has it (tokens and logprobs); ``fields`` join the
+        body (a multi-turn proxy's ``conversation_id``)."""
         body = {"model": self._model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": True, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True}  # fmt: skip
+                "ignore_eos": True, "logprobs": 0, "return_token_ids": True, "return_tokens_as_token_ids": True,
+                **fields}  # fmt: skip
         status, answer, _ = post(f"{self.url}/v1/completions", body, self._headers)
         assert status == 200, answer
         choice = answer["choices"][0]

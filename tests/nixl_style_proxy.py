@@ -15,10 +15,17 @@ NixlConnector convention. ``--push`` is vLLM's push-mode proxy
 (``toy_push_proxy_server.py``): the decode engine gets only
 ``do_remote_prefill``, ``do_remote_decode`` false and the prefill answer's
 ``remote_engine_id``, ``remote_request_id``, ``remote_host``, ``remote_port``
-and ``tp_size``: no blocks, nothing else of the answer.
+and ``tp_size``: no blocks, nothing else of the answer. ``--multiturn`` is
+vLLM's multi-turn proxy (``disagg_proxy_multiturn.py``): a request's top-level
+``conversation_id`` (taken off the body) keys the decode engine's final
+``kv_transfer_params``, which the conversation's next prefill request gets
+instead of NixlConnector's (``do_remote_decode`` true, ``do_remote_prefill``
+false), ``remote_host`` rewritten, as there, with the host the proxy reached
+that engine at. vLLM 0.32 puts them in non-streamed answers only (0.33 in the
+last streamed chunk too), so only those are kept here.
 
     python tests/nixl_style_proxy.py --port P --prefill URL [URL ...] --decode URL [URL ...]
-        [--de-side-channel H:P] [--read-side de] [--push]
+        [--de-side-channel H:P] [--read-side de] [--push | --multiturn]
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import argparse
 import copy
 import itertools
 import uuid
+from urllib.parse import urlsplit
 
 import httpx
 import uvicorn
@@ -51,9 +59,16 @@ def push_params(handed: dict | None) -> dict | None:
     return {"do_remote_prefill": True, "do_remote_decode": False, **{key: handed.get(key) for key in PUSH_KEPT}}
 
 
-def app(prefills: list[str], decodes: list[str], extra_params: dict, push: bool = False) -> Starlette:
+def rehosted(params: dict | None, url: str) -> dict | None:
+    """``params`` with ``remote_host`` the host the proxy reached that engine at (as the multi-turn proxy does)."""
+    return params and {**params, "remote_host": urlsplit(url).hostname}
+
+
+def app(prefills: list[str], decodes: list[str], extra_params: dict, mode: str = "pull") -> Starlette:
     client = httpx.AsyncClient(timeout=TIMEOUT_S)
     next_prefill, next_decode = itertools.cycle(prefills), itertools.cycle(decodes)
+    # multiturn: conversation id -> its decode engine's last kv_transfer_params (taken once, as there).
+    conversations: dict[str, dict] = {}
 
     def headers_of(request: Request) -> dict[str, str]:
         headers = {"X-Request-Id": request.headers.get("x-request-id") or uuid.uuid4().hex}
@@ -63,23 +78,35 @@ def app(prefills: list[str], decodes: list[str], extra_params: dict, push: bool 
 
     async def serve(request: Request, path: str) -> Response:
         body = await request.json()
+        conversation = body.pop("conversation_id", "") if mode == "multiturn" else ""
         headers = headers_of(request)
         prefill_body = copy.deepcopy(body)
-        prefill_body["kv_transfer_params"] = {
-            "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-            "remote_block_ids": None, "remote_host": None, "remote_port": None, **extra_params,
-        }  # fmt: skip
+        retained = conversations.pop(conversation, None)
+        if retained:
+            prefill_body["kv_transfer_params"] = {**retained, "do_remote_decode": True, "do_remote_prefill": False}
+        else:
+            prefill_body["kv_transfer_params"] = {
+                "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+                "remote_block_ids": None, "remote_host": None, "remote_port": None, **extra_params,
+            }  # fmt: skip
         for key in PREFILL_DROPPED:
             prefill_body.pop(key, None)
         prefill_body.update(max_tokens=1, stream=False)
-        first = await client.post(f"{next(next_prefill)}{path}", json=prefill_body, headers=headers)
+        prefill = next(next_prefill)
+        first = await client.post(f"{prefill}{path}", json=prefill_body, headers=headers)
         if first.status_code != 200:
             return Response(first.content, first.status_code, media_type="application/json")
         handed = first.json().get("kv_transfer_params")
-        decode_body = dict(body, kv_transfer_params=push_params(handed) if push else handed)
+        if mode == "push":
+            handed = push_params(handed)
+        elif mode == "multiturn":
+            handed = rehosted(handed, prefill)
+        decode_body = dict(body, kv_transfer_params=handed)
         decode = next(next_decode)
         if not body.get("stream"):
             answer = await client.post(f"{decode}{path}", json=decode_body, headers=headers)
+            if conversation and answer.status_code == 200 and (kept := answer.json().get("kv_transfer_params")):
+                conversations[conversation] = rehosted(kept, decode)
             return Response(answer.content, answer.status_code, media_type="application/json")
         upstream = client.build_request("POST", f"{decode}{path}", json=decode_body, headers=headers)
         response = await client.send(upstream, stream=True)
@@ -115,14 +142,19 @@ def main() -> None:
     parser.add_argument("--decode", required=True, nargs="+", help="the decode engines' base URLs")
     parser.add_argument("--de-side-channel", help="the decode engine's side channel (host:port)")
     parser.add_argument("--read-side", choices=("pe", "de"), help="who reads a stored hit")
-    parser.add_argument("--push", action="store_true", help="decode requests as vLLM's push-mode proxy sends them")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--push", action="store_const", dest="mode", const="push",
+                       help="decode requests as vLLM's push-mode proxy sends them")
+    modes.add_argument("--multiturn", action="store_const", dest="mode", const="multiturn",
+                       help="a conversation's next prefill gets its decode engine's last answer's kv_transfer_params")
     args = parser.parse_args()
     extra = {}
     if args.de_side_channel:
         extra["de_side_channel"] = args.de_side_channel
     if args.read_side:
         extra["read_side"] = args.read_side
-    uvicorn.run(app(args.prefill, args.decode, extra, args.push), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(app(args.prefill, args.decode, extra, args.mode or "pull"), host=args.host, port=args.port,
+                log_level="warning")
 
 
 if __name__ == "__main__":

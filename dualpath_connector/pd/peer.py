@@ -286,8 +286,9 @@ class PeerLink:
 
     # -- PE holds -------------------------------------------------------------
 
-    def hold(self, req_id: str, expires_at: float, token: str, block_ids: list[int]) -> None:
-        """Keep a finished prefill's blocks for its DE until pulled (with ``token``) or ``expires_at`` (time.time()).
+    def hold(self, req_id: str, expires_at: float, token: str, block_ids: list[int], retained: bool = False) -> None:
+        """Keep a finished prefill's blocks for its DE until pulled (with ``token``) or ``expires_at`` (time.time());
+        ``retained``: a DE's finished decode, kept the same way for the conversation's next PE.
 
         ``expires_at`` comes from the scheduler's process on the wall clock; it is kept on the monotonic one.
         """
@@ -307,7 +308,8 @@ class PeerLink:
                 if early is not None:
                     self.forged_notifications += 1
                     logger.warning("request %s: a release with the wrong hold token; ignored", req_id)
-                self._holds[req_id] = _Hold(time.monotonic() + (expires_at - time.time()), token, tuple(block_ids))
+                self._holds[req_id] = _Hold(time.monotonic() + (expires_at - time.time()), token, tuple(block_ids),
+                                            retained=retained)  # fmt: skip
             if claim is not None:
                 self._claim_answers.append((claim[1], self._grant(req_id, claim[0])))
         if released:
@@ -344,7 +346,10 @@ class PeerLink:
                     pulled = None
                 if pulled is None and hold.expires_at >= now:
                     continue
-                if pulled is None:
+                if pulled is None and hold.retained:
+                    # A conversation that had no next turn in time (or a front door that does not hand it on).
+                    logger.info("request %s: no PE pulled its retained decode; blocks released", req_id)
+                elif pulled is None:
                     logger.warning("request %s: no DE pulled its KV within the lease; blocks released", req_id)
                 self._end_hold(req_id)
             # A pull or a release for no hold registers next step at the latest; one older than a lease names none.
@@ -486,6 +491,7 @@ class _Hold:
     token: str
     block_ids: tuple[int, ...]  # named in a push hand-off's claim; counted in the held-blocks gauge
     claim_token: str | None = None
+    retained: bool = False  # a DE's finished decode for the next turn's PE (RetainedDecode)
 
 
 @dataclasses.dataclass

@@ -29,9 +29,11 @@ from dualpath_connector.metadata import (
     SendSpec,
 )
 from dualpath_connector.protocol import (
+    RETAINED_CHECKPOINTS,
     PrefillHandoff,
     PrefillRequest,
     ProtocolError,
+    RetainedDecode,
     ShardedKeySpace,
     StoreKeySpace,
     new_hold_token,
@@ -91,8 +93,13 @@ class _RequestState:
     # PE, when the router named the decoding DE: (keep token, first chunk, chunks) of the hit that DE keeps if it
     # reads it (read side "de", or a read moved there).
     kept: tuple[str, int, int] | None = None
-    # Where its last planned external hit comes from, for vLLM's hit metrics: "p2p" (pulled from the PE) or "store".
+    # Where its last planned external hit comes from, for vLLM's hit metrics: "p2p" (pulled from a peer) or "store".
     hit_source: str | None = None
+    # PE: the DE's retained decode of the conversation's last turn, until its pull is planned, and the leading
+    # chunks pulled from it; asked once (after a failed pull the store is asked).
+    retained: RetainedDecode | None = None
+    retained_chunks: int = 0
+    retained_asked: bool = False
 
 
 class DualPathScheduler:
@@ -261,6 +268,10 @@ class DualPathScheduler:
             state.remote_decode = self._parsed(request, PrefillRequest)
         if not self._cacheable(request):
             return 0, False
+        if self.kv_role == "kv_producer" and (state.retained is not None or not state.retained_asked):
+            retained = self._retained_hit(state, num_computed_tokens)
+            if retained > 0:
+                return retained, True
         if state.loads_issued >= MAX_LOAD_ATTEMPTS:
             return 0, False
         # Never claim the last token: vLLM must compute it to sample the next one.
@@ -307,6 +318,10 @@ class DualPathScheduler:
         if state.remote_prefill is not None:
             state.hit_source = "p2p"
             self._plan_pull(state, num_external_tokens)
+            return
+        if state.retained is not None:
+            state.hit_source = "p2p"
+            self._plan_retained_pull(state, num_external_tokens)
             return
         hit_chunks = self._pending_hit_chunks.pop(request.request_id, 0)
         if num_external_tokens == 0 or hit_chunks == 0:
@@ -409,6 +424,54 @@ class DualPathScheduler:
                 kept=kept,
             )
         )
+
+    def _retained_hit(self, state: _RequestState, num_computed_tokens: int) -> int:
+        """PE: the tokens to pull from the DE that decoded the conversation's last turn (:class:`RetainedDecode`
+        in the request's params), past those computed here; 0 if none match: then the store is asked."""
+        state.retained_asked = True
+        request = state.request
+        retained = state.retained or self._parsed(request, RetainedDecode)
+        if retained is None:
+            return 0
+        chunk_tokens = self.geometry.chunk_tokens
+        if state.retained is None:
+            # Never the last prompt token (vLLM computes it to sample), and only chunks whose hash chain is this
+            # prompt's: the same tokens, model, salt and adapter as the KV the DE holds.
+            usable = min(retained.retained_tokens, request.num_tokens - 1) // chunk_tokens
+            own = self._hashes(state, usable * chunk_tokens)
+            state.retained_chunks = next((n for n, digest in retained.checkpoints if n <= len(own) and own[n - 1] == digest), 0)
+            if retained.tp_size != self.tp_size:
+                logger.info("request %s: the retained decode of a DE at TP %d (here %d) is not pulled",
+                            request.request_id, retained.tp_size, self.tp_size)  # fmt: skip
+                return 0
+            if len(retained.remote_block_ids) * self.geometry.block_size < state.retained_chunks * chunk_tokens:
+                state.retained_chunks = 0
+        tokens = state.retained_chunks * chunk_tokens - num_computed_tokens
+        if tokens <= 0:
+            # Nothing to pull (another conversation's turn, or all here already): the DE's hold ends now.
+            logger.info("request %s: the DE's retained decode %s is not pulled (%d of its chunks match, %d tokens "
+                        "computed here)", request.request_id, retained.remote_request_id, state.retained_chunks,
+                        num_computed_tokens)  # fmt: skip
+            self._pulls.append(PullSpec(request.request_id, retained.remote_side_channel, retained.remote_request_id,
+                                        retained.hold_token, [], []))  # fmt: skip
+            state.retained = None
+            return 0
+        state.retained = retained
+        # The last turn's PE and DE saved these chunks: saving starts after them.
+        state.stored_chunks = max(state.stored_chunks, state.retained_chunks)
+        state.saved_chunks = max(state.saved_chunks, state.retained_chunks)
+        return tokens
+
+    def _plan_retained_pull(self, state: _RequestState, num_external_tokens: int) -> None:
+        retained, state.retained = state.retained, None
+        end = state.retained_chunks * self.geometry.chunk_tokens
+        first = (end - num_external_tokens) // self.geometry.block_size
+        wanted = end // self.geometry.block_size
+        local = state.block_ids[first:wanted] if num_external_tokens else []
+        self._pulls.append(PullSpec(state.request.request_id, retained.remote_side_channel, retained.remote_request_id,
+                                    retained.hold_token, retained.remote_block_ids[first:wanted] if local else [], local))
+        logger.debug("request %s: pulling %d tokens of the conversation from DE %s", state.request.request_id,
+                     num_external_tokens, retained.remote_side_channel)  # fmt: skip
 
     def _kept_chunks(self, state: _RequestState, handoff: PrefillHandoff, first_block: int) -> list[ChunkLoad]:
         """The hand-off's kept chunks as loads into this request's blocks from ``first_block`` on.
@@ -555,13 +618,15 @@ class DualPathScheduler:
         self._dropped.append(request.request_id)
         if state is None:
             return False, None
-        if state.remote_prefill is not None:
-            # Aborted before its pull was planned: the PE still holds blocks.
-            handoff = state.remote_prefill
-            self._pulls.append(PullSpec(request.request_id, handoff.remote_side_channel, handoff.remote_request_id,
-                                        handoff.hold_token, [], []))  # fmt: skip
+        if state.remote_prefill is not None or state.retained is not None:
+            # Aborted before its pull was planned: the peer still holds blocks.
+            held = state.remote_prefill or state.retained
+            self._pulls.append(PullSpec(request.request_id, held.remote_side_channel, held.remote_request_id,
+                                        held.hold_token, [], []))  # fmt: skip
             return False, None
         prefilled = request.status in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED)
+        if self.kv_role == "kv_consumer" and self.config.pd_retain_decode_s > 0 and prefilled and block_ids:
+            return self._retain(state, block_ids)
         if not (state.remote_decode is not None and prefilled and block_ids):
             return False, None
         hold_token = new_hold_token()
@@ -578,6 +643,28 @@ class DualPathScheduler:
             kept_token=kept_token,
             kept_first_chunk=kept_first_chunk,
             kept_chunks=kept_chunks,
+        ).to_dict()
+
+    def _retain(self, state: _RequestState, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        """DE: hold a finished decode's blocks for the conversation's next prefill (:class:`RetainedDecode`)."""
+        request = state.request
+        # The KV the blocks hold: every token but the last sampled one, which was never fed back.
+        retained = request.num_computed_tokens
+        chunks = retained // self.geometry.chunk_tokens
+        if chunks == 0 or not self._cacheable(request):
+            return False, None
+        hashes = self._hashes(state, chunks * self.geometry.chunk_tokens)
+        hold_token = new_hold_token()
+        self._sends.append(SendSpec(request.request_id, time.time() + self.config.pd_retain_decode_s, hold_token,
+                                    list(block_ids), retained=True))  # fmt: skip
+        return True, RetainedDecode(
+            remote_side_channel=f"{self.config.side_channel_host}:{self.config.side_channel_port}",
+            remote_request_id=request.request_id,
+            remote_block_ids=list(block_ids),
+            hold_token=hold_token,
+            retained_tokens=retained,
+            checkpoints=[(n, hashes[n - 1]) for n in range(chunks, max(0, chunks - RETAINED_CHECKPOINTS), -1)],
+            tp_size=self.tp_size,
         ).to_dict()
 
     def shutdown(self) -> None:

@@ -238,7 +238,7 @@ class DualPathWorker:
         self.recompute_time.step_started(meta.computed_tokens)
         self._note_ended(meta)
         for send in meta.sends:
-            self.peers.hold(send.req_id, send.expires_at, send.hold_token, send.block_ids)
+            self.peers.hold(send.req_id, send.expires_at, send.hold_token, send.block_ids, send.retained)
         for spec in meta.loads:
             with self._lock:
                 self._in_flight.add(spec.req_id)

@@ -92,6 +92,9 @@ SPLIT_READ_MIN_TOKENS = 8 * BLOCK
 # ended late). The DE killed at the end is known at once (its connection closes), not after the deadline.
 DE_DEADLINE_S = 90.0
 PD_LEASE_S = 2 * DE_DEADLINE_S
+# The DE holds each finished decode this long for a multi-turn proxy's next prefill (turns here are seconds apart;
+# every other request's blocks are freed this long after it, at the DE's next step).
+RETAIN_DECODE_S = 20.0
 # Who read a turn's hit: the PE from the store, the DE for the PE, the split tail the PE counted as the DE's, the
 # DE's declines and the PE's fallbacks (a DE that answered late or failed).
 READ_COUNTERS = (("pe", "bytes_read"), ("de", "bytes_read_for_peer"), ("pe", "split_read_tail_tokens"),
@@ -142,7 +145,8 @@ def cluster(tiny_model, seaweedfs, tmp_path_factory):
     logs = tmp_path_factory.mktemp("pd-logs")
     options = {"bucket": BUCKET, "max_num_batched_tokens": BATCH_TOKENS, "keys": ClusterKeys.generate(),
                "extra": {"split_read_min_tokens": SPLIT_READ_MIN_TOKENS, "de_read_timeout_s": DE_DEADLINE_S,
-                         "moved_read_min_deadline_s": DE_DEADLINE_S, "pd_lease_s": PD_LEASE_S}}
+                         "moved_read_min_deadline_s": DE_DEADLINE_S, "pd_lease_s": PD_LEASE_S,
+                         "pd_retain_decode_s": RETAIN_DECODE_S}}
     with pd_pair(tiny_model, seaweedfs, logs, **options) as pair:
         yield pair
 
@@ -486,6 +490,42 @@ def test_a_proxy_in_nixl_connector_convention_drives_the_handoff(session, cluste
     # Every hand-off's hold ended with its pull, none waits for its lease (PD_LEASE_S): in push mode too, where
     # before the DE recomputed (nothing pulled, control above) and the PE held the blocks to the lease's end.
     poll(lambda: held_blocks(pe), lambda held: held == 0, 60, "the PE's holds ended by the DE's pulls")
+
+
+@pytest.mark.parametrize("conversation", ["multi-turn proxy", "no conversation id"])
+def test_a_multiturn_proxy_hands_the_des_last_turn_to_the_next_prefill(conversation, cluster, plain_engine, tmp_path):
+    """vLLM's multi-turn proxy gives the next prefill of a conversation the DE's last answer: the PE pulls the
+    conversation's KV from the DE's retained blocks (``pd_retain_decode_s``) instead of reading the store.
+    Outputs equal an engine's without the connector. Control: without a ``conversation_id`` the same proxy sends
+    NixlConnector's plain request, and the PE reads the store instead."""
+    pe, de = cluster
+    proxy = NixlStyleProxy(pe, de, tmp_path / "proxy.log", "--multiturn").start(timeout_s=120)
+    fields = {"conversation_id": "c-206"} if conversation == "multi-turn proxy" else {}
+    watched = [("pe", "pulled_tokens"), ("pe", "bytes_read"), ("de", "pulled_tokens")]
+    engines = {"pe": pe, "de": de}
+    try:
+        history: list[int] = []
+        for turn, append in enumerate(session_prompts(206 if fields else 207)[:3]):
+            prompt = history + append
+            plain_engine.generate([prompt], 1, reset_prefix_cache=turn == 0)
+            expected = plain_engine.generate([prompt], OUTPUT_TOKENS, reset_prefix_cache=False)[0]
+            if turn == 1:  # from the second turn on: what the next turns read from the DE or the store
+                before = {key: engines[key[0]].metric_total(counter_total_name(key[1])) for key in watched}
+            out = proxy.complete(prompt, OUTPUT_TOKENS, **fields)
+            assert same(out, expected), f"turn {turn} through the multi-turn proxy differs from the engine without it"
+            de.wait_stored(prompt + out["tokens"][:-1])  # the store path's next hit (the control's)
+            history = prompt + out["tokens"]
+    finally:
+        proxy.stop()
+
+    def grown() -> set[tuple[str, str]]:
+        for engine in engines.values():
+            _flush_stats(engine)
+        return {key for key in watched if engines[key[0]].metric_total(counter_total_name(key[1])) > before[key]}
+
+    # The DE pulled each prompt from the PE; the PE took the conversation from the DE, or (the control) the store.
+    wanted = {("de", "pulled_tokens"), ("pe", "pulled_tokens") if fields else ("pe", "bytes_read")}
+    assert poll(grown, lambda names: wanted <= names, 60, f"the {conversation} turns' counters") == wanted
 
 
 def held_blocks(pe) -> float:

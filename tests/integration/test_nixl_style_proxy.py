@@ -4,6 +4,7 @@ against stand-in engines: what each engine receives (the e2e tests show that rea
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 
 from dualpath_dev.processes import free_port, stop_process_group
 from tests.conftest import poll
-from dualpath_connector.protocol import PrefillHandoff
+from dualpath_connector.protocol import PrefillHandoff, RetainedDecode
 from tests.integration.test_router_http import API_KEY, MODEL, PROMPT, StandInEngine
 
 PROXY = Path(__file__).parents[1] / "nixl_style_proxy.py"
@@ -89,3 +90,23 @@ def test_in_push_mode_the_decode_gets_only_the_pes_coordinates(tmp_path):
                           **{k: handed[k] for k in ("remote_request_id", "remote_host", "remote_port", "tp_size")}}
         assert PrefillHandoff.from_dict(decode) == PrefillHandoff(handed["remote_side_channel"],
                                                                   handed["remote_request_id"], None, hold_token="")
+
+
+def test_in_multiturn_mode_a_conversations_next_prefill_gets_its_decodes_last_answer_once(tmp_path):
+    """``--multiturn`` keeps what vLLM's disagg_proxy_multiturn.py keeps: the decode engine's final
+    kv_transfer_params per conversation_id, host rewritten, handed to that conversation's next prefill once."""
+    with proxy_of(tmp_path, "--multiturn") as (pes, des, url):
+        retained = RetainedDecode("10.9.9.9:5700", "d-1", [4, 5], "ab" * 16, 40, [(1, "cd" * 32)])
+        for de in des:
+            de.decode_kv_transfer_params = retained.to_dict()
+        auth = {"Authorization": f"Bearer {API_KEY}"}
+        for conversation in ("c1", "c1", "c2", "c1"):
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 3, "conversation_id": conversation}
+            assert httpx.post(f"{url}/v1/completions", json=body, headers=auth, timeout=30).status_code == 200
+        prefills = [p for pe in pes for p in pe.received]
+        assert all("conversation_id" not in p for p in prefills + [d for de in des for d in de.received])
+        sent = [PE.get("kv_transfer_params") for PE in pes[0].received + pes[1].received]
+        # Round robin: pe0 got turns 1 and 3 (the first of c1 and of c2), pe1 turns 2 and 4 (c1's next two).
+        assert RetainedDecode.from_dict(sent[0]) is None and RetainedDecode.from_dict(sent[1]) is None
+        for params in sent[2:]:
+            assert RetainedDecode.from_dict(params) == dataclasses.replace(retained, remote_side_channel="127.0.0.1:5700")

@@ -84,6 +84,7 @@ class StandInEngine:
         self.authorizations: list[str | None] = []
         self.refused = 0
         self.sent_kv_transfer_params: list[dict] = []
+        self.decode_kv_transfer_params: dict | None = None  # put in each non-streamed decode answer when set
         self.release = threading.Event()
         self.metrics_text = (
             "# TYPE vllm:num_requests_running gauge\n"
@@ -191,6 +192,7 @@ class StandInEngine:
             "choices": [{"index": 0, "text": "", "token_ids": tokens, "finish_reason": "length"}],
             "usage": {"prompt_tokens": len(body.get("prompt", [])), "completion_tokens": len(tokens)},
             "served_by": self.name,
+            **({"kv_transfer_params": self.decode_kv_transfer_params} if self.decode_kv_transfer_params else {}),
         }
 
     def decode_events(self, body: dict) -> list[str]:

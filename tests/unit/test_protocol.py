@@ -16,6 +16,7 @@ from dualpath_connector.protocol import (
     PROTOCOL_VERSION,
     VERSION_KEY,
     PrefillHandoff,
+    RetainedDecode,
     PrefillRequest,
     ProtocolError,
     ReadAnswer,
@@ -103,6 +104,31 @@ def test_a_push_mode_proxys_handoff_is_a_push_handoff_to_claim_by_request_id():
                          ({"remote_port": None}, "remote_port"), ({"tp_size": 0}, "tp_size")):  # fmt: skip
         with pytest.raises(ProtocolError, match=what):
             PrefillHandoff.from_dict({**PUSH, **change})
+
+
+RETAINED = RetainedDecode("10.0.0.2:5700", "cmpl-d1", [4, 9, 2], HOLD, 95, [(2, "ab" * 32), (1, "cd" * 32)], tp_size=2)
+
+
+def test_a_retained_decode_round_trips_and_reads_as_a_prefill_request_too():
+    params = RETAINED.to_dict()
+    assert RetainedDecode.from_dict(params) == RETAINED
+    # What the multi-turn proxy sends the next PE: the DE's answer, do_remote_decode true; also a prefill request.
+    assert PrefillRequest.from_dict(params) == PrefillRequest("pe")
+    assert RetainedDecode.from_dict(NIXL_PROXY_PREFILL) is None and RetainedDecode.from_dict(HANDOFF.to_dict()) is None
+
+
+@pytest.mark.parametrize(
+    "change, what",
+    [({"retained_checkpoints": []}, "retained_checkpoints"), ({"retained_checkpoints": "ab"}, "retained_checkpoints"),
+     ({"retained_checkpoints": [[1, "ab"]] * 5}, "retained_checkpoints"),
+     ({"retained_checkpoints": [[0, "ab"]]}, "chunks"), ({"retained_checkpoints": [[1, "AB"]]}, "hashes"),
+     ({"retained_checkpoints": [[1, "ab", 3]]}, "retained_checkpoints"), ({"retained_tokens": -1}, "retained_tokens"),
+     ({"hold_token": None}, "hold_token"), ({"remote_block_ids": [1, -1]}, "remote_block_ids"),
+     ({VERSION_KEY: 1}, "version")],
+)  # fmt: skip
+def test_bad_retained_decodes_are_refused(change, what):
+    with pytest.raises(ProtocolError, match=what):
+        RetainedDecode.from_dict({**RETAINED.to_dict(), **change})
 
 
 def test_a_handoff_needs_its_hold_token():

@@ -17,7 +17,7 @@ from vllm.v1.request import RequestStatus
 
 from dualpath_connector.config import ChunkGeometry, parse_config
 from dualpath_connector.metadata import ChunkLoad, PullSpec, SaveSpec
-from dualpath_connector.protocol import VERSION_KEY, PrefillHandoff, PrefillRequest
+from dualpath_connector.protocol import VERSION_KEY, PrefillHandoff, PrefillRequest, RetainedDecode
 from dualpath_connector.scheduler.scheduler import MAX_LOAD_ATTEMPTS, DualPathScheduler
 from nixl_backends.layout import KVNamespace, chunk_hashes, chunk_key, isolated_chain
 
@@ -1035,3 +1035,81 @@ def test_chunks_failed_mid_forward_are_saved_again_as_recomputed(tmp_path):
     store.present.discard(keys[1])
     assert scheduler.get_num_new_matched_tokens(make_request("r2", prompt), 0) == (CHUNK, True)
     assert len(store.calls) == lookups + 1
+
+
+# -- multi-turn D->P reuse (vLLM's disagg_proxy_multiturn.py) ---------------------------
+
+
+def finished_decode(tmp_path, retain_s=30.0, turn=None):
+    """A DE that decoded ``turn`` (prompt + output, every token's KV computed but the last's): its answer's params."""
+    scheduler, _ = make_scheduler(tmp_path, "kv_consumer", pd_retain_decode_s=retain_s)
+    turn = turn or prompt_of(5 * CHUNK + 9)
+    request = make_request("d1", turn[:-20], handoff(num_remote_blocks=9).to_dict())
+    matched, _ = scheduler.get_num_new_matched_tokens(request, 0)
+    scheduler.update_state_after_alloc(request, Blocks(range(100, 109)), matched)
+    scheduler.build_connector_meta(empty_step())  # the prompt's pull
+    request.all_token_ids, request.num_tokens, request.num_computed_tokens = list(turn), len(turn), len(turn) - 1
+    request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+    return scheduler, scheduler.request_finished(request, list(range(100, 111)))
+
+
+def test_a_de_retains_a_finished_decode_naming_its_blocks_and_the_chain_at_its_last_chunks(tmp_path):
+    turn = prompt_of(5 * CHUNK + 9)
+    scheduler, (delay_free, params) = finished_decode(tmp_path, turn=turn)
+    assert delay_free is True
+    retained = RetainedDecode.from_dict(params)
+    assert (retained.remote_side_channel, retained.remote_block_ids, retained.retained_tokens) == (
+        f"127.0.0.1:{PORT}", list(range(100, 111)), len(turn) - 1)
+    # The hash chain of the conversation's tokens at its last full chunks, most first.
+    assert retained.checkpoints == [(n, hashes_of(turn)[n - 1]) for n in (5, 4, 3, 2)]
+    send = scheduler.build_connector_meta(empty_step()).sends[0]
+    assert (send.hold_token, send.block_ids, send.retained) == (retained.hold_token, list(range(100, 111)), True)
+    # Control: off (the default), the DE answers nothing and frees its blocks.
+    assert finished_decode(tmp_path, retain_s=0.0)[1] == (False, None)
+
+
+def next_turn(tmp_path, params, prompt, num_computed=0):
+    """The next turn's PE, asked with the proxy's params (the DE's answer, do_remote_decode true)."""
+    scheduler, store = make_scheduler(tmp_path, "kv_producer")
+    request = make_request("p2", prompt, {**params, "do_remote_decode": True, "do_remote_prefill": False})
+    return scheduler, store, request, scheduler.get_num_new_matched_tokens(request, num_computed)
+
+
+def test_the_next_turns_pe_pulls_the_matching_chunks_from_the_de_and_asks_no_store(tmp_path):
+    turn = prompt_of(5 * CHUNK + 9)
+    _, (_, params) = finished_decode(tmp_path, turn=turn)
+    prompt = turn + prompt_of(40, seed=7)
+    scheduler, store, request, matched = next_turn(tmp_path, params, prompt, num_computed=BLOCK)
+    assert matched == (5 * CHUNK - BLOCK, True) and store.calls == []
+    scheduler.update_state_after_alloc(request, Blocks(range(20, 34)), 5 * CHUNK - BLOCK)
+    pull = scheduler.build_connector_meta(empty_step()).pulls[0]
+    # The DE's blocks 1-9 (block 0 is in the local prefix cache) into this request's.
+    assert (pull.remote_side_channel, pull.remote_block_ids, pull.block_ids) == (
+        f"127.0.0.1:{PORT}", list(range(101, 110)), list(range(21, 30)))
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    assert scheduler.hit_sources(request, 5 * CHUNK - BLOCK) == {CacheHitSource.P2P: 5 * CHUNK - BLOCK}
+    # Asked again (the pull failed), it asks the store instead of pulling again.
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False) and store.calls
+
+
+def test_a_next_turn_that_rewrote_the_last_chunk_pulls_up_to_the_one_before(tmp_path):
+    turn = prompt_of(5 * CHUNK + 9)
+    _, (_, params) = finished_decode(tmp_path, turn=turn)
+    rerendered = turn[: 4 * CHUNK + 3] + [7] + turn[4 * CHUNK + 4 :]  # a token of chunk 5 differs
+    assert next_turn(tmp_path, params, rerendered)[3] == (4 * CHUNK, True)
+
+
+@pytest.mark.parametrize("change", ["other tokens", "other tp"])
+def test_a_retained_decode_of_other_tokens_is_never_pulled_and_its_hold_ends(tmp_path, change):
+    _, (_, params) = finished_decode(tmp_path)
+    prompt = prompt_of(6 * CHUNK, seed=3)  # another conversation
+    if change == "other tp":
+        prompt, params = prompt_of(5 * CHUNK + 9) + [1] * 40, {**params, "tp_size": 2}
+    scheduler, store, request, matched = next_turn(tmp_path, params, prompt)
+    assert matched == (0, False) and store.calls  # the store's hit instead (none here)
+    pulls = scheduler.build_connector_meta(empty_step()).pulls
+    if change == "other tokens":  # released at once; a DE of another size is left to its expiry
+        assert [(p.remote_req_id, p.block_ids, p.remote_block_ids) for p in pulls] == [("d1", [], [])]
+    else:
+        assert pulls == []
