@@ -10,7 +10,7 @@ PD_SIDECAR := $(VENV)/bin/pd-sidecar
 UV := python3 -m uv
 
 .PHONY: docs docs-check
-.PHONY: setup vllm-latest test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-store-window bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak soak-hostile gpu-connector-check device-check
+.PHONY: setup vllm-latest test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-store-window bench-multiturn bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak soak-hostile gpu-connector-check device-check
 
 setup: $(STAMP) mma $(VERSITYGW) $(PD_SIDECAR)
 
@@ -117,6 +117,10 @@ bench-lookup-latency: setup
 # BENCH_ARGS adds options (e.g. BENCH_ARGS="--store-rtt-ms 0 20"). Results: benchmarks/results/read-sides.*
 bench-read-sides: setup
 	$(PY) benchmarks/bench_read_sides.py $(BENCH_ARGS)
+
+# A conversation's next turn: the DE's retained decode (vLLM's multi-turn proxy) vs the store, at store RTTs 0 and 20 ms.
+bench-multiturn: setup
+	$(PY) benchmarks/bench_multiturn.py --store-rtt-ms 0 20 $(BENCH_ARGS)
 
 # s3 store reads through a delaying relay: a fixed window of 8 requests vs one sized from the link's BDP.
 bench-store-window: setup

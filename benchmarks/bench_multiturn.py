@@ -184,8 +184,11 @@ def main() -> None:
     parser.add_argument("--output-tokens", type=int, default=16)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--retain-s", type=float, default=120.0, help="the DE's pd_retain_decode_s")
+    parser.add_argument("--max-model-len", type=int, default=8192)
     parser.add_argument("--output", default="multiturn", help="result file stem under benchmarks/results/")
     args = parser.parse_args()
+    if args.context + (args.turns - 1) * (args.append + args.output_tokens) + args.output_tokens > args.max_model_len:
+        parser.error("--max-model-len must hold the conversation's last turn")
     exit_on_sigterm()
     run_and_report(run, table, args, f"{args.output}.json", chart)
 
