@@ -648,8 +648,8 @@ class DualPathScheduler:
     def _retain(self, state: _RequestState, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         """DE: hold a finished decode's blocks for the conversation's next prefill (:class:`RetainedDecode`)."""
         request = state.request
-        # The KV the blocks hold: every token but the last sampled one, which was never fed back.
-        retained = request.num_computed_tokens
+        # The KV the blocks hold: every token but the last sampled one, which was never fed back (never more).
+        retained = min(request.num_computed_tokens, request.num_tokens - 1)
         chunks = retained // self.geometry.chunk_tokens
         if chunks == 0 or not self._cacheable(request):
             return False, None

@@ -1040,15 +1040,17 @@ def test_chunks_failed_mid_forward_are_saved_again_as_recomputed(tmp_path):
 # -- multi-turn D->P reuse (vLLM's disagg_proxy_multiturn.py) ---------------------------
 
 
-def finished_decode(tmp_path, retain_s=30.0, turn=None):
-    """A DE that decoded ``turn`` (prompt + output, every token's KV computed but the last's): its answer's params."""
+def finished_decode(tmp_path, retain_s=30.0, turn=None, computed_all=False):
+    """A DE that decoded ``turn`` (prompt + output, every token's KV computed but the last's, or, ``computed_all``,
+    counted as computed too): its answer's params."""
     scheduler, _ = make_scheduler(tmp_path, "kv_consumer", pd_retain_decode_s=retain_s)
     turn = turn or prompt_of(5 * CHUNK + 9)
     request = make_request("d1", turn[:-20], handoff(num_remote_blocks=9).to_dict())
     matched, _ = scheduler.get_num_new_matched_tokens(request, 0)
     scheduler.update_state_after_alloc(request, Blocks(range(100, 109)), matched)
     scheduler.build_connector_meta(empty_step())  # the prompt's pull
-    request.all_token_ids, request.num_tokens, request.num_computed_tokens = list(turn), len(turn), len(turn) - 1
+    request.all_token_ids, request.num_tokens = list(turn), len(turn)
+    request.num_computed_tokens = len(turn) - (0 if computed_all else 1)
     request.status = RequestStatus.FINISHED_LENGTH_CAPPED
     return scheduler, scheduler.request_finished(request, list(range(100, 111)))
 
@@ -1066,6 +1068,8 @@ def test_a_de_retains_a_finished_decode_naming_its_blocks_and_the_chain_at_its_l
     assert (send.hold_token, send.block_ids, send.retained) == (retained.hold_token, list(range(100, 111)), True)
     # Control: off (the default), the DE answers nothing and frees its blocks.
     assert finished_decode(tmp_path, retain_s=0.0)[1] == (False, None)
+    # Never the last sampled token's KV, which no step computed, whatever the count says.
+    assert RetainedDecode.from_dict(finished_decode(tmp_path, computed_all=True)[1][1]).retained_tokens == len(turn) - 1
 
 
 def next_turn(tmp_path, params, prompt, num_computed=0):
