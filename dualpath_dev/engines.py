@@ -122,6 +122,8 @@ class VLLMServer(ServiceProcess):
         self.kv_config = json.loads((CONFIGS / config).read_text())
         extra_config = self.kv_config["kv_connector_extra_config"]
         extra_config["store"]["endpoint"] = s3.endpoint
+        if s3.ca_bundle:  # a server speaking TLS with its own CA (versitygw)
+            extra_config["store"]["ca_bundle"] = s3.ca_bundle
         if bucket is not None:
             extra_config["store"]["bucket"] = bucket
         extra_config.update(extra or {})

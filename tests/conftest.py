@@ -27,6 +27,7 @@ import pytest
 from dualpath_dev.cluster import netns_supported, remove
 from dualpath_dev.engines import VLLMServer
 from dualpath_dev.processes import ServiceProcess, free_port, start_all
+from dualpath_dev.s3_server import S3Server
 from dualpath_dev.seaweedfs import SeaweedFS
 from dualpath_dev.versitygw import VersityGW
 from dualpath_dev.tiny_model import make_tiny_deepseek_v2, make_tiny_llama
@@ -233,19 +234,19 @@ def router_model(router) -> str:
 
 
 @contextlib.contextmanager
-def pd_pair(model: Path, seaweedfs: SeaweedFS, logs: Path, **options) -> Iterator[tuple]:
+def pd_pair(model: Path, store: S3Server, logs: Path, **options) -> Iterator[tuple]:
     """A PE and a DE (``dualpath_dev.engines.VLLMServer`` on configs/pe.json and de.json, ``options`` for
-    both: ``keys`` is required), started and warmed up side by side; stopped by the PIDs they hold, also on
-    failure."""
-    pe = VLLMServer(model, seaweedfs, logs / "pe.log", config="pe.json", **options)
-    de = VLLMServer(model, seaweedfs, logs / "de.log", config="de.json", **options)
+    both: ``keys`` is required) on ``store`` (SeaweedFS, or versitygw over TLS), started and warmed up side by
+    side; stopped by the PIDs they hold, also on failure."""
+    pe = VLLMServer(model, store, logs / "pe.log", config="pe.json", **options)
+    de = VLLMServer(model, store, logs / "de.log", config="de.json", **options)
     try:
         start_all([pe, de])
         # The store serves objects of the pair's bucket before a session claims who read them: at the suite's
         # start a fresh SeaweedFS left every first GET of a new bucket unanswered for a minute (twice at TP=2,
         # cause unknown), and a turn's read lost that minute to its deadline. The probe's time is in the output.
         bucket = options.get("bucket", "dualpath-kv")
-        print(f"bucket {bucket!r} served a probe object after {seaweedfs.warm_bucket(bucket):.2f}s")
+        print(f"bucket {bucket!r} served a probe object after {store.warm_bucket(bucket):.2f}s")
         # vLLM compiles its logprobs gather on first use, which stalls that
         # engine for seconds to a minute on 2 cores; do it before the DE serves
         # peers, in both engines at once.

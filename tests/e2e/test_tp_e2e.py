@@ -9,6 +9,13 @@ Every output must equal, token for token and logprob for logprob, an engine's wi
 same TP. Negative controls: rank 1's shard of one chunk replaced by its shard of another chunk, resealed with
 a valid checksum trailer: the loaded set of keys and values changes on one rank only, and the answer must
 change (so rank 1's shard is really loaded, and the comparison can fail).
+
+The PD pair's store is the second S3 server, versitygw over TLS (``ca_bundle``), not SeaweedFS: under the
+suite's load SeaweedFS's all-in-one server lost its own volume server (its log: gRPC keepalive pings unanswered,
+"Removing Volume ... from the dead volume server", then "all filers failed" on every GET for minutes), or stopped
+serving chunk reads for about 30 s, in most runs. A turn whose hit the store then failed is recomputed, which is
+right but not bit for bit the hit path the baseline follows, so this module failed on the store, not on TP.
+versitygw serves objects from plain files in one process.
 """
 
 from __future__ import annotations
@@ -116,7 +123,7 @@ def test_kv_both_each_rank_stores_and_loads_its_shard_and_the_answer_matches(tin
 
 
 @pytest.fixture(scope="module")
-def cluster(baseline, tiny_model, seaweedfs, tmp_path_factory):
+def cluster(baseline, tiny_model, versitygw, tmp_path_factory):
     """A PE and a DE, each at TP = 2 (after the baseline engine stopped: four workers on this machine's cores)."""
     logs = tmp_path_factory.mktemp("tp-pd-logs")
     options = {"bucket": BUCKET, "max_num_batched_tokens": PLAIN_ENGINE_BATCH_TOKENS, "keys": ClusterKeys.generate(),
@@ -127,7 +134,7 @@ def cluster(baseline, tiny_model, seaweedfs, tmp_path_factory):
                "extra": {"split_read_min_tokens": SPLIT_READ_MIN_TOKENS, "de_read_timeout_s": DE_DEADLINE_S,
                          "moved_read_min_deadline_s": DE_DEADLINE_S, "pd_lease_s": 2 * DE_DEADLINE_S},
                "tensor_parallel_size": TP}  # fmt: skip
-    with pd_pair(tiny_model, seaweedfs, logs, **options) as pair:
+    with pd_pair(tiny_model, versitygw, logs, **options) as pair:
         yield pair
 
 
@@ -138,13 +145,13 @@ def _grown(counters, before: dict[str, float]) -> set[str]:
     return {name for e, name in counters if e.metric_total(counter_total_name(name)) > before[name]}
 
 
-def _forge_rank_1_shard(de, seaweedfs, prompt: list[int]) -> None:
+def _forge_rank_1_shard(de, store, prompt: list[int]) -> None:
     """Rank 1's shard of chunk 5 of ``prompt`` becomes its shard of chunk 4, under a trailer that verifies: sealed
     with the deployment's integrity key (configs/ run integrity: keyed), as only a keyholder could."""
     shards = StoreKeySpace.from_metrics(de.metrics_text()).shards
     assert len(shards) == TP
     hashes = chunk_hashes(shards[1].chain_digest, prompt, CHUNK)
-    s3 = seaweedfs.client()
+    s3 = store.client()
     body = s3.get_object(Bucket=BUCKET, Key=shards[1].key(hashes[4]))["Body"].read()
     s3.put_object(Bucket=BUCKET, Key=shards[1].key(hashes[5]),
                   Body=resealed(body, shards[1].object_hash(hashes[5]), LAYERS, de.keys.integrity_key()))
@@ -175,7 +182,7 @@ def _turn_counters_grew(turn: str, names: set[str]) -> bool:
     return bool(names & GAVE_UP) or (READ_BY[turn] <= names and (turn == "forged" or bool(names & PROMPT_ARRIVED)))
 
 
-def test_pd_pair_at_tp2_hands_off_reads_on_either_side_and_splits(cluster, baseline, seaweedfs, tmp_path):
+def test_pd_pair_at_tp2_hands_off_reads_on_either_side_and_splits(cluster, baseline, versitygw, tmp_path):
     pe, de = cluster
     named = ["--de-side-channel", de.side_channel]
     flags = {"miss": [], "pe": [], "forged": [], "de": [*named, "--read-side", "de"], "split": [*named, "--read-side", "pe"]}
@@ -186,7 +193,7 @@ def test_pd_pair_at_tp2_hands_off_reads_on_either_side_and_splits(cluster, basel
         before = {name: e.metric_total(counter_total_name(name)) for e, name in counters}
         store_refusals = _store_refusals(pe)
         if turn == "forged":
-            _forge_rank_1_shard(de, seaweedfs, expected["prompt"])
+            _forge_rank_1_shard(de, versitygw, expected["prompt"])
         proxy = NixlStyleProxy(pe, de, tmp_path / f"proxy-{turn}.log", *flags[turn]).start(timeout_s=120)
         try:
             out = proxy.complete(expected["prompt"], OUTPUT_TOKENS)
