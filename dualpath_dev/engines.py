@@ -122,7 +122,8 @@ class VLLMServer(ServiceProcess):
         self.kv_config = json.loads((CONFIGS / config).read_text())
         extra_config = self.kv_config["kv_connector_extra_config"]
         extra_config["store"]["endpoint"] = s3.endpoint
-        if s3.ca_bundle:  # a server speaking TLS with its own CA (versitygw)
+        # A server speaking TLS with its own CA (versitygw); a stand-in without the attribute speaks plain HTTP.
+        if getattr(s3, "ca_bundle", None):
             extra_config["store"]["ca_bundle"] = s3.ca_bundle
         if bucket is not None:
             extra_config["store"]["bucket"] = bucket
