@@ -37,13 +37,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
 from _common import (  # noqa: E402
+    bar_chart,
     exit_on_sigterm,
     markdown_table,
     median,
-    pyplot,
     result_payload,
     run_and_report,
-    save_figure,
 )
 
 from dualpath_connector.cli import parse_size  # noqa: E402
@@ -158,19 +157,10 @@ def table(payload: dict) -> str:
 
 
 def chart(payload: dict, path: Path) -> Path | None:
-    plt = pyplot()
-    if plt is None:
-        return None
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    rtts = [r["store_rtt_ms"] for r in payload["rows"]]
-    for offset, mode in ((-0.2, "fixed"), (0.2, "bdp")):
-        meds = [r[mode]["MBps_median"] for r in payload["rows"]]
-        ax.bar([i + offset for i in range(len(rtts))], meds, width=0.4, label=mode)
-    ax.set_xticks(range(len(rtts)), [f"{r:g} ms" for r in rtts])
-    ax.set_ylabel("read MB/s (median)")
-    ax.set_title("s3 store reads at a store round trip")
-    ax.legend()
-    return save_figure(fig, path)
+    rows = payload["rows"]
+    return bar_chart(path, [f"{r['store_rtt_ms']:g} ms" for r in rows],
+                     {mode: [r[mode]["MBps_median"] for r in rows] for mode in MODES}, "store round trip",
+                     "s3 store reads at a store round trip", ylabel="read MB/s (median)")
 
 
 def main() -> None:
