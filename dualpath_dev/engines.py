@@ -98,6 +98,7 @@ class VLLMServer(ServiceProcess):
     free side-channel ports for every rank (``side_channel_port`` + rank). ``kv_cache_bytes``: each worker's
     KV cache (``--kv-cache-memory-bytes``). ``pin_forwards``: its forward threads pinned to all cores but the
     last (:func:`forward_threads_env`), as a benchmark wants them; otherwise the kernel places them.
+    ``store_options``: keys of the store section (``io_timeout_s``, ...) over the config's.
     """
 
     def __init__(
@@ -118,6 +119,7 @@ class VLLMServer(ServiceProcess):
         tensor_parallel_size: int = 1,
         kv_cache_bytes: int = TEST_KV_CACHE_BYTES,
         pin_forwards: bool = False,
+        store_options: dict | None = None,
     ) -> None:
         self.kv_config = json.loads((CONFIGS / config).read_text())
         extra_config = self.kv_config["kv_connector_extra_config"]
@@ -127,6 +129,7 @@ class VLLMServer(ServiceProcess):
             extra_config["store"]["ca_bundle"] = s3.ca_bundle
         if bucket is not None:
             extra_config["store"]["bucket"] = bucket
+        extra_config["store"].update(store_options or {})
         extra_config.update(extra or {})
         self.side_channel = None
         if self.kv_config["kv_role"] != "kv_both":

@@ -132,7 +132,12 @@ def cluster(baseline, tiny_model, versitygw, tmp_path_factory):
                # happen, not may: a DE read or a split's tail is never given up as late (de_read_timeout_s, and
                # moved_read_min_deadline_s for the split's estimate), and a hold outlasts them (pd_lease_s).
                "extra": {"split_read_min_tokens": SPLIT_READ_MIN_TOKENS, "de_read_timeout_s": DE_DEADLINE_S,
-                         "moved_read_min_deadline_s": DE_DEADLINE_S, "pd_lease_s": 2 * DE_DEADLINE_S},
+                         "moved_read_min_deadline_s": DE_DEADLINE_S, "pd_lease_s": 2 * DE_DEADLINE_S,
+                         "retries_within_recompute": False},
+               # The store's GETs too (io_timeout_s, 30 s by default): in one CI run both PE ranks' first GETs
+               # ended 40 and 50 s after they were sent; abandoned at 30 s, the turn was recomputed. A GET that
+               # failed is sent again however long the recompute would take (retries_within_recompute).
+               "store_options": {"io_timeout_s": DE_DEADLINE_S},
                "tensor_parallel_size": TP}  # fmt: skip
     with pd_pair(tiny_model, versitygw, logs, **options) as pair:
         yield pair
