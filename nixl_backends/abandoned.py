@@ -5,8 +5,12 @@ destination (a READ) or read its source (a WRITE) at any later time, so that mem
 freed then: a late store answer must never land in a buffer that holds another request's KV. It is not kept
 forever either: :class:`AbandonedTransfers` holds it with the transfers' NIXL handles, polls those handles on
 a thread of its own, and frees the memory (returns pool slots, deregisters, closes descriptors) once every one
-of them has ended. A transfer that never ends keeps its memory for good: its owner then has less to give out
-and refuses work (a pool with no room is a miss) instead of growing or reusing.
+of them has ended. Transfers another process runs (an s3agg gateway's WRITEs into this process's buffer) have
+no handle here: a probe asks that process whether none of them can land any more, at growing intervals
+(:data:`PROBE_FIRST_S` doubling up to :data:`PROBE_MAX_S`: each probe is a request to it), and the memory is
+freed once it confirms. A transfer that never ends, or whose end cannot be confirmed, keeps its memory for
+good: its owner then has less to give out and refuses work (a pool with no room is a miss) instead of growing
+or reusing.
 
 The engine's hit reader and chunk saver share one per process (:func:`process_reaper`); the gateway keeps
 its own, for the staging budget it reports.
@@ -17,6 +21,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +29,11 @@ from typing import Any
 from nixl_backends.nixl_io import TransferAbandoned
 
 logger = logging.getLogger(__name__)
+
+# A probe is a request to another process: the first one after the caller's own failed attempt, then at doubling
+# intervals up to the last (a gateway cut off for hours is asked once a minute).
+PROBE_FIRST_S = 1.0
+PROBE_MAX_S = 60.0
 
 
 @dataclass
@@ -35,13 +45,19 @@ class _Held:
     free: Callable[[], None]
     nbytes: int
     label: str
+    # Transfers another process runs: asked, not polled (True once none can land any more).
+    probe: Callable[[], bool] | None = None
+    probe_at: float = 0.0
+    probe_wait_s: float = PROBE_FIRST_S
 
 
 class AbandonedTransfers:
     """Frees memory held for abandoned NIXL transfers once every one of them has ended (a thread of its own)."""
 
-    def __init__(self, name: str = "nixl-abandoned", poll_s: float = 0.1) -> None:
+    def __init__(self, name: str = "nixl-abandoned", poll_s: float = 0.1,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
         self._poll_s = poll_s
+        self._clock = clock
         self._held: list[_Held] = []
         self._changed = threading.Condition()
         # One reap at a time: two would both see an entry's transfers ended and free it twice.
@@ -61,16 +77,21 @@ class AbandonedTransfers:
             return len(self._held)
 
     def hold(self, agent: Any, handles: Sequence[Any], free: Callable[[], None], *, nbytes: int = 0,
-             label: str = "", memory: Any = None) -> None:
+             label: str = "", memory: Any = None, probe: Callable[[], bool] | None = None) -> None:
         """Keep ``memory`` (``nbytes`` of it) until ``handles`` of ``agent`` have ended, then call ``free``.
 
-        Without handles it is kept for good: nothing says when the transfers end.
+        Without handles, until ``probe`` returns True (the process running the transfers confirms that none can
+        land any more); without either it is kept for good: nothing says when the transfers end.
         """
-        if not handles or agent is None:
+        watched = bool(handles) and agent is not None
+        if not watched and probe is None:
             logger.error("%s: abandoned transfers that cannot be watched; %d bytes are never freed", label, nbytes)
             return
+        entry = _Held(agent, list(handles) if watched else [], memory, free, nbytes, label)
+        if not watched:
+            entry.probe, entry.probe_at = probe, self._clock() + PROBE_FIRST_S
         with self._changed:
-            self._held.append(_Held(agent, list(handles), memory, free, nbytes, label))
+            self._held.append(entry)
             self._changed.notify_all()
 
     def hold_abandoned(self, exc: TransferAbandoned, free: Callable[[], None], *, nbytes: int = 0,
@@ -82,7 +103,7 @@ class AbandonedTransfers:
             for cleanup in cleanups:
                 cleanup()
 
-        self.hold(exc.agent, exc.handles, free_all, nbytes=nbytes, label=label, memory=memory)
+        self.hold(exc.agent, exc.handles, free_all, nbytes=nbytes, label=label, memory=memory, probe=exc.probe)
 
     def reap(self) -> int:
         """Free every held entry whose transfers all ended; how many were freed."""
@@ -101,9 +122,11 @@ class AbandonedTransfers:
                 self._held = [entry for entry in self._held if entry not in done]
             return len(done)
 
-    @staticmethod
-    def _ended(entry: _Held) -> bool:
-        """True once no handle is in flight; the ended ones are released as they are seen."""
+    def _ended(self, entry: _Held) -> bool:
+        """True once no handle is in flight (the ended ones are released as they are seen), or the probe, when
+        due, confirms that none can land."""
+        if entry.probe is not None:
+            return self._probed(entry)
         still: list[Any] = []
         for handle in entry.handles:
             try:
@@ -116,6 +139,19 @@ class AbandonedTransfers:
                 entry.agent.release_xfer_handle(handle)
         entry.handles = still
         return not still
+
+    def _probed(self, entry: _Held) -> bool:
+        now = self._clock()
+        if now < entry.probe_at:
+            return False
+        try:
+            if entry.probe():
+                return True
+        except Exception:  # a probe that fails confirms nothing: asked again later
+            logger.exception("%s: asking whether abandoned transfers ended failed", entry.label)
+        entry.probe_wait_s = min(2 * entry.probe_wait_s, PROBE_MAX_S)
+        entry.probe_at = self._clock() + entry.probe_wait_s
+        return False
 
     def _run(self) -> None:
         while True:

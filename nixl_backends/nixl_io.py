@@ -35,11 +35,13 @@ class TransferAbandoned(RuntimeError):
     buffer), and whoever catches it last hands it to
     :class:`nixl_backends.abandoned.AbandonedTransfers`, which runs them all
     once every handle ended. Without handles (the transfers are another
-    process's) nothing is ever freed.
+    process's), a ``probe`` asks whoever runs them whether none can land any
+    more (true once that is confirmed); without either, nothing is ever freed.
     """
 
     handles: Sequence[Any] = ()
     agent: Any = None
+    probe: Callable[[], bool] | None = None
 
     def __init__(self, op: str, pending: int, timeout_s: float, handles: Sequence[Any] = (), agent: Any = None) -> None:
         super().__init__(f"NIXL {op}: {pending} transfers still in flight after {timeout_s:.1f}s")

@@ -23,8 +23,14 @@ ended without the gateway's word that its WRITEs ended (its answer: a 200, a
 4xx, a 5xx without ``x-s3agg-writes-may-land``) is canceled at the gateway
 before anything else is read into the target; unless the gateway confirms that
 no WRITE can land any more, the read raises :class:`TransferAbandoned` (the
-caller retires the target, it never reuses it), ``s3agg_client_retired_total``
-counts it and a warning says why.
+caller retires the target), ``s3agg_client_retired_total`` counts it and a
+warning says why. The exception's probe sends the cancel again: the target is
+reused only once the gateway confirms (:mod:`nixl_backends.abandoned` asks at
+growing intervals; ``s3agg_client_retired_released_total`` counts the targets
+given back). A gateway process started since knows nothing of the request and
+confirms it: the process that took it is gone, and its WRITEs with it. So a
+cancel must reach the process that took the request: one gateway per address,
+or a front that routes by ``x-s3agg-request-id``.
 
 The wire protocol shared with the gateway is :mod:`nixl_backends.s3agg_protocol`.
 """
@@ -97,6 +103,8 @@ FALLBACKS = Counter("s3agg_client_fallbacks_total", "Reads served by plain S3 be
                     ["op"])
 RETIRED = Counter("s3agg_client_retired_total",
                   "Gateway reads given up without the gateway confirming that its WRITEs into the target stopped")
+RELEASED = Counter("s3agg_client_retired_released_total",
+                   "Retired targets given back once the gateway confirmed that the request's WRITEs stopped")
 
 
 class GatewayUnavailable(RuntimeError):
@@ -112,11 +120,15 @@ class GatewayUnavailable(RuntimeError):
 
 
 class GatewayWritesAbandoned(TransferAbandoned):
-    """The gateway did not confirm that the WRITEs of a request it was given stopped: they may still land."""
+    """The gateway did not confirm that the WRITEs of a request it was given stopped: they may still land.
 
-    def __init__(self, request_id: str, why: str) -> None:
+    ``probe`` cancels the request again: True once the gateway confirms.
+    """
+
+    def __init__(self, request_id: str, why: str, probe: Callable[[], bool]) -> None:
         # TransferAbandoned's message counts NIXL transfers of this process; these are the gateway's.
         RuntimeError.__init__(self, f"s3agg request {request_id}: gateway WRITEs may still land ({why})")
+        self.probe = probe
 
 
 class GatewayRefused(RuntimeError):
@@ -517,6 +529,29 @@ class S3AggStore(KVStore):
     def _stop_gateway_writes(self, request_id: str, cause: BaseException) -> None:
         """Cancel the request at the gateway; returns once it confirms that none of its WRITEs can land any more,
         else raises :class:`GatewayWritesAbandoned`: the caller must retire the target."""
+        why = self._cancel(request_id)
+        if why is None:
+            logger.info("s3agg: request %s canceled; the gateway stopped its WRITEs", request_id)
+            return
+        RETIRED.inc()
+        logger.warning("s3agg: request %s given up (%s) and the gateway did not confirm that its WRITEs stopped "
+                       "(%s): the target is retired", request_id, cause, why)
+        raise GatewayWritesAbandoned(request_id, why, lambda: self._confirm_stopped(request_id)) from cause
+
+    def _confirm_stopped(self, request_id: str) -> bool:
+        """A retired target's probe: the cancel sent again; True once the gateway confirms."""
+        why = self._cancel(request_id)
+        if why is not None:
+            logger.info("s3agg: request %s: the gateway has not confirmed that its WRITEs stopped (%s); its target "
+                        "stays retired", request_id, why)
+            return False
+        RELEASED.inc()
+        logger.warning("s3agg: request %s: the gateway confirmed that its WRITEs stopped; its target is released",
+                       request_id)
+        return True
+
+    def _cancel(self, request_id: str) -> str | None:
+        """Cancel the request at the gateway: None once it confirms that none of its WRITEs can land, else why not."""
         answer: dict[str, Any] = {}
 
         def cancel() -> None:
@@ -543,14 +578,7 @@ class S3AggStore(KVStore):
             # The gateway answers once its WRITE in flight ended, and that may need this agent to progress UCX
             # (polling notifications does; the given-up request's late ones are dropped).
             polling.sleep(progressed=bool(self._inbox.take(request_id)))
-        if answer.get("stopped"):
-            logger.info("s3agg: request %s canceled; the gateway stopped its WRITEs", request_id)
-            return
-        why = answer.get("why", "no answer")
-        RETIRED.inc()
-        logger.warning("s3agg: request %s given up (%s) and the gateway did not confirm that its WRITEs stopped "
-                       "(%s): the target is retired", request_id, cause, why)
-        raise GatewayWritesAbandoned(request_id, why) from cause
+        return None if answer.get("stopped") else answer.get("why", "no answer")
 
     def _http_request(
         self,

@@ -111,10 +111,12 @@ class Job:
     abandoned_handles: list = field(default_factory=list, repr=False)
     # What a cancel needs to know, guarded by _writes: once canceled no WRITE into the client's buffer starts;
     # write_in_flight: one is posted and has not ended; write_abandoned: one outlived io_timeout_s, it may land
-    # at any time (a storage read abandoned sets only ``abandoned``: it endangers staging, not the client).
+    # at any time (a storage read abandoned sets only ``abandoned``: it endangers staging, not the client) until
+    # abandoned_ended: every abandoned transfer of the job ended (the staging reaper saw their handles end).
     canceled: bool = False
     write_in_flight: bool = False
     write_abandoned: bool = False
+    abandoned_ended: bool = False
     _writes: threading.Condition = field(default_factory=threading.Condition, repr=False)
 
     @contextlib.contextmanager
@@ -135,11 +137,22 @@ class Job:
                 self._writes.notify_all()
 
     def cancel(self, timeout_s: float) -> bool:
-        """Start no WRITE any more; True once none is in flight (within ``timeout_s``) and none was abandoned."""
+        """Start no WRITE any more; True once none is in flight (within ``timeout_s``) and none that was abandoned
+        can still land."""
         with self._writes:
             self.canceled = True
             self._writes.wait_for(lambda: not self.write_in_flight, timeout_s)
-            return not (self.write_in_flight or self.write_abandoned)
+            return not (self.write_in_flight or self.writes_may_land)
+
+    @property
+    def writes_may_land(self) -> bool:
+        """A WRITE of the job was abandoned and has not ended."""
+        return self.write_abandoned and not self.abandoned_ended
+
+    def transfers_ended(self) -> None:
+        """Every transfer the job abandoned has ended: none of its WRITEs can land any more."""
+        with self._writes:
+            self.abandoned_ended = True
 
     @property
     def abandoned(self) -> bool:
@@ -268,6 +281,7 @@ class Aggregator:
             if job.abandoned:
                 # The reaper keeps ``staging`` alive (NIXL may still write it) until every handle ended.
                 def free_staging() -> None:
+                    job.transfers_ended()  # a cancel of the request now answers that nothing can land
                     try:
                         free()
                     finally:  # a deregistration failing must not keep the bytes out of the budget for ever

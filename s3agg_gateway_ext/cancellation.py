@@ -6,14 +6,18 @@ one-sided: the client never sees one coming). :class:`Cancellations` knows the
 running NIXL jobs by request id; a cancel stops a running job's WRITEs
 (:meth:`Job.cancel`), and the id is remembered, so that a request arriving
 after its cancel (delayed on the way, or still being validated) is refused
-before it writes. Ids of jobs that ended with a WRITE abandoned are remembered
-too: their cancel must answer that a WRITE may still land.
+before it writes. Jobs that ended with a WRITE abandoned are kept until the
+staging reaper saw that WRITE end (:meth:`Job.transfers_ended`): until then
+their cancel answers that a WRITE may still land, and from then on that none
+can, so a client that retired its target asks again and gets it back.
 
-Remembered ids are bounded in count and age. A request is signed before its
+Canceled ids are bounded in count and age. A request is signed before its
 cancel, and a signature is accepted at most 15 minutes either side of its date
 (``sigv4``), so 30 minutes after a cancel the request it names is refused by
 its signature anyway. A flood of cancels beyond the count forgets the oldest
-first.
+first. Jobs whose WRITEs may still land are never forgotten while they may: a
+cancel of an id this process does not know answers that nothing can land. They
+are bounded by the staging memory that their abandoned transfers hold.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ MAX_REQUEST_ID_CHARS = 256
 
 
 class Cancellations:
-    """Running NIXL jobs by request id, and the ids canceled or ended with a WRITE that may still land."""
+    """Running NIXL jobs by request id, the ids canceled, and the jobs ended with a WRITE that may still land."""
 
     def __init__(self, max_ids: int = MAX_REMEMBERED, max_age_s: float = MAX_AGE_S,
                  clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
@@ -43,46 +47,48 @@ class Cancellations:
         self._clock = clock
         self._lock = threading.Lock()
         self._running: dict[str, Job] = {}
-        # request id -> (when remembered, whether a WRITE of it may still land), oldest first.
-        self._remembered: collections.OrderedDict[str, tuple[float, bool]] = collections.OrderedDict()
+        # request id -> when canceled, oldest first.
+        self._canceled: collections.OrderedDict[str, float] = collections.OrderedDict()
+        # Ended jobs with a WRITE abandoned, until it ended.
+        self._may_land: dict[str, Job] = {}
 
     def start(self, job: Job) -> None:
-        """Before a job's first WRITE; a 409 if its request was canceled already or its id is running."""
+        """Before a job's first WRITE; a 409 if its request was canceled already or its id is in use (running, or
+        ended with a WRITE that may still land)."""
         with self._lock:
-            self._forget_old()
-            if job.request_id in self._remembered:
+            self._forget()
+            if job.request_id in self._canceled:
                 raise DescriptorError(409, "RequestCanceled", f"request {job.request_id} was canceled by its client")
-            if job.request_id in self._running:
+            if job.request_id in self._running or job.request_id in self._may_land:
                 raise DescriptorError(409, "RequestIdInUse", f"request {job.request_id} is running already")
             self._running[job.request_id] = job
 
     def end(self, job: Job) -> None:
         with self._lock:
             del self._running[job.request_id]
-            if job.write_abandoned:
-                self._remember(job.request_id, True)
+            if job.writes_may_land:
+                self._may_land[job.request_id] = job
 
     def cancel(self, request_id: str, timeout_s: float) -> bool:
         """No WRITE of the request starts any more; True once none can land (a WRITE in flight ended within
-        ``timeout_s``), False while one may (abandoned, or still in flight)."""
+        ``timeout_s``, one abandoned has ended), False while one may."""
         if not 0 < len(request_id) <= MAX_REQUEST_ID_CHARS:
             raise DescriptorError(400, "InvalidArgument", f"a cancel names its request in {REQUEST_ID_HEADER}: "
                                                           f"1 to {MAX_REQUEST_ID_CHARS} characters")
         with self._lock:
-            self._forget_old()
-            may_land = self._remembered.get(request_id, (0.0, False))[1]
-            self._remember(request_id, may_land)
-            job = self._running.get(request_id)
+            self._forget()
+            self._canceled[request_id] = self._clock()
+            self._canceled.move_to_end(request_id)
+            while len(self._canceled) > self._max_ids:
+                self._canceled.popitem(last=False)
+            job = self._running.get(request_id) or self._may_land.get(request_id)
         # Outside the lock: the job's WRITE in flight may take up to the gateway's io_timeout_s.
-        return job.cancel(timeout_s) if job is not None else not may_land
+        return job.cancel(timeout_s) if job is not None else True
 
-    def _remember(self, request_id: str, may_land: bool) -> None:
-        self._remembered[request_id] = (self._clock(), may_land)
-        self._remembered.move_to_end(request_id)
-        while len(self._remembered) > self._max_ids:
-            self._remembered.popitem(last=False)
-
-    def _forget_old(self) -> None:
+    def _forget(self) -> None:
+        """Canceled ids past their age; ended jobs whose abandoned WRITE ended since."""
         horizon = self._clock() - self._max_age_s
-        while self._remembered and next(iter(self._remembered.values()))[0] < horizon:
-            self._remembered.popitem(last=False)
+        while self._canceled and next(iter(self._canceled.values())) < horizon:
+            self._canceled.popitem(last=False)
+        for request_id in [r for r, job in self._may_land.items() if not job.writes_may_land]:
+            del self._may_land[request_id]

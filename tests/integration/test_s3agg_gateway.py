@@ -46,6 +46,7 @@ from nixl_backends.s3agg_protocol import (
     FRAME,
     FRAME_END,
     PROTOCOL_VERSION,
+    WRITES_MAY_LAND_HEADER,
     layer_region_bytes,
 )
 from tests.conftest import poll
@@ -537,7 +538,7 @@ def test_client_raises_refusals_without_falling_back(seaweedfs, s3agg_bucket, ga
 
 def stopping_mid_request(seaweedfs, bucket, start_gateway, agent, delivery: str):
     """A paced gateway, killed as the read hands over its first layer: (store, keys, objects, buffers, on_layer,
-    the layers handed over)."""
+    the layers handed over, the gateway)."""
     # Paced at 1 MB/s, each 128 KiB layer takes ~0.13 s: the stop lands mid-request.
     paced = start_gateway(bandwidth_cap_bytes_s=1e6, policy="equal", epoch_s=0.01)
     layout, num_chunks = BlockLayout(8, 8192), 16
@@ -552,13 +553,13 @@ def stopping_mid_request(seaweedfs, bucket, start_gateway, agent, delivery: str)
             paced.proc.wait()
         handed.append(layer)
 
-    return store, keys, objects, buffers, on_layer, handed
+    return store, keys, objects, buffers, on_layer, handed, paced
 
 
 def test_gateway_stopped_mid_request_falls_back_over_http(seaweedfs, s3agg_bucket, start_gateway, agent, caplog):
     """HTTP frames are received on the reader's thread: nothing lands after the break, the rest comes from plain S3."""
-    store, keys, objects, buffers, on_layer, handed = stopping_mid_request(seaweedfs, s3agg_bucket, start_gateway,
-                                                                           agent, "http")
+    store, keys, objects, buffers, on_layer, handed, _ = stopping_mid_request(seaweedfs, s3agg_bucket, start_gateway,
+                                                                              agent, "http")
     before = REGISTRY.get_sample_value("s3agg_client_fallbacks_total", {"op": "read_layerwise"}) or 0.0
     with caplog.at_level("WARNING", logger="nixl_backends.s3agg"):
         result = store.read_layerwise(keys, buffers.addrs, on_layer)
@@ -573,13 +574,18 @@ def test_gateway_stopped_mid_request_falls_back_over_http(seaweedfs, s3agg_bucke
                for r in caplog.records)
 
 
-def test_gateway_stopped_mid_request_retires_a_nixl_target(seaweedfs, s3agg_bucket, start_gateway, agent, caplog):
+def test_gateway_stopped_mid_request_retires_a_nixl_target_until_a_gateway_confirms(seaweedfs, s3agg_bucket,
+                                                                                     start_gateway, agent, caplog):
     """NIXL WRITEs are one-sided, and a gateway that cannot be reached cannot confirm that they stopped (gone, or
-    only cut off): TransferAbandoned, on which callers retire the buffers; no fallback reads into them."""
-    store, keys, _, buffers, on_layer, handed = stopping_mid_request(seaweedfs, s3agg_bucket, start_gateway, agent,
-                                                                     "nixl")
+    only cut off): TransferAbandoned, on which callers retire the buffers; no fallback reads into them. Its probe
+    (the cancel sent again) confirms nothing while no gateway answers; a gateway started at that address since
+    knows nothing of the request (the process that took it is gone, and its WRITEs with it) and confirms: the
+    target is released."""
+    store, keys, _, buffers, on_layer, handed, paced = stopping_mid_request(seaweedfs, s3agg_bucket, start_gateway,
+                                                                            agent, "nixl")
     fallbacks = REGISTRY.get_sample_value("s3agg_client_fallbacks_total", {"op": "read_layerwise"}) or 0.0
     retired = REGISTRY.get_sample_value("s3agg_client_retired_total") or 0.0
+    released = REGISTRY.get_sample_value("s3agg_client_retired_released_total") or 0.0
     with caplog.at_level("WARNING", logger="nixl_backends.s3agg"), pytest.raises(GatewayWritesAbandoned) as abandoned:
         store.read_layerwise(keys, buffers.addrs, on_layer)
     assert isinstance(abandoned.value, TransferAbandoned)
@@ -588,6 +594,10 @@ def test_gateway_stopped_mid_request_retires_a_nixl_target(seaweedfs, s3agg_buck
     assert (REGISTRY.get_sample_value("s3agg_client_fallbacks_total", {"op": "read_layerwise"}) or 0.0) == fallbacks
     assert any("the target is retired" in r.getMessage() and "cancel failed" in r.getMessage()
                for r in caplog.records)
+    assert abandoned.value.probe() is False  # still no gateway: still retired
+    paced.start()
+    assert abandoned.value.probe() is True
+    assert REGISTRY.get_sample_value("s3agg_client_retired_released_total") == released + 1
 
 
 def test_unreachable_gateway_falls_back(seaweedfs, s3agg_bucket, stored, agent):
@@ -769,6 +779,29 @@ def test_a_request_arriving_after_its_cancel_is_refused_before_anything_is_writt
     # Control: the same descriptor under an id nobody canceled passes to the read (a missing key fails it there).
     missing = json.dumps(descriptor(keys[:3] + ["kv/nope/00/" + "0" * 64], buffers, ucx_agent)).encode()
     assert signed(gateway.url, s3agg_bucket, missing)[:2] == (502, "StorageReadFailed")
+
+
+def test_a_gateway_write_abandoned_is_confirmed_stopped_once_it_ended(seaweedfs, s3agg_bucket, start_gateway, stored,
+                                                                      ucx_agent):
+    """A client agent that does not progress UCX (a stalled client): the gateway's WRITE into its buffer outlives
+    the gateway's io_timeout_s and is abandoned; the answer says a WRITE may still land, and so do cancels. Once
+    the client's agent progresses, the WRITE ends, the gateway's reaper sees it end and a cancel answers stopped:
+    a client that retired its target gets it back, and a late byte cannot reach it any more."""
+    impatient = start_gateway(io_timeout_s=1.0)
+    keys, _ = stored
+    buffers = layer_buffers(ucx_agent, STORED, len(keys))
+    request_id = uuid.uuid4().hex
+    body = json.dumps(descriptor(keys, buffers, ucx_agent)).encode()
+    status, code, message, headers = signed(impatient.url, s3agg_bucket, body, request_id=request_id)
+    assert headers.get(WRITES_MAY_LAND_HEADER) == "true", (status, code, message)
+    assert cancel(impatient.url, s3agg_bucket, request_id) == (200, b'{"stopped":false}')
+
+    def progressed_then_asked() -> bytes:
+        dispatcher_for(ucx_agent).poll()  # the client's agent progresses UCX: the WRITE can end
+        return cancel(impatient.url, s3agg_bucket, request_id)[1]
+
+    poll(progressed_then_asked, lambda text: json.loads(text) == {"stopped": True}, 30,
+         "the gateway confirming that the abandoned WRITE ended")
 
 
 # --- tracing -------------------------------------------------------------------------------------

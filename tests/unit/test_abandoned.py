@@ -13,7 +13,7 @@ import weakref
 import numpy as np
 import pytest
 
-from nixl_backends.abandoned import AbandonedTransfers
+from nixl_backends.abandoned import PROBE_MAX_S, AbandonedTransfers
 from nixl_backends.nixl_io import TransferAbandoned
 from s3agg_gateway_ext.staging import StagingBudget, StagingBusy
 
@@ -105,10 +105,47 @@ def test_what_each_layer_could_not_free_runs_innermost_first_once_the_transfers_
 
 
 def test_transfers_that_cannot_be_watched_are_never_freed(reaper):
-    """Another process's transfers (a gateway's WRITEs) name no handle here: nothing can say they ended."""
+    """Another process's transfers (a gateway's WRITEs) name no handle here, and without a probe nothing can say
+    they ended."""
     freed = []
     reaper.hold_abandoned(TransferAbandoned("WRITE", 1, 0.5), lambda: freed.append(True), label="r1")
     assert reaper.reap() == 0 and reaper.held == 0 and not freed
+
+
+def test_another_process_s_transfers_are_freed_once_its_probe_confirms_asked_at_doubling_intervals():
+    """A gateway's WRITEs: the probe (its cancel sent again) is asked when due, first PROBE_FIRST_S after the
+    hold, then at doubling intervals up to PROBE_MAX_S; a probe that raises confirms nothing."""
+    now, asked, answers = [0.0], [], iter([False, RuntimeError("gateway unreachable"), False, True])
+
+    def probe() -> bool:
+        asked.append(now[0])
+        answer = next(answers)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    reaper = AbandonedTransfers(poll_s=3600.0, clock=lambda: now[0])
+    try:
+        exc, freed = TransferAbandoned("WRITE", 1, 0.5), []
+        exc.probe = probe
+        exc.when_ended(lambda: freed.append("store"))
+        reaper.hold_abandoned(exc, lambda: freed.append("slots"), nbytes=100, label="r1")
+        for now[0] in (0.0, 0.5, 1.0, 2.0, 3.0, 6.9, 7.0, 14.9, 15.0):
+            reaper.reap()
+        assert asked == [1.0, 3.0, 7.0, 15.0]  # due at 1, then 2, 4, 8 s after each answer
+        assert freed == ["store", "slots"] and reaper.held == 0
+        # The wait between probes stops growing at PROBE_MAX_S.
+        never = TransferAbandoned("WRITE", 1, 0.5)
+        never.probe = lambda: asked.append(now[0]) or False
+        reaper.hold_abandoned(never, lambda: freed.append("never"), label="r2")
+        asked.clear()
+        for now[0] in range(16, 16 + 600):
+            reaper.reap()
+        gaps = [b - a for a, b in zip(asked, asked[1:])]
+        assert max(gaps) == PROBE_MAX_S and gaps == sorted(gaps) and freed == ["store", "slots"]
+        assert reaper.held == 1
+    finally:
+        reaper.close()
 
 
 def test_the_reaper_thread_frees_on_its_own():

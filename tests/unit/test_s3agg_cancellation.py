@@ -1,5 +1,5 @@
 """The gateway's cancel bookkeeping: canceled ids (bounded in count and age) refuse late requests, and a cancel
-says "stopped" only once no WRITE of the request is in flight and none was abandoned."""
+says "stopped" only once no WRITE of the request is in flight and none that was abandoned can still land."""
 
 from __future__ import annotations
 
@@ -100,3 +100,45 @@ def test_an_abandoned_write_is_never_stopped_also_after_its_job_ended():
         pass
     cancellations.end(done)
     assert cancellations.cancel("done", timeout_s=1.0) is True
+
+
+def abandoned_job(cancellations: Cancellations, request_id: str) -> Job:
+    """A job that ended with a WRITE abandoned (still in flight as far as anyone knows)."""
+    running = job(request_id)
+    cancellations.start(running)
+    with pytest.raises(TransferAbandoned), running.write():
+        raise TransferAbandoned("WRITE", 1, 0.0)
+    cancellations.end(running)
+    return running
+
+
+def test_an_abandoned_write_that_ended_is_stopped_and_its_id_free_again():
+    cancellations = Cancellations()
+    ended_late = abandoned_job(cancellations, "r")
+    assert cancellations.cancel("r", timeout_s=1.0) is False
+    ended_late.transfers_ended()  # the staging reaper saw the WRITE end
+    assert cancellations.cancel("r", timeout_s=1.0) is True  # the client that retired its target gets it back
+    # Ended before anyone asked: not kept at all.
+    ended_first = abandoned_job(cancellations, "s")
+    ended_first.transfers_ended()
+    assert refused(cancellations, "s") is None
+    assert cancellations.cancel("s", timeout_s=1.0) is True
+
+
+def test_a_write_that_may_land_is_never_forgotten_by_count_or_age():
+    """A forgotten id would be unknown, and a cancel of an unknown id answers stopped: a late WRITE would land in a
+    buffer the client reused."""
+    now = [0.0]
+    cancellations = Cancellations(max_ids=2, max_age_s=10.0, clock=lambda: now[0])
+    abandoned_job(cancellations, "r")
+    assert cancellations.cancel("r", timeout_s=1.0) is False
+    for flood in range(5):
+        cancellations.cancel(f"flood-{flood}", timeout_s=1.0)
+    now[0] = 3600.0
+    assert cancellations.cancel("r", timeout_s=1.0) is False
+    assert refused(cancellations, "r") == "RequestCanceled"
+    # Control: an id that only was canceled is forgotten by the same flood and age.
+    cancellations.cancel("plain", timeout_s=1.0)
+    for flood in range(5):
+        cancellations.cancel(f"flood2-{flood}", timeout_s=1.0)
+    assert refused(cancellations, "plain") is None
