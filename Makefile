@@ -10,7 +10,7 @@ PD_SIDECAR := $(VENV)/bin/pd-sidecar
 UV := python3 -m uv
 
 .PHONY: docs docs-check
-.PHONY: setup vllm-latest test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-store-window bench-multiturn bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak soak-hostile gpu-connector-check device-check
+.PHONY: setup vllm-latest test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-store-window bench-store-window-link bench-multiturn bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak soak-hostile gpu-connector-check device-check
 
 setup: $(STAMP) mma $(VERSITYGW) $(PD_SIDECAR)
 
@@ -125,6 +125,10 @@ bench-multiturn: setup
 # s3 store reads through a delaying relay: a fixed window of 8 requests vs one sized from the link's BDP.
 bench-store-window: setup
 	$(PY) benchmarks/bench_store_window.py $(BENCH_ARGS)
+
+# The same with a bandwidth limit: the relay's bodies cross a 200 Mbit/s link each way.
+bench-store-window-link: setup
+	$(PY) benchmarks/bench_store_window.py --store-mbit 200 --output store-window-rtt-link.json $(BENCH_ARGS)
 
 # Basic vs DualPath vs Oracle, 1P1D, on an emulated cluster (root: network namespaces, tc storage NICs);
 # BENCH_ARGS adds options, e.g. BENCH_ARGS="--topologies 1P1D,1P2D,2P1D". Results: benchmarks/results/dualpath-bench.*

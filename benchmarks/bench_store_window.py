@@ -9,17 +9,20 @@ One SeaweedFS on 127.0.0.1 holds N chunk objects (written once, straight); each
 mode has its own NIXL agent and store and reads them through one delaying relay
 (``dualpath_dev.s3_relay`` in a process of its own: every request waits
 ``--store-rtt-ms`` before it is forwarded, requests on different connections
-side by side: a round trip, not a bandwidth limit). Per round trip, the modes
+side by side: a round trip; with ``--store-mbit`` the bodies also cross one
+link of that bandwidth each way, one after another). Per round trip, the modes
 alternate (fixed, bdp, fixed, bdp, ...) for ``--reps`` repetitions; each
 sample reads all N objects as hits are read (batches of ``--batch-chunks``),
 checks every byte against what was written, and records the seconds and the
 window the store ended on. Medians, min-max and the bdp/fixed ratio are
-printed and written to ``benchmarks/results/store-window-rtt.{json,png}``.
+printed and written to ``benchmarks/results/store-window-rtt.{json,png}``
+(``store-window-rtt-link.{json,png}``: ``make bench-store-window-link``, the same on a 200 Mbit/s link).
 
 What limits the figures: at 0 ms the relay and SeaweedFS share the machine's
-two cores with the client (CPU-bound, both modes alike); with a round trip the
-relay adds no bandwidth limit, so a larger window keeps paying up to its
-ceiling (``io_threads``), where a real link's bandwidth would stop it earlier.
+two cores with the client (CPU-bound, both modes alike); with a round trip and
+no ``--store-mbit`` the relay adds no bandwidth limit, so a larger window keeps
+paying up to its ceiling (``io_threads``); with one, the link's bandwidth is
+what a larger window can fill and no more.
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ def run(args: argparse.Namespace) -> dict:
         logs = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-window-")))
         relay = S3RelayProcess(server.endpoint, logs / "relay.log").start()
         stack.callback(relay.stop)
+        relay.set_rate(args.store_mbit)
         direct = server.store_config(bucket)
         # The objects, written once straight to the server (the writer's own agent, closed after).
         rng = np.random.default_rng(args.seed)
@@ -147,8 +151,9 @@ def table(payload: dict) -> str:
              *[f"{r[m]['seconds_median']:.3f} ({r[m]['seconds_min']:.3f}-{r[m]['seconds_max']:.3f})" for m in MODES],
              *[f"{r[m]['MBps_median']:.0f}" for m in MODES], f"{r['bdp']['window_median']:g}",
              f"{r['bdp_over_fixed']:.2f}x"] for r in payload["rows"]]  # fmt: skip
+    link = f" and a {cfg['store_mbit']:g} Mbit/s link each way" if cfg.get("store_mbit") else ""
     caption = (f"Reading {cfg['chunks']} chunk objects of {payload['object_bytes']} bytes from SeaweedFS through a "
-               f"relay adding the round trip to every request (batches of {cfg['batch_chunks']}, every byte "
+               f"relay adding the round trip to every request{link} (batches of {cfg['batch_chunks']}, every byte "
                f"checked); median (min-max) of {cfg['reps']} repetitions, modes interleaved. fixed: 8 requests in "
                f"flight; bdp: from 8 up to 32, sized from the link's measured bandwidth-delay product. "
                f"{payload['environment']['cpu_count']}-core machine, relay and server on it.")
@@ -158,14 +163,18 @@ def table(payload: dict) -> str:
 
 def chart(payload: dict, path: Path) -> Path | None:
     rows = payload["rows"]
+    mbit = payload["config"].get("store_mbit")
     return bar_chart(path, [f"{r['store_rtt_ms']:g} ms" for r in rows],
                      {mode: [r[mode]["MBps_median"] for r in rows] for mode in MODES}, "store round trip",
-                     "s3 store reads at a store round trip", ylabel="read MB/s (median)")
+                     "s3 store reads at a store round trip" + (f", {mbit:g} Mbit/s link" if mbit else ""),
+                     ylabel="read MB/s (median)")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--store-rtt-ms", type=float, nargs="+", default=[0.0, 5.0, 20.0])
+    parser.add_argument("--store-mbit", type=float, default=0.0,
+                        help="the store link's bandwidth each way, Mbit/s (0: none, the round trip only)")
     parser.add_argument("--chunk-size", default="64KiB", help="one chunk object's KV bytes")
     parser.add_argument("--chunks", type=int, default=512, help="objects read per sample")
     parser.add_argument("--batch-chunks", type=int, default=256, help="objects per store read (one hit's)")

@@ -16,6 +16,11 @@
   store across a network answers its first byte a round trip later (bodies
   still move at the relay's pace: it models per-request latency, not bandwidth).
   Settable while the relay runs.
+- ``rate_bytes_s`` (0: none): the store's link, shared by every connection, one
+  pacer each way (:class:`LinkPacer`): a GET's answer body waits its turn on the
+  way down, a PUT's body on the way up, ``bytes / rate`` each, first come first
+  served, as a link of that bandwidth serializes what crosses it. Settable while
+  the relay runs.
 - :meth:`hold` / :meth:`release`: object GETs wait at the relay from ``hold``
   until ``release`` (at most ``hold_limit_s``), as a store that stopped
   answering does; ``held`` counts those waiting now.
@@ -29,8 +34,8 @@ store's traffic still crosses whatever links lead to that namespace.
 
     python -m dualpath_dev.s3_relay --upstream http://127.0.0.1:8333 --listen 127.0.0.1:0 --delay-ms 5
 
-prints ``port <n>`` once it listens, then answers one command a line on stdin: ``delay <ms>`` (from now
-on) and ``stats`` (requests forwarded by method, its CPU seconds), each with ``ok <json>`` (``error <why>``
+prints ``port <n>`` once it listens, then answers one command a line on stdin: ``delay <ms>`` and ``rate
+<Mbit/s>`` (from now on; rate 0: no limit) and ``stats`` (requests forwarded by method, its CPU seconds), each with ``ok <json>`` (``error <why>``
 for what it refuses); it exits when stdin closes.
 """
 
@@ -71,6 +76,31 @@ _HOP_BY_HOP = {"connection", "keep-alive", "transfer-encoding"}
 _DROPPED = _HOP_BY_HOP | {"authorization", "x-amz-security-token", "x-amz-date", "host"}
 
 
+class LinkPacer:
+    """One direction of a link of ``rate_bytes_s``: transfers cross it one after another, first come first served."""
+
+    def __init__(self, clock=time.monotonic) -> None:
+        self.rate_bytes_s = 0.0  # 0: no limit
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._free_at = 0.0
+
+    def reserve(self, nbytes: int) -> float:
+        """When a transfer of ``nbytes`` queued now has crossed the link (now, without a limit)."""
+        with self._lock:
+            now = self._clock()
+            if self.rate_bytes_s <= 0:
+                return now
+            self._free_at = max(now, self._free_at) + nbytes / self.rate_bytes_s
+            return self._free_at
+
+    def cross(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` queued now have crossed the link."""
+        wait_s = self.reserve(nbytes) - self._clock()
+        if wait_s > 0:
+            time.sleep(wait_s)
+
+
 class S3Relay(ThreadedHTTPService):
     name = "s3-relay"
 
@@ -86,6 +116,7 @@ class S3Relay(ThreadedHTTPService):
         self.credentials = credentials
         self.region = region
         self.delay_s = delay_s
+        self.up, self.down = LinkPacer(), LinkPacer()
         self.throttle_fraction, self.reset_fraction = throttle_fraction, reset_fraction
         self._faults = random.Random(seed)
         self.throttled = self.resets = 0
@@ -98,6 +129,14 @@ class S3Relay(ThreadedHTTPService):
         self.held = 0
         self.hold_limit_s = 120.0
         self._local = threading.local()
+
+    @property
+    def rate_bytes_s(self) -> float:
+        return self.down.rate_bytes_s
+
+    @rate_bytes_s.setter
+    def rate_bytes_s(self, rate: float) -> None:
+        self.up.rate_bytes_s = self.down.rate_bytes_s = rate
 
     @property
     def endpoint(self) -> str:
@@ -213,7 +252,10 @@ class S3Relay(ThreadedHTTPService):
                 relay._wait_if_held(self.command, path)
                 if relay.delay_s:
                     time.sleep(relay.delay_s)  # the store's round trip
+                relay.up.cross(len(body))
                 status, got, content = relay._forward(self.command, path, query, headers, body)
+                if self.command != "HEAD":
+                    relay.down.cross(len(content))
                 with relay._lock:
                     relay.forwarded += 1
                     relay.forwarded_by_method[self.command] += 1
@@ -264,11 +306,12 @@ class S3Relay(ThreadedHTTPService):
         """Requests forwarded by method, the delay, and this process's CPU seconds (all its threads')."""
         with self._lock:
             return {"requests": dict(self.forwarded_by_method), "forwarded": self.forwarded,
-                    "delay_ms": self.delay_s * 1000, "cpu_s": time.process_time()}  # fmt: skip
+                    "delay_ms": self.delay_s * 1000, "rate_mbit_s": self.rate_bytes_s * 8 / 1e6,
+                    "cpu_s": time.process_time()}  # fmt: skip
 
 
 class S3RelayProcess:
-    """An :class:`S3Relay` (delay only) in a child process of its own, in its own process group, stopped by its PID.
+    """An :class:`S3Relay` (a delay and a link rate only) in a child process of its own, in its own process group, stopped by its PID.
 
     ``launcher`` prefixes the command (``ip netns exec <ns>``: the relay runs in that namespace, and
     ``upstream`` is as that namespace reaches it); ``listen_host`` is where it listens (``0.0.0.0``: every
@@ -333,6 +376,10 @@ class S3RelayProcess:
         self._ask(f"delay {delay_ms}")
         self.delay_ms = delay_ms
 
+    def set_rate(self, mbit_s: float) -> None:
+        """Bodies cross the store's link at ``mbit_s`` each way from now on (0: no limit)."""
+        self._ask(f"rate {mbit_s}")
+
     def stats(self) -> dict:
         """The relay's :meth:`S3Relay.stats`."""
         return self._ask("stats")
@@ -359,14 +406,18 @@ def _serve_commands(relay: S3Relay) -> None:
     """Answer stdin's commands until it closes (the parent stopped the relay or died)."""
     for line in sys.stdin:
         words = line.split()
-        if words[:1] == ["delay"] and len(words) == 2:
+        if words[:1] in (["delay"], ["rate"]) and len(words) == 2:
             try:
-                delay_ms = _non_negative(words[1])
+                value = _non_negative(words[1])
             except (ValueError, argparse.ArgumentTypeError) as exc:
-                print(f"error {exc}", flush=True)
+                print(f"error {words[0]}: {exc}", flush=True)
                 continue
-            relay.delay_s = delay_ms / 1000
-            answer = {"delay_ms": delay_ms}
+            if words[0] == "delay":
+                relay.delay_s = value / 1000
+                answer = {"delay_ms": value}
+            else:
+                relay.rate_bytes_s = value * 1e6 / 8
+                answer = {"rate_mbit_s": value}
         elif words == ["stats"]:
             answer = relay.stats()
         else:
@@ -384,8 +435,8 @@ def _host_port(text: str) -> tuple[str, int]:
 
 def _non_negative(text: str) -> float:
     value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a delay is >= 0, got {text}")
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"a finite number >= 0, got {text}")
     return value
 
 
@@ -395,9 +446,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--upstream", required=True, help="the S3 server's URL, e.g. http://127.0.0.1:8333")
     parser.add_argument("--listen", type=_host_port, default=("127.0.0.1", 0), help="HOST:PORT (port 0: a free one)")
     parser.add_argument("--delay-ms", type=_non_negative, default=0.0, help="each request waits this long first")
+    parser.add_argument("--rate-mbit", type=_non_negative, default=0.0,
+                        help="the store link's bandwidth each way, Mbit/s (0: no limit)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    relay = S3Relay(args.upstream, delay_s=args.delay_ms / 1000).start(*args.listen)
+    relay = S3Relay(args.upstream, delay_s=args.delay_ms / 1000)
+    relay.rate_bytes_s = args.rate_mbit * 1e6 / 8
+    relay.start(*args.listen)
     try:
         print(f"port {relay.port}", flush=True)
         _serve_commands(relay)

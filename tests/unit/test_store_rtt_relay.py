@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from dualpath_dev.s3_relay import S3RelayProcess, main
+from dualpath_dev.s3_relay import LinkPacer, S3RelayProcess, main
 
 
 class ObjectServer:
@@ -96,11 +96,35 @@ def test_the_relay_process_carries_bytes_both_ways_each_request_a_delay_later(tm
         os.kill(pid, 0)  # stopped by its PID, nothing left running
 
 
-def test_the_relay_refuses_a_negative_delay_and_keeps_running(tmp_path):
+def test_the_relay_refuses_a_negative_delay_or_rate_and_keeps_running(tmp_path):
     with ObjectServer() as upstream, S3RelayProcess(upstream.url, tmp_path / "relay.log") as relay:
-        with pytest.raises(RuntimeError, match="a delay is >= 0, got -1"):
+        with pytest.raises(RuntimeError, match="delay: a finite number >= 0, got -1"):
             relay.set_delay(-1)
+        with pytest.raises(RuntimeError, match="rate: a finite number >= 0, got nan"):
+            relay.set_rate(float("nan"))
         assert _timed(relay.endpoint, "HEAD", "/missing")[0] == 404  # answers still, undelayed
+
+
+def test_a_link_pacer_serializes_transfers_at_its_rate_first_come_first_served():
+    now = [10.0]
+    link = LinkPacer(clock=lambda: now[0])
+    assert link.reserve(1000) == 10.0  # no limit: crossed at once
+    link.rate_bytes_s = 1000.0
+    assert [link.reserve(500), link.reserve(500), link.reserve(2000)] == [10.5, 11.0, 13.0]  # queued behind each other
+    now[0] = 20.0  # idle meanwhile: the link is free again, nothing is banked
+    assert link.reserve(100) == pytest.approx(20.1)
+
+
+def test_the_relay_process_paces_bodies_at_the_link_rate(tmp_path):
+    body = os.urandom(1 << 20)
+    with ObjectServer() as upstream, S3RelayProcess(upstream.url, tmp_path / "relay.log") as relay:
+        relay.set_rate(80)  # 10 MB/s each way: 1 MiB takes 0.105 s to cross
+        status, _, put_s = _timed(relay.endpoint, "PUT", "/bucket/key", body)
+        assert status == 200 and upstream.objects["/bucket/key"] == body
+        status, got, get_s = _timed(relay.endpoint, "GET", "/bucket/key")
+        assert status == 200 and got == body
+        assert put_s >= 0.1 and get_s >= 0.1  # a lower bound only: a loaded machine may take any longer
+        assert relay.stats()["rate_mbit_s"] == 80
 
 
 def test_a_relay_that_cannot_start_is_stopped_and_says_where_its_log_is(tmp_path):
