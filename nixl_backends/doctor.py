@@ -367,7 +367,7 @@ def run_checks(target: Target | None, config_results: list[CheckResult], redact:
     try:
         from nixl._api import nixl_agent, nixl_agent_config
 
-        agent = nixl_agent(f"dualpath-doctor-{os.getpid()}", nixl_agent_config(backends=[]))
+        agent = nixl_agent(f"dualpath-doctor-{os.getpid()}-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=[]))
     except Exception as exc:
         results += [CheckResult(f"nixl {name}", FAIL, f"cannot create a NIXL agent: {type(exc).__name__}: {exc}",
                                 "install NIXL (pip install nixl)") for name in PLUGINS]  # fmt: skip
@@ -379,8 +379,13 @@ def run_checks(target: Target | None, config_results: list[CheckResult], redact:
     elif agent is None:
         results.append(CheckResult("store", SKIP, "no NIXL agent"))
     else:
+        # The stores get an agent of their own, with no backend yet, as a kv_both engine's worker has: each store
+        # creates what it needs. On the plugin checks' agent an s3agg store would find UCX made already,
+        # offering the gateway every interface (also one gone since: a CI run's gateway WRITE hung on one).
+        store_agent = nixl_agent(f"dualpath-doctor-stores-{os.getpid()}-{uuid.uuid4().hex[:8]}",
+                                 nixl_agent_config(backends=[]))  # fmt: skip
         with ExitStack() as stack:
-            results += check_stores(agent, target, redact, stack)
+            results += check_stores(store_agent, target, redact, stack)
     return [redact.result(result) for result in results]
 
 
