@@ -472,11 +472,13 @@ def test_client_disconnecting_mid_stream_aborts_the_request(stack):
         assert response.status_code == 200
         first = next(line for line in response.iter_lines() if line.startswith("data: "))
         assert json.loads(first.removeprefix("data: "))["choices"][0]["token_ids"]
-    # Leaving the block closed the connection: the DE stops long before max_tokens.
+    # Leaving the block closed the connection: the DE stops before max_tokens. With ignore_eos it decodes every
+    # one of them unless the request was aborted; how soon the abort comes is the machine's (with the suite on
+    # two cores it came after 1616 of 2000 tokens once, so "before half" was a timing claim).
     idle(stack.de)
     idle(stack.pe)
     generated = totals(stack.de)["vllm:generation_tokens_total"] - generated_before
-    assert generated < LONG_OUTPUT_TOKENS / 2, f"the DE went on decoding ({generated} tokens)"
+    assert generated < LONG_OUTPUT_TOKENS, f"the DE decoded all {generated} tokens: the request was not aborted"
     poll(lambda: totals(stack.router).get("dualpath_router_engine_unfinished_requests"), lambda n: n == 0, 30,
          "requests the router counts against its engines")  # fmt: skip
     stack.assert_healthy()
