@@ -34,9 +34,9 @@ store's traffic still crosses whatever links lead to that namespace.
 
     python -m dualpath_dev.s3_relay --upstream http://127.0.0.1:8333 --listen 127.0.0.1:0 --delay-ms 5
 
-prints ``port <n>`` once it listens, then answers one command a line on stdin: ``delay <ms>`` and ``rate
-<Mbit/s>`` (from now on; rate 0: no limit) and ``stats`` (requests forwarded by method, its CPU seconds), each with ``ok <json>`` (``error <why>``
-for what it refuses); it exits when stdin closes.
+prints ``port <n>`` once it listens, then answers one command a line on stdin: ``delay <ms>`` and
+``rate <Mbit/s>`` (from now on; rate 0: no limit) and ``stats`` (requests forwarded by method, its CPU
+seconds), each with ``ok <json>`` (``error <why>`` for what it refuses); it exits when stdin closes.
 """
 
 from __future__ import annotations
@@ -311,7 +311,8 @@ class S3Relay(ThreadedHTTPService):
 
 
 class S3RelayProcess:
-    """An :class:`S3Relay` (a delay and a link rate only) in a child process of its own, in its own process group, stopped by its PID.
+    """An :class:`S3Relay` (a delay and a link rate only) in a child process of its own, in its own process group,
+    stopped by its PID.
 
     ``launcher`` prefixes the command (``ip netns exec <ns>``: the relay runs in that namespace, and
     ``upstream`` is as that namespace reaches it); ``listen_host`` is where it listens (``0.0.0.0``: every

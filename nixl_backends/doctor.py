@@ -359,15 +359,21 @@ def check_stores(agent: Any, target: Target, redact: Redactor, stack: ExitStack)
                               "check that the credentials may write and delete under the key prefix")  # fmt: skip
 
 
+def _new_agent(role: str) -> Any:
+    """A NIXL agent with no backend, named uniquely as the worker's are: a peer keys what it knows of an agent by
+    its name."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    return nixl_agent(f"dualpath-doctor-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=[]))
+
+
 def run_checks(target: Target | None, config_results: list[CheckResult], redact: Redactor) -> list[CheckResult]:
     """Every check after the config's (``config_results``: its parse, and what the caller checked of it), in
     order; those needing what failed are skipped."""
     results = list(config_results)
     results.append(check_rdma(target))
     try:
-        from nixl._api import nixl_agent, nixl_agent_config
-
-        agent = nixl_agent(f"dualpath-doctor-{os.getpid()}-{uuid.uuid4().hex[:8]}", nixl_agent_config(backends=[]))
+        agent = _new_agent("plugins")
     except Exception as exc:
         results += [CheckResult(f"nixl {name}", FAIL, f"cannot create a NIXL agent: {type(exc).__name__}: {exc}",
                                 "install NIXL (pip install nixl)") for name in PLUGINS]  # fmt: skip
@@ -382,8 +388,7 @@ def run_checks(target: Target | None, config_results: list[CheckResult], redact:
         # The stores get an agent of their own, with no backend yet, as a kv_both engine's worker has: each store
         # creates what it needs. On the plugin checks' agent an s3agg store would find UCX made already,
         # offering the gateway every interface (also one gone since: a CI run's gateway WRITE hung on one).
-        store_agent = nixl_agent(f"dualpath-doctor-stores-{os.getpid()}-{uuid.uuid4().hex[:8]}",
-                                 nixl_agent_config(backends=[]))  # fmt: skip
+        store_agent = _new_agent("stores")
         with ExitStack() as stack:
             results += check_stores(store_agent, target, redact, stack)
     return [redact.result(result) for result in results]
