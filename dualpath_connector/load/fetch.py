@@ -51,7 +51,7 @@ from dualpath_connector.metadata import LoadSpec
 from dualpath_connector.pd.peer import PeerLink
 from dualpath_connector.protocol import RELEASE, ReadAnswer, ReadRequest, StoreKeySpace
 from dualpath_connector.load.read_queue import StoreReadQueue
-from dualpath_connector.load.plan import PartsJoin, ReadPlan, plan_read, split_spec
+from dualpath_connector.load.plan import PartsJoin, ReadPlan, plan_read, routed_to_de, split_spec
 from dualpath_connector.load.read_timeline import ReadSpan, ReadTimeline
 from dualpath_connector.pd.side_channel import PeerBusy, PeerTimeout
 from dualpath_connector.metrics.stats_recorder import StatsRecorder
@@ -151,10 +151,8 @@ class HitReader:
 
         self.lane.submit(job)
 
-    def submit_through_de(
-        self, spec: LoadSpec, on_read: Callable[[LoadedHit], None], deadline_s: float | None = None
-    ) -> None:
-        """Ask ``spec``'s DE to read the hit within ``deadline_s`` (default ``de_read_timeout_s``); if it cannot, read it here."""
+    def submit_through_de(self, spec: LoadSpec, on_read: Callable[[LoadedHit], None], deadline_s: float) -> None:
+        """Ask ``spec``'s DE to read the hit within ``deadline_s``; if it cannot, read it here."""
 
         def job() -> None:
             hit = self._guarded(spec, lambda: self.read_through_de(spec, deadline_s))
@@ -165,44 +163,16 @@ class HitReader:
 
         self._de_reads.submit(job)
 
-    def submit_here_or_move(self, spec: LoadSpec, on_parts: Callable[[list[LoadedHit]], None]) -> None:
-        """A PE-side read: here, or (all or its tail) by the request's DE where that ends sooner.
+    def plan(self, spec: LoadSpec) -> ReadPlan:
+        """Where ``spec``'s hit is read (:mod:`plan`): the router's read side, then this engine's links.
 
-        Work stealing between the two storage links (:mod:`plan`): a
-        read that would queue behind this engine's own is offered to the DE,
-        a long one is split so both links read it at once; the DE gets the
-        time the whole read would take here as its deadline, takes what it
-        is offered only if its own queue lets it finish by then, and declines
-        at once otherwise (then it is read here). A DE read that can no
-        longer end in time is declined before it starts; one that still ends
-        late is read here as well (``de_read_fallbacks``). ``on_parts`` gets
-        the hit as parts that form a prefix of it.
+        Work stealing between the two storage links: a PE-side read that would
+        queue behind this engine's own is offered whole to the DE, a long one is
+        split so both links read it at once; the DE gets the time the whole read
+        would take here as its deadline.
         """
-        plan = self._plan(spec)
-        if not plan.offers_tail:
-            self.submit_here(spec, lambda hit: on_parts([hit]))
-            return
-        if plan.head_chunks == 0:
-
-            def on_moved_or_here(hit: LoadedHit) -> None:
-                if hit.remote is not None:
-                    self.stats.add(reads_moved_to_de=1)
-                on_parts([hit])
-
-            self.submit_through_de(spec, on_moved_or_here, plan.deadline_s)
-            return
-        head, tail = split_spec(spec, plan.head_chunks)
-        join = PartsJoin(plan.head_chunks, on_parts, self.release)
-
-        def on_tail(hit: LoadedHit) -> None:
-            if hit.remote is not None:
-                self.stats.add(split_read_tail_tokens=hit.block_ids().size * self.block_size)
-            join.tail(hit)
-
-        self.submit_here(head, join.head)
-        self.submit_through_de(tail, on_tail, plan.deadline_s)
-
-    def _plan(self, spec: LoadSpec) -> ReadPlan:
+        if spec.read_side == "de":
+            return routed_to_de(self.de_read_timeout_s)
         if not self.move_queued_reads or spec.de_side_channel is None or self.peers is None:
             return ReadPlan(len(spec.chunks))
         return plan_read(
@@ -215,6 +185,42 @@ class HitReader:
             split_min_tokens=self.split_read_min_tokens,
             min_deadline_s=self.moved_read_min_deadline_s,
         )
+
+    def fetch(self, spec: LoadSpec, plan: ReadPlan, on_parts: Callable[[list[LoadedHit]], None]) -> None:
+        """Read ``spec``'s hit as ``plan`` says; ``on_parts`` gets it as parts that form a prefix of it.
+
+        The DE takes what it is offered only if its own queue lets it finish
+        within the plan's deadline, and declines at once otherwise (then it is
+        read here). A DE read that can no longer end in time is declined
+        before it starts; one that still ends late is read here as well
+        (``de_read_fallbacks``).
+        """
+        logger.debug("request %s: read %s (%d of %d chunks here, DE deadline %s s)", spec.req_id, plan.kind,
+                     plan.head_chunks, len(spec.chunks), plan.deadline_s)  # fmt: skip
+        if plan.kind == "here":
+            self.submit_here(spec, lambda hit: on_parts([hit]))
+        elif plan.kind == "through_de":
+
+            def on_through_de(hit: LoadedHit) -> None:
+                if hit.remote is not None and not plan.routed:
+                    self.stats.add(reads_moved_to_de=1)
+                on_parts([hit])
+
+            self.submit_through_de(spec, on_through_de, plan.deadline_s)
+        else:
+            self._fetch_split(spec, plan, on_parts)
+
+    def _fetch_split(self, spec: LoadSpec, plan: ReadPlan, on_parts: Callable[[list[LoadedHit]], None]) -> None:
+        head, tail = split_spec(spec, plan.head_chunks)
+        join = PartsJoin(plan.head_chunks, on_parts, self.release)
+
+        def on_tail(hit: LoadedHit) -> None:
+            if hit.remote is not None:
+                self.stats.add(split_read_tail_tokens=hit.block_ids().size * self.block_size)
+            join.tail(hit)
+
+        self.submit_here(head, join.head)
+        self.submit_through_de(tail, on_tail, plan.deadline_s)
 
     @staticmethod
     def _guarded(spec: LoadSpec, read: Callable[[], LoadedHit | None]) -> LoadedHit | None:
@@ -332,10 +338,9 @@ class HitReader:
             self.read_queue.read_finished(sum(ok) * self.key_space.chunk_tokens)
         return self.verifier.whole(chunk_hashes, slots, ok)
 
-    def read_through_de(self, spec: LoadSpec, deadline_s: float | None = None) -> LoadedHit | None:
-        """Ask the DE to read the hit into its buffer within ``deadline_s``; None if it cannot (then this engine reads)."""
+    def read_through_de(self, spec: LoadSpec, timeout_s: float) -> LoadedHit | None:
+        """Ask the DE to read the hit into its buffer within ``timeout_s``; None if it cannot (then this engine reads)."""
         address = spec.de_side_channel
-        timeout_s = self.de_read_timeout_s if deadline_s is None else deadline_s
         request = ReadRequest(self.key_space.digest, [c.chunk_hash for c in spec.chunks], timeout_s, spec.keep_token)
         try:
             peer = self.peers.peer(address, timeout_s)

@@ -36,14 +36,27 @@ DE_READ_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True)
 class ReadPlan:
-    """Where a PE-side read goes: ``head_chunks`` read here, the rest offered to the DE within ``deadline_s``."""
+    """Where a hit is read: ``head_chunks`` here, the rest through the request's DE within ``deadline_s``.
+
+    ``routed``: the router named the DE as the read side; otherwise a DE part
+    is this engine's own choice (work stealing), counted as a move.
+    """
 
     head_chunks: int
     deadline_s: float | None = None
+    routed: bool = False
 
     @property
-    def offers_tail(self) -> bool:
-        return self.deadline_s is not None
+    def kind(self) -> str:
+        """``here`` (all of it), ``through_de`` (all of it, routed or moved) or ``split`` (head here, tail by the DE)."""
+        if self.deadline_s is None:
+            return "here"
+        return "through_de" if self.head_chunks == 0 else "split"
+
+
+def routed_to_de(deadline_s: float) -> ReadPlan:
+    """The router chose the DE's read path for the whole hit; it has ``deadline_s`` before this engine reads it."""
+    return ReadPlan(0, deadline_s, routed=True)
 
 
 def plan_read(

@@ -246,10 +246,8 @@ class DualPathWorker:
             on_parts = lambda parts, spec=spec, started=started: self._on_read(spec, parts, started)  # noqa: E731
             if self.config.benchmark_oracle:
                 self._load_nothing(spec)
-            elif spec.read_side == "de":
-                self.reader.submit_through_de(spec, lambda hit, on_parts=on_parts: on_parts([hit]))
             else:
-                self.reader.submit_here_or_move(spec, on_parts)
+                self.reader.fetch(spec, self.reader.plan(spec), on_parts)
         for pull in meta.pulls:
             self._lanes["pull"].submit(lambda pull=pull: self._pull(pull))
 

@@ -1,6 +1,6 @@
 """Work stealing between the two storage links: a PE-side read offered to the DE, whole or split.
 
-``HitReader.submit_here_or_move`` over a fake store and a fake side channel: the
+``HitReader.plan`` and ``HitReader.fetch`` over a fake store and a fake side channel: the
 offer happens only when this engine has a measured rate and either reads queued
 (the whole read moves) or a hit long enough to split (the DE reads the tail while
 this engine reads the head); it carries the time the whole read would take here as
@@ -12,6 +12,7 @@ always form a prefix of the hit. ``plan_read`` (where the split falls) is pure.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from types import SimpleNamespace
 
@@ -102,7 +103,7 @@ def made():
 
 def _submit_parts(reader: HitReader, spec: LoadSpec) -> list[LoadedHit]:
     reported = Reported()
-    reader.submit_here_or_move(spec, reported)
+    reader.fetch(spec, reader.plan(spec), reported)
     assert reported.done.wait(PATIENT_S)
     (parts,) = reported.calls
     return parts
@@ -181,6 +182,22 @@ def test_a_long_queue_offers_at_most_the_de_read_timeout(made):
     _submit(reader, _spec())
     assert reader.peers.requests[0][2] == 10.0
 
+
+
+@pytest.mark.parametrize("move", [True, False])
+def test_a_read_the_router_sent_to_the_de_goes_there_whole_and_is_not_a_move(made, move):
+    make, store = made
+    reader = make(ACCEPTED, move=move, queued_tokens=0)  # an idle link: a PE-side read would stay here
+    spec = dataclasses.replace(_spec(), read_side="de")
+    assert reader.plan(spec) == ReadPlan(0, 10.0, routed=True)  # de_read_timeout_s, whatever this link's state
+
+    hit = _submit(reader, spec)
+    assert hit.remote is not None and hit.chunks == CHUNKS and store.whole_reads == []
+    assert reader.peers.requests[0][2] == 10.0
+    counted = reader.stats.take() or {}  # None: nothing counted
+    assert counted.get("reads_moved_to_de", 0) == 0  # the router's choice, not this engine's
+    # Control: the same read with the PE's read side stays here.
+    assert reader.plan(_spec()).kind == "here"
 
 # -- splitting one hit across both links ------------------------------------------------------
 
