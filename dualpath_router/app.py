@@ -38,6 +38,7 @@ from dualpath_router.accounting import Accounting
 from dualpath_router.config import RouterConfig, load_router_config
 from dualpath_router.credentials import EngineCredential, MetricsAccess
 from dualpath_router.dispatcher import Dispatcher, Placement, QueueFull, QueueTimeout
+from dualpath_router.heap import HeapTrimmer
 from dualpath_router.holds import HoldReleaser
 from dualpath_router.lookup import HitLookup
 from dualpath_router.policies import make_policy
@@ -170,14 +171,22 @@ class Router:
             # 5 s, httpx's default too): reusing one the engine is closing fails a request with no retry.
             limits=httpx.Limits(max_connections=None, max_keepalive_connections=64, keepalive_expiry=2.0),
         )
-        refresher = asyncio.create_task(self.dispatcher.refresh_forever(self.client))
+        background = [asyncio.create_task(self.dispatcher.refresh_forever(self.client))]
+        if self.config.heap_trim_interval_s > 0:
+            background.append(asyncio.create_task(self._trim_heap_forever(HeapTrimmer.of_this_process())))
         try:
             yield
         finally:
-            refresher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await refresher
+            for task in background:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
             await self.client.aclose()
+
+    async def _trim_heap_forever(self, trimmer: HeapTrimmer) -> None:
+        while trimmer.available:
+            await asyncio.sleep(self.config.heap_trim_interval_s)
+            await asyncio.to_thread(trimmer.trim)
 
     def build_app(self) -> FastAPI:
         app = FastAPI(title="dualpath-router", lifespan=self.lifespan)

@@ -143,6 +143,8 @@ class RouterConfig:
     # is stored.
     metrics_token_env: str = DEFAULT_METRICS_TOKEN_ENV
     metrics_refresh_interval_s: float = 1.0
+    # Freed heap is handed back to the OS this often (glibc's malloc_trim; dualpath_router/heap.py); 0: never.
+    heap_trim_interval_s: float = 60.0
     scheduling: SchedulingConfig = field(default_factory=SchedulingConfig)
     timeouts: TimeoutsConfig = field(default_factory=TimeoutsConfig)
     # The connector's store section (credentials from the AWS chain only);
@@ -176,6 +178,9 @@ class RouterConfig:
         if self.tokenizer is None and self.model_config is None and self.vocab_size is None:
             raise ConfigError(NO_VOCABULARY)
         _require_positive(self, "max_request_bytes", "max_connections", "head_timeout_s")
+        if not self.heap_trim_interval_s >= 0 or self.heap_trim_interval_s == float("inf"):
+            raise ConfigError(f"heap_trim_interval_s must be a finite number >= 0 (0: never), got "
+                              f"{self.heap_trim_interval_s}")  # fmt: skip
         for name in ("vocab_size", "max_prompt_tokens", "max_model_len"):
             if getattr(self, name) is not None:
                 _require_positive(self, name)

@@ -68,6 +68,8 @@ def test_explicit_namespace(tmp_path):
         ({"vocab_size": 0}, "vocab_size must be positive"),
         ({"vocab_size": "1024"}, "'vocab_size'"),
         ({"max_prompt_tokens": -1}, "max_prompt_tokens must be positive"),
+        ({"heap_trim_interval_s": -1}, "heap_trim_interval_s must be a finite number >= 0"),
+        ({"heap_trim_interval_s": float("nan")}, "heap_trim_interval_s must be a finite number >= 0"),
         ({"vocab_size": None}, "set `tokenizer` (a Hugging Face tokenizer directory), `model_config`"),
         # A key pasted where its variable's name belongs: refused, and not echoed.
         ({"engine_api_key_env": "s3cr3t key"}, "engine_api_key_env must name an environment variable"),
