@@ -161,13 +161,19 @@ class ChunkObjects(Protocol):
     carry gc's removal records (:mod:`nixl_backends.removals`) beside the chunks.
     """
 
-    def scan(self) -> Iterator[StoredObject]: ...
+    def scan(self, start_after: str | None = None) -> Iterator[StoredObject]:
+        """The chunks, in key order (S3's: by UTF-8 bytes); with ``start_after``, those whose key sorts after it."""
+        ...
 
     def delete(self, batch: Sequence[StoredObject]) -> list[StoredObject]:
         """Delete ``batch``; returns the objects now gone (failures are logged and left out)."""
         ...
 
     def describe(self) -> str: ...
+
+    def selecting(self, namespaces: Sequence[str]) -> ChunkObjects:
+        """The same store, scanning only the chunks of ``namespaces``."""
+        ...
 
     def put(self, key: str, data: bytes) -> None:
         """Store ``data`` under ``key`` whole (a reader sees all of it or nothing)."""
@@ -233,20 +239,28 @@ class PosixChunks:
     def describe(self) -> str:
         return f"posix root {self.root}"
 
-    def scan(self) -> Iterator[StoredObject]:
+    def selecting(self, namespaces: Sequence[str]) -> PosixChunks:
+        return PosixChunks(self.root, KeyPattern(self.keys.prefix, namespaces))
+
+    def scan(self, start_after: str | None = None) -> Iterator[StoredObject]:
         base = os.path.join(self.root, *self.keys.prefix.split("/")) if self.keys.prefix else self.root
         head = f"{self.keys.prefix}/" if self.keys.prefix else ""
         namespaces = self.keys.namespaces
         if namespaces is None:
             namespaces = [e.name for e in _scandir(base) if _HEX.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
-        for ns in namespaces:
-            for fan in _scandir(os.path.join(base, ns)):
-                if not fan.is_dir(follow_symlinks=False):
+        # Sorted level by level: hex names sort as their keys do ('/' sorts before every hex digit).
+        for ns in sorted(namespaces):
+            if _sorts_before(f"{head}{ns}/", start_after):
+                continue
+            for fan in sorted(_scandir(os.path.join(base, ns)), key=lambda e: e.name):
+                if not fan.is_dir(follow_symlinks=False) or _sorts_before(f"{head}{ns}/{fan.name}/", start_after):
                     continue
-                for entry in _scandir(fan.path):
+                for entry in sorted(_scandir(fan.path), key=lambda e: e.name):
                     key = f"{head}{ns}/{fan.name}/{entry.name}"
                     parsed = self.keys.parse(key)
                     if parsed is None or not entry.is_file(follow_symlinks=False):
+                        continue
+                    if start_after is not None and key <= start_after:
                         continue
                     try:
                         stat = entry.stat(follow_symlinks=False)
@@ -298,6 +312,11 @@ class PosixChunks:
         return deleted
 
 
+def _sorts_before(prefix: str, start_after: str | None) -> bool:
+    """Whether every key under ``prefix`` sorts at or before ``start_after``."""
+    return start_after is not None and start_after[: len(prefix)] > prefix
+
+
 def _epoch_ns(when: datetime) -> int:
     return (when - _EPOCH) // timedelta(microseconds=1) * 1000
 
@@ -314,10 +333,16 @@ class S3Chunks:
     def describe(self) -> str:
         return f"s3 bucket {self.bucket} at {self.endpoint or '<aws default>'}"
 
-    def scan(self) -> Iterator[StoredObject]:
+    def selecting(self, namespaces: Sequence[str]) -> S3Chunks:
+        return S3Chunks(self._client, self.bucket, self.endpoint, KeyPattern(self.keys.prefix, namespaces))
+
+    def scan(self, start_after: str | None = None) -> Iterator[StoredObject]:
         paginator = self._client.get_paginator("list_objects_v2")
-        for prefix in self.keys.list_prefixes():
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix):
+        for prefix in sorted(self.keys.list_prefixes()):
+            if _sorts_before(prefix, start_after):
+                continue
+            after = {"StartAfter": start_after} if start_after is not None and start_after > prefix else {}
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=prefix, **after):
                 for item in page.get("Contents", ()):
                     parsed = self.keys.parse(item["Key"])
                     if parsed is None or parsed[1]:

@@ -15,12 +15,22 @@ convention and validates ``adapter_params`` once, naming a bad key).
 
 How LMCache's objects map onto ours:
 
-- Keys: an ``ObjectKey`` (chunk hash, model name, KV rank, object group,
-  cache salt) and the object's byte size choose a namespace
-  (:func:`object_namespace`, a digest of those fields and the integrity tag)
-  and a chunk hash inside it (``sha256(namespace || chunk_hash)``), stored at
-  ``<key_prefix>/<namespace>/<hh>/<hash>`` like every chunk of ours. Different
-  models, ranks, groups, salts, sizes or integrity modes never share an object.
+- Keys: an ``ObjectKey``'s model name, KV rank, object group and cache
+  salt, with the object's byte size, the integrity tag and the chunk hash's
+  length, form a family (:mod:`nixl_backends.lmcache_names`) whose namespace
+  is the digest of its record; the object is stored at
+  ``<key_prefix>/<namespace>/<hh>/<name>``, like every chunk of ours, its
+  name being the chunk hash itself (zero-padded; a hash over 32 bytes: its
+  digest), and the record once at ``<key_prefix>/families/<namespace>``.
+  Different models, ranks, groups, salts, sizes or integrity modes never
+  share an object; the trailer is sealed with the family and the hash, so an
+  object copied into another family fails its check.
+- Listing: ``list_l2_keys`` reads the family records (each checked against
+  its namespace) and lists their objects in key order, a page per call; the
+  cursor is the last key listed. At start a background scan of the same
+  listing accounts every object of this integrity tag
+  (``adopt_stored_objects``), so LMCache's usage and eviction see the whole
+  bucket, whoever stored it.
 - Objects: a memory object's bytes plus our integrity trailer
   (:mod:`nixl_backends.integrity`), one digest per object. The trailer cannot
   be appended inside LMCache's buffer, so every object goes through a staging
@@ -55,10 +65,7 @@ else of ours imports this module.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import itertools
-import json
 import logging
 import os
 import threading
@@ -70,7 +77,7 @@ from typing import Any
 
 import numpy as np
 from lmcache.lmcache_native import Bitmap
-from lmcache.v1.distributed.api import MemoryLayoutDesc, ObjectKey
+from lmcache.v1.distributed.api import KeyEntry, KeyListPage, MemoryLayoutDesc, ObjectKey
 from lmcache.v1.distributed.internal_api import L2StoreResult
 from lmcache.v1.distributed.l2_adapters.base import L2AdapterInterface, L2TaskId
 from lmcache.v1.distributed.l2_adapters.config import L2AdapterConfigBase
@@ -80,19 +87,21 @@ from lmcache.v1.platform import create_event_notifier
 from nixl_backends.buffers import HostBufferPool
 from nixl_backends.configuration import ConfigError, from_dict, refuse_secret
 from nixl_backends.integrity import DEFAULT_INTEGRITY, ChunkIntegrity, IntegrityMode, integrity_key_from_env, integrity_tag
-from nixl_backends.layout import BlockLayout, chunk_key
+from nixl_backends.gc import ChunkObjects, GcError, open_chunks
+from nixl_backends.layout import BlockLayout
+from nixl_backends.lmcache_names import Family, FamilyRecords, KeyListing, ListedKey, object_name
 from nixl_backends.lookup import PresentChunks
 from nixl_backends.registry import make_store, parse_store_config
 from nixl_backends.abandoned import retire_slots
 from nixl_backends.store import KVStore, TransferAbandoned
 
-__all__ = ["DualPathL2Adapter", "DualPathL2AdapterConfig", "LMCacheL2Params", "object_namespace", "store_key"]
+__all__ = ["DualPathL2Adapter", "DualPathL2AdapterConfig", "LMCacheL2Params", "family_of", "store_key"]
 
 logger = logging.getLogger(__name__)
 
 _WHERE = "adapter_params."
-# Part of every namespace: a change of the stored format starts a new (cold) key space.
-_FORMAT = "dualpath-kv lmcache-l2 v1"
+# Keys adopted per notification of LMCache's accounting while a start-up scan runs.
+_ADOPT_BATCH = 1000
 
 
 @dataclass
@@ -118,6 +127,9 @@ class LMCacheL2Params:
     lookup_cache_ttl_s: float | None = None
     # Capacity LMCache's L2 eviction may enforce through delete(); 0: unbounded (the store bounds itself).
     max_capacity_bytes: int = 0
+    # At start, account every object of this integrity tag already under key_prefix (a background scan), so
+    # LMCache's usage and eviction see the whole bucket, not only what this server stored or found.
+    adopt_stored_objects: bool = True
     store_config: Any = field(default=None, init=False, repr=False)
     integrity_key: bytes | None = field(default=None, init=False, repr=False)
 
@@ -154,24 +166,21 @@ class DualPathL2AdapterConfig(L2AdapterConfigBase):
         )
 
 
-@functools.lru_cache(maxsize=4096)
-def object_namespace(model_name: str, kv_rank: int, object_group_id: int, cache_salt: str,
-                     object_bytes: int, tag: str) -> str:  # fmt: skip
-    """The namespace digest of one LMCache key family: what makes two objects' bytes incompatible."""
-    canonical = json.dumps(
-        {"format": _FORMAT, "model": model_name, "kv_rank": kv_rank, "object_group_id": object_group_id,
-         "cache_salt": cache_salt, "object_bytes": object_bytes, "integrity": tag},
-        sort_keys=True, separators=(",", ":"),
-    )  # fmt: skip
-    return hashlib.sha256(canonical.encode()).hexdigest()[:32]
+def family_of(key: ObjectKey, object_bytes: int, tag: str) -> Family:
+    """The family of LMCache's ``key`` for an object of ``object_bytes`` bytes (:mod:`~nixl_backends.lmcache_names`)."""
+    return Family(key.model_name, key.kv_rank, key.object_group_id, key.cache_salt, object_bytes, tag,
+                  len(key.chunk_hash))  # fmt: skip
 
 
 def store_key(prefix: str, key: ObjectKey, object_bytes: int, tag: str) -> tuple[str, str]:
-    """(our store key, its chunk hash) for LMCache's ``key`` of an object of ``object_bytes`` bytes."""
-    namespace = object_namespace(key.model_name, key.kv_rank, key.object_group_id, key.cache_salt, object_bytes, tag)
-    # The namespace goes into the hash too, so the chunk hash alone (which seals the trailer) names the family.
-    chunk_hash = hashlib.sha256(namespace.encode() + b"/" + bytes(key.chunk_hash)).hexdigest()
-    return chunk_key(prefix, namespace, chunk_hash), chunk_hash
+    """(our store key, its sealing hash) for LMCache's ``key`` of an object of ``object_bytes`` bytes."""
+    return object_name(prefix, family_of(key, object_bytes, tag), bytes(key.chunk_hash))
+
+
+def _object_key(listed: ListedKey) -> ObjectKey:
+    family = listed.family
+    return ObjectKey(chunk_hash=listed.chunk_hash, model_name=family.model_name, kv_rank=family.kv_rank,
+                     object_group_id=family.object_group_id, cache_salt=family.cache_salt)  # fmt: skip
 
 
 def layout_bytes(desc: MemoryLayoutDesc | None) -> int:
@@ -232,6 +241,17 @@ class DualPathL2Adapter(L2AdapterInterface):
         self._prefix = self.params.key_prefix.strip("/")
         # Reachable with these credentials before LMCache starts serving: a wrong endpoint or key stops start-up.
         make_store(self.params.store_config, BlockLayout(1, 4096)).close()
+        # Small objects beside the chunks (family records) and listings; None where the store has no
+        # listing (a dualblade tier alone): then keys are neither listed nor adopted at start.
+        objects: ChunkObjects | None = None
+        try:
+            objects = open_chunks(self.params.store_config, self._prefix)
+        except GcError as exc:
+            logger.info("dualpath L2 adapter: no key listing on this store (%s)", exc)
+        self._records = self._key_listing = None
+        if objects is not None:
+            self._records = FamilyRecords(objects, self._prefix)
+            self._key_listing = KeyListing(objects, self._prefix, self._tag)
         self._sized: dict[int, _SizedStore] = {}
         self._sized_lock = threading.Lock()
         self._state = threading.Lock()
@@ -239,8 +259,8 @@ class DualPathL2Adapter(L2AdapterInterface):
         self._locks: Counter[ObjectKey] = Counter()
         # Objects in the accounting: stored by this adapter, or found by its lookups (key -> bytes).
         self._stored: dict[ObjectKey, int] = {}
-        self._group_bytes: dict[tuple[str, int], int] = {}
-        self._known = PresentChunks(self.params.lookup_cache_chunks, ttl_s=self.params.lookup_cache_ttl_s)  # (model, object group) -> object size seen
+        self._group_bytes: dict[tuple[str, int], int] = {}  # (model, object group) -> object size seen
+        self._known = PresentChunks(self.params.lookup_cache_chunks, ttl_s=self.params.lookup_cache_ttl_s)
         self._store_results: dict[L2TaskId, L2StoreResult] = {}
         self._lookup_results: dict[L2TaskId, Bitmap] = {}
         self._load_results: dict[L2TaskId, Bitmap] = {}
@@ -254,6 +274,12 @@ class DualPathL2Adapter(L2AdapterInterface):
         self._load_lane = ThreadPoolExecutor(1, thread_name_prefix="lmcache-l2-load")
         self._presence = ThreadPoolExecutor(self.params.lookup_concurrency, thread_name_prefix="lmcache-l2-head")
         self._closed = False
+        self._adopter: threading.Thread | None = None
+        self._scan_state = "off"
+        if self.params.adopt_stored_objects and self._key_listing is not None:
+            self._scan_state = "running"
+            self._adopter = threading.Thread(target=self._adopt_stored, name="lmcache-l2-adopt", daemon=True)
+            self._adopter.start()
         logger.info("dualpath L2 adapter: store backend %s, key prefix %r, integrity %s",
                     type(self.params.store_config).__name__, self._prefix, self._tag)  # fmt: skip
 
@@ -328,6 +354,61 @@ class DualPathL2Adapter(L2AdapterInterface):
             self._count(deleted_objects=len(doomed))
             self._notify_keys_deleted([key for key, _ in doomed], [size for _, size in doomed])
 
+    def list_l2_keys(self, model_name: str | None = None, page_size: int = 500,
+                     cursor: str | None = None) -> KeyListPage:  # fmt: skip
+        """The keys stored under ``key_prefix`` with this integrity tag (whoever stored them), in key order.
+
+        ``cursor``: the previous page's ``next_page_token`` (the last store key it listed).
+        """
+        listing = self._key_listing
+        if listing is None:
+            raise NotImplementedError(f"{type(self.params.store_config).__name__} has no key listing")
+        if page_size <= 0:
+            raise ValueError(f"page_size must be positive (got {page_size})")
+        if cursor is not None:
+            listing.check_cursor(cursor)
+        entries: list[KeyEntry] = []
+        last = None
+        for listed in listing.keys(listing.families(model_name), cursor):
+            if len(entries) == page_size:
+                return KeyListPage(entries=tuple(entries), next_page_token=last)
+            entries.append(KeyEntry(key=_object_key(listed).to_encoded_object_key(),
+                                    size_bytes=listed.family.object_bytes))  # fmt: skip
+            last = listed.store_key
+        return KeyListPage(entries=tuple(entries), next_page_token=None)
+
+    def _adopt_stored(self) -> None:
+        """The start-up scan: every listable object of this tag enters the accounting (counted ``adopted_objects``)."""
+        batch: list[tuple[ObjectKey, int]] = []
+        try:
+            listing = self._key_listing
+            for listed in listing.keys(listing.families()):
+                if self._closed:
+                    self._scan_state = "stopped"
+                    return
+                batch.append((_object_key(listed), listed.family.object_bytes))
+                if len(batch) == _ADOPT_BATCH:
+                    self._adopt(batch)
+                    batch = []
+            self._adopt(batch)
+        except Exception:
+            logger.exception("dualpath L2 adapter: the start-up scan of stored objects failed; objects it did not "
+                             "reach are accounted once a lookup finds them")  # fmt: skip
+            self._scan_state = "failed"
+            return
+        self._scan_state = "ended"
+        logger.info("dualpath L2 adapter: start-up scan ended; %d stored objects accounted",
+                    self._counters["adopted_objects"])  # fmt: skip
+
+    def _adopt(self, found: list[tuple[ObjectKey, int]]) -> None:
+        with self._state:
+            adopted = [(key, size) for key, size in found if key not in self._stored]
+            for key, size in adopted:
+                self._stored[key] = size
+            self._counters.update(adopted_objects=len(adopted))
+        if adopted:
+            self._notify_keys_stored([key for key, _ in adopted], [size for _, size in adopted])
+
     def report_status(self) -> dict:
         with self._state:
             status = {
@@ -336,6 +417,7 @@ class DualPathL2Adapter(L2AdapterInterface):
                 "store": type(self.params.store_config).__name__,
                 "locked_keys": len(self._locks),
                 "stored_objects_known": len(self._stored),
+                "startup_scan": self._scan_state,
                 **self._counters,
             }
         with self._sized_lock:
@@ -346,6 +428,8 @@ class DualPathL2Adapter(L2AdapterInterface):
         if self._closed:
             return
         self._closed = True
+        if self._adopter is not None:
+            self._adopter.join()  # it checks _closed between objects
         for lane in (self._store_lane, self._lookup_lane, self._load_lane, self._presence):
             lane.shutdown(wait=True)
         with self._sized_lock:
@@ -393,6 +477,10 @@ class DualPathL2Adapter(L2AdapterInterface):
 
     def _store_round(self, sized: _SizedStore, keys: list[ObjectKey], objects: list[MemoryObj]) -> list[ObjectKey]:
         pool, size = sized.store_pool, sized.object_bytes
+        if self._records is not None:
+            # Before the objects: an object is listable (and adopted by a later start) once its family's record is.
+            for family in {family_of(key, size, self._tag) for key in keys}:
+                self._records.ensure(family)
         slots = pool.acquire(len(keys))
         try:
             names = []
@@ -506,11 +594,13 @@ class DualPathL2Adapter(L2AdapterInterface):
             pool.release(slots)
             raise
         pool.release(slots)
-        # A failed read is asked of the store again next time.
+        # A failed read is asked of the store again next time, and leaves the accounting: an object something
+        # else deleted (gc, another server's eviction) is then stored again instead of skipped as stored.
         failed = set(range(len(keys))).difference(loaded)
         self._known.forget([names[i][0] for i in sorted(failed)])
         if corrupt:
             self._drop_corrupt(sized, [keys[i] for i in corrupt], [names[i][0] for i in corrupt])
+        self._unaccount([keys[i] for i in sorted(failed.difference(corrupt))])
         self._count(loaded_objects=len(loaded), loaded_bytes=size * len(loaded),
                     missing_objects=len(keys) - len(loaded) - len(corrupt), corrupt_objects=len(corrupt))  # fmt: skip
         return loaded
@@ -523,6 +613,9 @@ class DualPathL2Adapter(L2AdapterInterface):
             sized.store.delete(names)
         except Exception:
             logger.exception("dualpath L2 adapter: deleting corrupt objects failed")
+        self._unaccount(keys)
+
+    def _unaccount(self, keys: list[ObjectKey]) -> None:
         with self._state:
             dropped = [(key, self._stored.pop(key)) for key in keys if key in self._stored]
         if dropped:

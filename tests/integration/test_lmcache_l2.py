@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import select
+import time
 from pathlib import Path
 
 import numpy as np
@@ -172,7 +173,8 @@ def test_a_new_adapter_finds_what_another_stored(store_section):
     first.close()
     # As `lmcache server` builds it for a bucket several servers share: the spec's own "shared" (LMCache's
     # setting, beside "type"), which LMCache hands to the adapter with its identity.
-    shared_config = config_of({**spec(store_section), "shared": True})
+    # (No start-up scan: this test is about what a lookup finds; the next one is about the scan.)
+    shared_config = config_of({**spec(store_section, adopt_stored_objects=False), "shared": True})
     assert shared_config.shared is True
     second = create_l2_adapter(shared_config)
     second.set_backend_identity("plugin", shared=shared_config.shared)
@@ -195,6 +197,88 @@ def test_a_new_adapter_finds_what_another_stored(store_section):
         second.submit_unlock(keys(3))
     finally:
         second.close()
+
+
+def _scan_ended(adapter) -> dict:
+    """The adapter's status once its start-up scan ended (awaited: it runs on its own thread)."""
+    deadline = time.monotonic() + TIMEOUT_S
+    while (status := adapter.report_status())["startup_scan"] == "running":
+        assert time.monotonic() < deadline, "the start-up scan did not end"
+        time.sleep(0.05)
+    return status
+
+
+def _listed(adapter, page_size: int, **options) -> tuple[list, int]:
+    """Every entry of list_l2_keys, page after page; (entries, pages)."""
+    entries, pages, cursor = [], 0, None
+    while True:
+        page = adapter.list_l2_keys(page_size=page_size, cursor=cursor, **options)
+        assert len(page.entries) <= page_size
+        entries.extend(page.entries)
+        pages += 1
+        if page.next_page_token is None:
+            return entries, pages
+        cursor = page.next_page_token
+
+
+def test_list_l2_keys_gives_back_every_key_stored_under_the_prefix(adapter, store_section):
+    eight = keys(5)  # LMCache's integer hashes: 8 bytes
+    blake3 = [ObjectKey(chunk_hash=bytes([i]) * 32, model_name="org/b", kv_rank=3, object_group_id=1,
+                        cache_salt="tenant-a") for i in range(3)]  # its blake3 hashes: 32 bytes
+    too_long = [ObjectKey(chunk_hash=bytes([i]) * 40, model_name="org/tiny-llama", kv_rank=0) for i in range(2)]
+    for batch in (eight, blake3, too_long):
+        assert store(adapter, batch, memory_objects(len(batch), seed=8)).is_successful()
+    expected = {key.to_encoded_object_key() for key in [*eight, *blake3]}  # a 40-byte hash cannot be named back
+
+    entries, pages = _listed(adapter, page_size=3)
+    assert {entry.key for entry in entries} == expected and len(entries) == len(expected) and pages == 3
+    assert {entry.size_bytes for entry in entries} == {OBJECT_BYTES}
+    only_b, _ = _listed(adapter, page_size=500, model_name="org/b")
+    assert {entry.key for entry in only_b} == {key.to_encoded_object_key() for key in blake3}
+    assert _listed(adapter, page_size=500, model_name="org/none") == ([], 1)
+    # A listed key is the key: it loads.
+    listed_key = ObjectKey(chunk_hash=bytes.fromhex(only_b[0].key.chunk_hash_hex), model_name="org/b", kv_rank=3,
+                           object_group_id=1, cache_salt="tenant-a")  # fmt: skip
+    assert load(adapter, [listed_key], memory_objects(1, seed=None)) == [1]
+
+    # Another server on the same bucket lists the same keys (the family records are in the store).
+    other = build(spec(store_section))
+    try:
+        assert {entry.key for entry in _listed(other, page_size=500)[0]} == expected
+        # The start-up scan accounted all of them, so LMCache's eviction sees and may delete them.
+        assert _scan_ended(other)["adopted_objects"] == len(expected)
+        assert other.get_usage().total_bytes_used == len(expected) * OBJECT_BYTES
+        other.delete(eight[:2])
+        assert load(adapter, eight, memory_objects(5, seed=None)) == [0, 0, 1, 1, 1]
+    finally:
+        other.close()
+    # Control: an adapter of another integrity mode lists none of them (it could not verify them).
+    checksum = build(spec(store_section, integrity="checksum"))
+    try:
+        assert _listed(checksum, page_size=500) == ([], 1)
+        assert _scan_ended(checksum)["adopted_objects"] == 0
+    finally:
+        checksum.close()
+
+    for bad in ({"page_size": 0}, {"cursor": "lmcache/../x"}, {"cursor": "other/" + "0" * 32}):
+        with pytest.raises(ValueError):
+            adapter.list_l2_keys(**bad)
+
+
+def test_a_missing_object_leaves_the_accounting_and_is_stored_again(adapter, store_section, section_server):
+    stored = memory_objects(2, seed=9)
+    assert store(adapter, keys(2), stored).is_successful()
+    name = store_key("lmcache", keys(2)[1], OBJECT_BYTES, STORED_TAG)[0]
+    if store_section["backend"] == "posix":
+        (Path(store_section["root"]) / name).unlink()  # as `dualpath-kv gc` or another server's eviction
+    else:
+        section_server.client().delete_object(Bucket=store_section["bucket"], Key=name)
+    assert load(adapter, keys(2), memory_objects(2, seed=None)) == [1, 0]
+    assert adapter.get_usage().total_bytes_used == OBJECT_BYTES
+    # Not skipped as "already stored": written again, and it loads.
+    assert store(adapter, keys(2), stored).bytes_transferred() == OBJECT_BYTES
+    again = memory_objects(2, seed=None)
+    assert load(adapter, keys(2), again) == [1, 1] and same_bytes(again[1], stored[1])
 
 
 def test_models_ranks_groups_salts_and_modes_never_collide(adapter, store_section, monkeypatch):
