@@ -128,7 +128,8 @@ class LMCacheL2Params:
     # Capacity LMCache's L2 eviction may enforce through delete(); 0: unbounded (the store bounds itself).
     max_capacity_bytes: int = 0
     # At start, account every object of this integrity tag already under key_prefix (a background scan), so
-    # LMCache's usage and eviction see the whole bucket, not only what this server stored or found.
+    # LMCache's usage and eviction see the whole bucket, not only what this server stored or found. The
+    # accounting holds each object's key in memory (a few hundred bytes each): off for a bucket of billions.
     adopt_stored_objects: bool = True
     store_config: Any = field(default=None, init=False, repr=False)
     integrity_key: bytes | None = field(default=None, init=False, repr=False)
