@@ -10,7 +10,7 @@ PD_SIDECAR := $(VENV)/bin/pd-sidecar
 UV := python3 -m uv
 
 .PHONY: docs docs-check
-.PHONY: setup vllm-latest test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-store-window bench-store-window-link bench-multiturn bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak soak-hostile gpu-connector-check device-check
+.PHONY: setup vllm-latest test test-unit test-integration test-e2e demo demo-single demo-objectcache bench clean mma bench-s3agg bench-injection bench-lookup-latency bench-store-window bench-store-window-link bench-lmcache-l2-tls-rtt bench-multiturn bench-integrity bench-dualpath bench-dualblade bench-traffic-isolation bench-compute-quota soak soak-hostile gpu-connector-check device-check
 
 setup: $(STAMP) mma $(VERSITYGW) $(PD_SIDECAR)
 
@@ -129,6 +129,13 @@ bench-store-window: setup
 # The same with a bandwidth limit: the relay's bodies cross a 200 Mbit/s link each way.
 bench-store-window-link: setup
 	$(PY) benchmarks/bench_store_window.py --store-mbit 200 --output store-window-rtt-link.json $(BENCH_ARGS)
+
+# Our LMCache L2 adapter vs LMCache's s3 adapter, both over TLS to versitygw through a relay that delays each
+# request by 0, 5 and 20 ms. In a mount namespace of its own: LMCache's adapter trusts only the system CA bundle,
+# over which the bench bind-mounts the relay's per-run CA. Results: benchmarks/results/lmcache_l2-tls-rtt.*
+bench-lmcache-l2-tls-rtt: setup
+	unshare --mount --propagation private $(PY) benchmarks/bench_lmcache_l2.py --server versitygw --store-rtt-ms 0 5 20 \
+		--reps 3 --output lmcache_l2-tls-rtt.json $(BENCH_ARGS)
 
 # Basic vs DualPath vs Oracle, 1P1D, on an emulated cluster (root: network namespaces, tc storage NICs);
 # BENCH_ARGS adds options, e.g. BENCH_ARGS="--topologies 1P1D,1P2D,2P1D". Results: benchmarks/results/dualpath-bench.*

@@ -12,6 +12,13 @@ and ``<bucket>.127.0.0.1`` does not resolve here. What works against 127.0.0.1 i
 object name, which that adapter builds as ``<model_name>@<rank>@<group>@<hash>`` and URL-quotes keeping
 ``/``: so keys whose model name is ``<bucket>/<model>`` land in ``<bucket>`` path-style. The command makes
 its keys with the fixed model name ``bench-model``; the runners take our keys.
+
+``--server versitygw --store-rtt-ms 0 5 20``: both adapters over TLS to the second S3 server, through an S3
+relay (``dualpath_dev.s3_relay``, a process of its own) that serves TLS with its own per-run CA and delays
+every request by the round trip; the round trips are measured one after another, the adapters interleaved
+within each. LMCache's s3 adapter (AWS CRT) trusts only the system's CA bundle and takes no CA setting, so
+the bench bind-mounts the relay's CA over that bundle: only inside a private mount namespace, which it
+refuses to do without (``make bench-lmcache-l2-tls-rtt`` runs it under ``unshare --mount``).
 """
 
 from __future__ import annotations
@@ -22,7 +29,10 @@ import logging
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -42,21 +52,53 @@ def human(size: int) -> str:
     return f"{size // MIB} MiB" if size % MIB == 0 else f"{size // KIB} KiB"
 
 
-def make_adapter(name: str, server, bucket: str, variant: dict):
+@dataclass(frozen=True)
+class Target:
+    """Where the adapters send requests: the server itself, or the relay in front of it."""
+
+    server: Any  # the S3Server (its keys, a client for buckets)
+    endpoint: str  # http(s)://127.0.0.1:PORT
+    ca_file: str | None  # what a client trusts, with https
+
+    @property
+    def host_port(self) -> str:
+        return urlsplit(self.endpoint).netloc
+
+
+def make_adapter(name: str, target: Target, bucket: str, variant: dict):
     from lmcache.v1.distributed.l2_adapters import create_l2_adapter
     from lmcache.v1.distributed.l2_adapters.s3_l2_adapter import S3L2AdapterConfig
 
     from nixl_backends.lmcache_l2 import DualPathL2Adapter, DualPathL2AdapterConfig
 
+    server = target.server
     if name == "dualpath-s3":
         # Credentials come from AWS_* in the environment (run() sets them): adapter_params refuse a secret.
-        section = {"backend": "s3", "endpoint": server.endpoint, "bucket": bucket, **variant}
-        return DualPathL2Adapter(DualPathL2AdapterConfig.from_dict({"store": section}))
+        section = {"backend": "s3", "endpoint": target.endpoint, "bucket": bucket, **variant}
+        if target.ca_file is not None:
+            section["ca_bundle"] = target.ca_file
+        return DualPathL2Adapter(DualPathL2AdapterConfig.from_dict({"store": section, "adopt_stored_objects": False}))
     server.client().create_bucket(Bucket=bucket)
     return create_l2_adapter(S3L2AdapterConfig.from_dict({
-        "s3_endpoint": f"127.0.0.1:{server.s3_port}", "s3_region": "us-east-1", "disable_tls": True,
+        "s3_endpoint": target.host_port, "s3_region": "us-east-1", "disable_tls": target.ca_file is None,
         "s3_prefer_http2": False, "aws_access_key_id": server.access_key, "aws_secret_access_key": server.secret_key,
     }))  # fmt: skip
+
+
+# Where AWS CRT (LMCache's s3 adapter) looks for the system's CA bundle on Debian and Ubuntu.
+SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
+
+
+def trust_in_this_mount_namespace(ca_file: str) -> None:
+    """Make ``ca_file`` the system CA bundle for this process only: bind-mounted, in a private mount namespace."""
+    import os
+    import subprocess
+
+    if os.stat("/proc/self/ns/mnt").st_ino == os.stat("/proc/1/ns/mnt").st_ino:
+        raise SystemExit("LMCache's s3 adapter over TLS trusts only the system CA bundle: run this bench in a "
+                         "mount namespace of its own (unshare --mount --propagation private ...; "
+                         "make bench-lmcache-l2-tls-rtt), never over the machine's bundle")  # fmt: skip
+    subprocess.run(["mount", "--bind", ca_file, SYSTEM_CA_BUNDLE], check=True)
 
 
 def staging_rate(size: int, total: int) -> float:
@@ -80,14 +122,14 @@ class AdapterRun:
     """One adapter at one object size: its bucket, buffers and samples; rounds are run by the caller, so the
     adapters' rounds interleave (A B, then B A, ...) and drift on the machine reaches both alike."""
 
-    def __init__(self, name: str, server, size: int, num_keys: int, variant: dict) -> None:
+    def __init__(self, name: str, target: Target, size: int, num_keys: int, variant: dict) -> None:
         from lmcache.cli.commands.bench.l2_adapter_bench import data
 
-        self.server, self.size, self.num_keys = server, size, num_keys
+        self.server, self.size, self.num_keys = target.server, size, num_keys
         # Each variant of our adapter's store section is an adapter of its own in the table.
         self.name = " ".join([name, *(f"{k}={v}" for k, v in variant.items())])
         self.bucket = f"bench-{name.split('-')[0]}-{uuid.uuid4().hex[:8]}"
-        self.adapter = make_adapter(name, server, self.bucket, variant)
+        self.adapter = make_adapter(name, target, self.bucket, variant)
         self.stored_buf = data.make_aligned_tensor(num_keys * size, 4096)
         self.stored = data.make_memory_objects(self.stored_buf, num_keys, size, 0)
         self.loaded_buf = data.make_aligned_tensor(num_keys * size, 4096)
@@ -145,11 +187,11 @@ class AdapterRun:
         return out
 
 
-def measure(names: list[str], server, size: int, num_keys: int, reps: int, warmup: int,
+def measure(names: list[str], target: Target, size: int, num_keys: int, reps: int, warmup: int,
             variants: list[dict]) -> list[dict]:
     """Every adapter at one size (ours once per store-section variant), rounds interleaved: A B C, C B A, ...
     (warm-up rounds first, discarded)."""
-    runs = [AdapterRun(name, server, size, num_keys, variant) for name in names
+    runs = [AdapterRun(name, target, size, num_keys, variant) for name in names
             for variant in (variants if name == "dualpath-s3" else [{}])]  # fmt: skip
     try:
         for r in range(warmup + reps):
@@ -162,62 +204,102 @@ def measure(names: list[str], server, size: int, num_keys: int, reps: int, warmu
 
 def run(args: argparse.Namespace) -> dict:
     import os
+    import tempfile
 
+    from dualpath_dev.s3_relay import S3RelayProcess
     from dualpath_dev.seaweedfs import SeaweedFS
+    from dualpath_dev.tls import make_server_tls
+    from dualpath_dev.versitygw import VersityGW
 
     sizes = [parse_size(s) for s in args.chunk_sizes]
     total = parse_size(args.total)
     results, staging = [], {}
-    server = SeaweedFS().start()
-    os.environ.update(AWS_ACCESS_KEY_ID=server.access_key, AWS_SECRET_ACCESS_KEY=server.secret_key)
-    print(f"S3 (SeaweedFS) on {server.endpoint}", file=sys.stderr)
-    try:
-        for size in sizes:
-            num_keys = max(1, total // size)
-            staging[size] = staging_rate(size, total)
-            print(f"{', '.join(args.adapters)} interleaved: {num_keys} x {human(size)}, {args.reps} repetitions ...",
-                  file=sys.stderr)
-            results += measure(args.adapters, server, size, num_keys, args.reps, args.warmup, args.variants)
-    finally:
-        server.stop()
-    return {"config": vars(args) | {"chunk_bytes": sizes, "total_bytes": total}, "environment": environment(),
-            "staging_GBps": {str(k): v for k, v in staging.items()}, "results": results}  # fmt: skip
+    with contextlib.ExitStack() as stack:
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-lmcache-l2-")))
+        server = (VersityGW if args.server == "versitygw" else SeaweedFS)(workdir / args.server).start()
+        stack.callback(server.stop)
+        os.environ.update(AWS_ACCESS_KEY_ID=server.access_key, AWS_SECRET_ACCESS_KEY=server.secret_key)
+        print(f"S3 ({args.server}) on {server.endpoint}", file=sys.stderr)
+        target = Target(server, server.endpoint, getattr(server, "ca_bundle", None))
+        relay = None
+        if args.store_rtt_ms != [0.0]:
+            # TLS on both hops: the relay's own certificate to the clients, the server's CA to verify upstream.
+            tls = make_server_tls(workdir / "relay-tls", ["127.0.0.1"]) if target.ca_file is not None else None
+            relay = stack.enter_context(S3RelayProcess(server.endpoint, workdir / "relay.log", tls=tls,
+                                                       upstream_ca=target.ca_file))  # fmt: skip
+            target = Target(server, relay.endpoint, None if tls is None else str(tls.ca_file))
+        if target.ca_file is not None and "lmcache-s3" in args.adapters:
+            trust_in_this_mount_namespace(target.ca_file)
+        for rtt_ms in args.store_rtt_ms:
+            if relay is not None:
+                relay.set_delay(rtt_ms)
+            for size in sizes:
+                num_keys = max(1, total // size)
+                staging[size] = staging_rate(size, total)
+                print(f"{', '.join(args.adapters)} interleaved: {num_keys} x {human(size)}, store round trip "
+                      f"{rtt_ms:g} ms, {args.reps} repetitions ...", file=sys.stderr)  # fmt: skip
+                measured = measure(args.adapters, target, size, num_keys, args.reps, args.warmup, args.variants)
+                results += [dict(r, store_rtt_ms=rtt_ms) for r in measured]
+        requests = relay.requests() if relay is not None else None
+    return {"config": vars(args) | {"chunk_bytes": sizes, "total_bytes": total, "tls": target.ca_file is not None},
+            "environment": environment(), "staging_GBps": {str(k): v for k, v in staging.items()},
+            "relay_requests": requests, "results": results}  # fmt: skip
+
+
+def _rtts(payload: dict) -> list[float]:
+    return list(dict.fromkeys(r.get("store_rtt_ms", 0.0) for r in payload["results"]))
 
 
 def table(payload: dict) -> str:
-    by_key = {(r["adapter"], r["chunk_bytes"]): r for r in payload["results"]}
+    by_key = {(r["adapter"], r["chunk_bytes"], r.get("store_rtt_ms", 0.0)): r for r in payload["results"]}
     adapters = list(dict.fromkeys(r["adapter"] for r in payload["results"]))
-    headers = ["chunk", "keys/task", "adapter", "store MB/s", "store chunks/s", "load MB/s", "load chunks/s",
-               "lookup keys/s"]  # fmt: skip
+    rtts = _rtts(payload)
+    headers = ["chunk", "keys/task", *(["store RTT ms"] if rtts != [0.0] else []), "adapter", "store MB/s",
+               "store chunks/s", "load MB/s", "load chunks/s", "lookup keys/s"]  # fmt: skip
     rows = []
-    for size in payload["config"]["chunk_bytes"]:
-        for name in adapters:
-            r = by_key[(name, size)]
-            spread = lambda key: "[{:.0f}-{:.0f}]".format(*r[key])  # noqa: E731
-            rows.append([human(size), r["num_keys"], name, f"{r['store_MBps']:.0f} {spread('store_MBps_range')}",
-                         f"{r['store_chunks_per_s']:.0f}", f"{r['load_MBps']:.0f} {spread('load_MBps_range')}",
-                         f"{r['load_chunks_per_s']:.0f}",
-                         f"{r['lookup_chunks_per_s']:.0f} {spread('lookup_chunks_per_s_range')}"])  # fmt: skip
+    for rtt in rtts:
+        for size in payload["config"]["chunk_bytes"]:
+            for name in adapters:
+                r = by_key[(name, size, rtt)]
+                spread = lambda key: "[{:.0f}-{:.0f}]".format(*r[key])  # noqa: E731
+                rows.append([human(size), r["num_keys"], *([f"{rtt:g}"] if rtts != [0.0] else []), name,
+                             f"{r['store_MBps']:.0f} {spread('store_MBps_range')}", f"{r['store_chunks_per_s']:.0f}",
+                             f"{r['load_MBps']:.0f} {spread('load_MBps_range')}", f"{r['load_chunks_per_s']:.0f}",
+                             f"{r['lookup_chunks_per_s']:.0f} {spread('lookup_chunks_per_s_range')}"])  # fmt: skip
     cfg = payload["config"]
     staging = ", ".join(f"{human(int(k))} {v:.1f}" for k, v in payload["staging_GBps"].items())
+    server = cfg.get("server", "seaweedfs")
+    where = (f"one {server} (127.0.0.1{', over TLS' if cfg.get('tls') else ''}"
+             + (f", every request delayed by the store round trip at an S3 relay" if rtts != [0.0] else "") + ")")
     caption = (
-        f"LMCache L2 adapters on one SeaweedFS (127.0.0.1, {payload['environment']['cpu_count']}-core machine shared "
-        f"with the client), driven by LMCache's `lmcache bench l2` runners: one task of all keys per operation, "
+        f"LMCache L2 adapters on {where}, {payload['environment']['cpu_count']}-core machine shared "
+        f"with the client, driven by LMCache's `lmcache bench l2` runners: one task of all keys per operation, "
         f"median of {cfg['reps']} repetitions after {cfg['warmup']} warm-up, the adapters' rounds interleaved "
         f"(A B, B A, ...), [slowest-fastest] repetition in brackets, {human(cfg['total_bytes'])} per task, "
         f"MB = 10^6 bytes, every load checked byte for byte. Our adapter's own host-memory work per object "
         f"(memcpy into a registered slot + XXH3 seal), GB/s: {staging}."
     )
-    return markdown_table(headers, rows, caption)
+    text = markdown_table(headers, rows, caption)
+    if set(adapters) >= set(ADAPTERS) and len(adapters) == 2:
+        ratio_rows = [[f"{rtt:g}", human(size)] + [
+            f"{by_key[('dualpath-s3', size, rtt)][f'{op}_MBps'] / by_key[('lmcache-s3', size, rtt)][f'{op}_MBps']:.2f}x"
+            for op in ("store", "load")] for rtt in rtts for size in cfg["chunk_bytes"]]  # fmt: skip
+        text += "\n\n" + markdown_table(["store RTT ms", "chunk", "store: ours / LMCache's", "load: ours / LMCache's"],
+                                          ratio_rows, "Ours over LMCache's s3 adapter, medians of the same run.")
+    return text
 
 
 def chart(payload: dict, path: Path) -> Path | None:
     sizes = payload["config"]["chunk_bytes"]
-    by_key = {(r["adapter"], r["chunk_bytes"]): r for r in payload["results"]}
+    rtts = _rtts(payload)
+    by_key = {(r["adapter"], r["chunk_bytes"], r.get("store_rtt_ms", 0.0)): r for r in payload["results"]}
     adapters = list(dict.fromkeys(r["adapter"] for r in payload["results"]))
-    series = {f"{a} {op}": [by_key[(a, s)][f"{op}_MBps"] for s in sizes] for op in ("store", "load") for a in adapters}
-    return bar_chart(path, [human(s) for s in sizes], series, "object (chunk) size",
-                     "LMCache L2 adapters on SeaweedFS: store and load", ylabel="MB/s")  # fmt: skip
+    groups = [(s, rtt) for rtt in rtts for s in sizes]
+    labels = [human(s) if rtts == [0.0] else f"{human(s)}, {rtt:g} ms" for s, rtt in groups]
+    series = {f"{a} {op}": [by_key[(a, s, rtt)][f"{op}_MBps"] for s, rtt in groups]
+              for op in ("store", "load") for a in adapters}  # fmt: skip
+    return bar_chart(path, labels, series, "object (chunk) size" + ("" if rtts == [0.0] else ", store round trip"),
+                     "LMCache L2 adapters: store and load", ylabel="MB/s")  # fmt: skip
 
 
 def _variant(text: str) -> dict:
@@ -249,6 +331,10 @@ def main() -> None:
                         help="settings of our adapter's s3 store section, one adapter of ours per variant, all "
                              "interleaved, e.g. io_threads=16 request_checksum_calculation=when_required "
                              "(join several settings of one variant with commas; default: the store's defaults)")
+    parser.add_argument("--server", choices=("seaweedfs", "versitygw"), default="seaweedfs",
+                        help="the S3 server (versitygw: over TLS, its CA per run)")
+    parser.add_argument("--store-rtt-ms", type=float, nargs="+", default=[0.0],
+                        help="store round trips to measure at, one after another (an S3 relay delays each request)")
     parser.add_argument("--output", default="lmcache_l2.json", help="file name under benchmarks/results/")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 sizes, 8 MiB, 2 repetitions")
     args = parser.parse_args()

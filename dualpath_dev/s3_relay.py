@@ -21,6 +21,9 @@
   way down, a PUT's body on the way up, ``bytes / rate`` each, first come first
   served, as a link of that bandwidth serializes what crosses it. Settable while
   the relay runs.
+- ``server_cert`` / ``upstream_ca``: HTTPS on the client side (the relay's own
+  certificate: clients trust its CA) and to an ``https://`` store (trusted by
+  ``upstream_ca``), so a TLS store keeps TLS on both hops with the delay between.
 - :meth:`hold` / :meth:`release`: object GETs wait at the relay from ``hold``
   until ``release`` (at most ``hold_limit_s``), as a store that stopped
   answering does; ``held`` counts those waiting now.
@@ -50,6 +53,7 @@ import random
 import re
 import select
 import socket
+import ssl
 import struct
 import subprocess
 import sys
@@ -67,6 +71,7 @@ from s3agg_gateway_ext.sigv4 import error_xml, sign, verify_headers, verify_payl
 from dualpath_dev.credentials_endpoint import RotatingCredentials
 from dualpath_dev.processes import stop_process_group
 from dualpath_dev.threaded_http import ThreadedHTTPService
+from dualpath_dev.tls import ServerTLS
 
 logger = logging.getLogger(__name__)
 
@@ -106,12 +111,21 @@ class S3Relay(ThreadedHTTPService):
 
     # ``access_key``/``secret_key``: the upstream's static pair, which re-signs what ``credentials`` accepted
     # (unused without ``credentials``: requests pass as their client signed them).
+    # ``server_cert``: (certificate chain, key) PEM files to serve HTTPS with; ``upstream_ca``: the CA bundle an
+    # ``https://`` upstream is trusted by.
     def __init__(self, upstream: str, access_key: str = "", secret_key: str = "",
                  credentials: RotatingCredentials | None = None, region: str = "us-east-1",
                  delay_s: float = 0.0, throttle_fraction: float = 0.0, reset_fraction: float = 0.0,
-                 seed: int = 0) -> None:  # fmt: skip
-        super().__init__()
+                 seed: int = 0, server_cert: tuple[str, str] | None = None,
+                 upstream_ca: str | None = None) -> None:  # fmt: skip
+        server_context = None
+        if server_cert is not None:
+            server_context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            server_context.load_cert_chain(*server_cert)
+        super().__init__(server_context)
         self.upstream = urlsplit(upstream)
+        self._upstream_context = ssl.create_default_context(cafile=upstream_ca) if self.upstream.scheme == "https" \
+            else None
         self._static = (access_key, secret_key)
         self.credentials = credentials
         self.region = region
@@ -141,7 +155,8 @@ class S3Relay(ThreadedHTTPService):
     @property
     def endpoint(self) -> str:
         host = self._server.server_address[0] if self._server is not None else "127.0.0.1"
-        return f"http://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}"
+        scheme = "http" if self.ssl_context is None else "https"
+        return f"{scheme}://{'127.0.0.1' if host == '0.0.0.0' else host}:{self.port}"
 
     def hold(self) -> None:
         """Object GETs wait from now until :meth:`release`."""
@@ -206,7 +221,11 @@ class S3Relay(ThreadedHTTPService):
         conn = getattr(self._local, "conn", None)
         for attempt in range(2):  # a kept-alive connection the server closed meanwhile is opened again, once
             if conn is None:
-                conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=60)
+                if self._upstream_context is None:
+                    conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=60)
+                else:
+                    conn = http.client.HTTPSConnection(self.upstream.hostname, self.upstream.port, timeout=60,
+                                                       context=self._upstream_context)  # fmt: skip
                 self._local.conn = conn
             try:
                 conn.request(method, target, body=body, headers=forwarded)
@@ -316,12 +335,16 @@ class S3RelayProcess:
 
     ``launcher`` prefixes the command (``ip netns exec <ns>``: the relay runs in that namespace, and
     ``upstream`` is as that namespace reaches it); ``listen_host`` is where it listens (``0.0.0.0``: every
-    address there). Its log (stderr) goes to ``log_path``.
+    address there). Its log (stderr) goes to ``log_path``. With ``tls`` it serves HTTPS (clients trust
+    ``tls.ca_file``); ``upstream_ca`` trusts an ``https://`` upstream.
     """
 
     def __init__(self, upstream: str, log_path: Path, *, listen_host: str = "127.0.0.1", delay_ms: float = 0.0,
-                 launcher: Sequence[str] = (), start_timeout_s: float = 60.0) -> None:  # fmt: skip
+                 launcher: Sequence[str] = (), start_timeout_s: float = 60.0, tls: ServerTLS | None = None,
+                 upstream_ca: str | None = None) -> None:  # fmt: skip
         self.upstream = upstream
+        self.tls = tls
+        self.upstream_ca = upstream_ca
         self.log_path = Path(log_path)
         self.listen_host = listen_host
         self.delay_ms = delay_ms
@@ -333,11 +356,16 @@ class S3RelayProcess:
     @property
     def endpoint(self) -> str:
         """Where this process's namespace reaches the relay (its listen address; loopback for ``0.0.0.0``)."""
-        return f"http://{'127.0.0.1' if self.listen_host == '0.0.0.0' else self.listen_host}:{self.port}"
+        scheme = "http" if self.tls is None else "https"
+        return f"{scheme}://{'127.0.0.1' if self.listen_host == '0.0.0.0' else self.listen_host}:{self.port}"
 
     def start(self) -> S3RelayProcess:
         command = [*self.launcher, sys.executable, "-m", "dualpath_dev.s3_relay", "--upstream", self.upstream,
                    "--listen", f"{self.listen_host}:0", "--delay-ms", str(self.delay_ms)]  # fmt: skip
+        if self.tls is not None:
+            command += ["--tls-cert", str(self.tls.cert_file), "--tls-key", str(self.tls.key_file)]
+        if self.upstream_ca is not None:
+            command += ["--upstream-ca", self.upstream_ca]
         with open(self.log_path, "w") as log:
             # The checkout's root: dualpath_dev is development scaffolding, not installed.
             self.proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
@@ -449,9 +477,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--delay-ms", type=_non_negative, default=0.0, help="each request waits this long first")
     parser.add_argument("--rate-mbit", type=_non_negative, default=0.0,
                         help="the store link's bandwidth each way, Mbit/s (0: no limit)")
+    parser.add_argument("--tls-cert", help="serve HTTPS with this certificate (PEM; with --tls-key)")
+    parser.add_argument("--tls-key", help="the certificate's private key (PEM)")
+    parser.add_argument("--upstream-ca", help="CA bundle that an https:// upstream is trusted by")
     args = parser.parse_args(argv)
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error("--tls-cert and --tls-key go together")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    relay = S3Relay(args.upstream, delay_s=args.delay_ms / 1000)
+    server_cert = None if args.tls_cert is None else (args.tls_cert, args.tls_key)
+    relay = S3Relay(args.upstream, delay_s=args.delay_ms / 1000, server_cert=server_cert, upstream_ca=args.upstream_ca)
     relay.rate_bytes_s = args.rate_mbit * 1e6 / 8
     relay.start(*args.listen)
     try:

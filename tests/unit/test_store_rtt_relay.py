@@ -4,20 +4,23 @@ from __future__ import annotations
 
 import http.client
 import os
+import ssl
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import pytest
 
 from dualpath_dev.s3_relay import LinkPacer, S3RelayProcess, main
+from dualpath_dev.tls import ServerTLS, make_server_tls
 
 
 class ObjectServer:
     """PUT stores a body under its path, GET answers it, HEAD its length: the part of S3 a relay must carry."""
 
-    def __init__(self) -> None:
+    def __init__(self, tls: ServerTLS | None = None) -> None:
         objects: dict[str, bytes] = {}
         self.objects = objects
 
@@ -50,6 +53,11 @@ class ObjectServer:
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        if tls is not None:
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.load_cert_chain(tls.cert_file, tls.key_file)
+            self.server.socket = context.wrap_socket(self.server.socket, server_side=True)
+            self.url = self.url.replace("http://", "https://")
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
     def __enter__(self) -> ObjectServer:
@@ -62,10 +70,15 @@ class ObjectServer:
         self.thread.join()
 
 
-def _timed(endpoint: str, method: str, path: str, body: bytes | None = None) -> tuple[int, bytes, float]:
-    """(status, body, seconds) of one request on a fresh connection."""
+def _timed(endpoint: str, method: str, path: str, body: bytes | None = None,
+           ca_file: Path | None = None) -> tuple[int, bytes, float]:  # fmt: skip
+    """(status, body, seconds) of one request on a fresh connection (HTTPS trusting ``ca_file``)."""
     url = urlsplit(endpoint)
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
+    if url.scheme == "https":
+        conn = http.client.HTTPSConnection(url.hostname, url.port, timeout=30,
+                                           context=ssl.create_default_context(cafile=ca_file))  # fmt: skip
+    else:
+        conn = http.client.HTTPConnection(url.hostname, url.port, timeout=30)
     try:
         clock = time.perf_counter()
         conn.request(method, path, body=body)
@@ -94,6 +107,21 @@ def test_the_relay_process_carries_bytes_both_ways_each_request_a_delay_later(tm
     assert relay.proc is None
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # stopped by its PID, nothing left running
+
+
+def test_the_relay_serves_and_forwards_https_each_side_by_its_own_ca(tmp_path):
+    """In front of a TLS store the relay terminates TLS with its own certificate and verifies the store's."""
+    store_tls, relay_tls = (make_server_tls(tmp_path / name, ["127.0.0.1"]) for name in ("store", "relay"))
+    body = os.urandom(256 << 10)
+    with ObjectServer(store_tls) as upstream, S3RelayProcess(upstream.url, tmp_path / "relay.log", tls=relay_tls,
+                                                             upstream_ca=str(store_tls.ca_file)) as relay:  # fmt: skip
+        assert relay.endpoint.startswith("https://127.0.0.1:")
+        assert _timed(relay.endpoint, "PUT", "/bucket/key", body, relay_tls.ca_file)[0] == 200
+        status, got, _ = _timed(relay.endpoint, "GET", "/bucket/key", ca_file=relay_tls.ca_file)
+        assert status == 200 and got == body and upstream.objects["/bucket/key"] == body
+        # Control: a client that trusts only the store's CA does not accept the relay's certificate.
+        with pytest.raises(ssl.SSLCertVerificationError):
+            _timed(relay.endpoint, "GET", "/bucket/key", ca_file=store_tls.ca_file)
 
 
 def test_the_relay_refuses_a_negative_delay_or_rate_and_keeps_running(tmp_path):
