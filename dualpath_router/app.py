@@ -38,7 +38,7 @@ from dualpath_router.accounting import Accounting
 from dualpath_router.config import RouterConfig, load_router_config
 from dualpath_router.credentials import EngineCredential, MetricsAccess
 from dualpath_router.dispatcher import Dispatcher, Placement, QueueFull, QueueTimeout
-from dualpath_router.heap import HeapTrimmer
+from dualpath_router.heap import HeapTrimmer, limit_malloc_arenas
 from dualpath_router.holds import HoldReleaser
 from dualpath_router.lookup import HitLookup
 from dualpath_router.policies import make_policy
@@ -538,6 +538,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, help="override the config's port")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     args = parser.parse_args(argv)
+    limit_malloc_arenas()  # before the tokenizer, the HTTP server and worker threads start (heap.py)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.log_level != "debug":
         # httpx logs every upstream request at INFO, scrapes included.

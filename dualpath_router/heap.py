@@ -7,7 +7,11 @@ the hostile soak that kept the router's RSS climbing while its Python heap
 stayed flat (tracemalloc: 1.2 to 5.6 MiB traced over 15 minutes, 470k objects
 throughout), and one ``malloc_trim(0)`` in the running router released 15 MB.
 So the router trims every ``heap_trim_interval_s``: a few milliseconds on a
-worker thread, never on the event loop.
+worker thread, never on the event loop. And before it starts any thread it
+caps glibc at :data:`MALLOC_ARENAS` arenas (``mallopt(M_ARENA_MAX)``, what
+``MALLOC_ARENA_MAX`` sets from the environment): its threads mostly wait on the
+network, and an arena each (glibc's default, up to 8 per core) keeps what each
+freed apart from the others, where nothing else can reuse it.
 
 Elsewhere than glibc (musl, macOS) there is no ``malloc_trim``; trimming is
 then off, and says so once in the log.
@@ -18,17 +22,41 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
+# Arenas the router's threads share (glibc's M_ARENA_MAX).
+MALLOC_ARENAS = 2
+_M_ARENA_MAX = -8  # glibc's malloc.h
 
-def _glibc_malloc_trim() -> Callable[[int], int] | None:
+
+def _libc() -> ctypes.CDLL | None:
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
         return None
-    trim = getattr(libc, "malloc_trim", None)
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
+    """Cap glibc's malloc at ``arenas`` arenas (call before threads start); False where there is no mallopt.
+
+    ``MALLOC_ARENA_MAX`` in the environment, set by whoever runs the router, is left as it is (False).
+    """
+    if "MALLOC_ARENA_MAX" in os.environ:
+        return False
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None) if libc is not None else None
+    if mallopt is None:
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_ARENA_MAX, arenas))
+
+
+def _glibc_malloc_trim() -> Callable[[int], int] | None:
+    libc = _libc()
+    trim = getattr(libc, "malloc_trim", None) if libc is not None else None
     if trim is not None:
         trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     return trim

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import ctypes
+import os
 import platform
+import subprocess
+import sys
 
 import pytest
 
@@ -33,3 +36,13 @@ def test_a_trim_that_released_nothing_is_counted_as_such():
     calls = []
     trimmer = HeapTrimmer(lambda pad: calls.append(pad) or 0)
     assert trimmer.trim() is False and calls == [0] and (trimmer.trims, trimmer.released) == (1, 0)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
+@pytest.mark.parametrize("environment, capped", [({}, "True"), ({"MALLOC_ARENA_MAX": "4"}, "False")])
+def test_the_arena_cap_is_set_unless_the_operator_set_one(environment, capped):
+    # In a process of its own: a cap cannot be taken back, and this one's arenas are the suite's.
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_ARENA_MAX"} | environment
+    out = subprocess.run([sys.executable, "-c", "from dualpath_router.heap import limit_malloc_arenas as cap; "
+                          "print(cap())"], env=env, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == capped
