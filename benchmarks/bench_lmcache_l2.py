@@ -94,7 +94,8 @@ def trust_in_this_mount_namespace(ca_file: str) -> None:
     import os
     import subprocess
 
-    if os.stat("/proc/self/ns/mnt").st_ino == os.stat("/proc/1/ns/mnt").st_ino:
+    # The process that started this one (make, a shell) runs in the machine's mount namespace.
+    if os.stat("/proc/self/ns/mnt").st_ino == os.stat(f"/proc/{os.getppid()}/ns/mnt").st_ino:
         raise SystemExit("LMCache's s3 adapter over TLS trusts only the system CA bundle: run this bench in a "
                          "mount namespace of its own (unshare --mount --propagation private ...; "
                          "make bench-lmcache-l2-tls-rtt), never over the machine's bundle")  # fmt: skip
@@ -103,11 +104,11 @@ def trust_in_this_mount_namespace(ca_file: str) -> None:
 
 def staging_rate(size: int, total: int) -> float:
     """GB/s of what our adapter adds per stored object in host memory: a memcpy into the slot and its seal."""
-    from nixl_backends.integrity import ChunkIntegrity
+    from nixl_backends.integrity import ChunkIntegrity, integrity_key_from_env
     from nixl_backends.layout import BlockLayout
 
     layout = BlockLayout(1, size)
-    integrity = ChunkIntegrity(layout)
+    integrity = ChunkIntegrity(layout, integrity_key_from_env("keyed", ""))  # the adapter's default mode
     src = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
     slot = np.zeros(layout.object_bytes, dtype=np.uint8)
     count = max(1, total // size)
@@ -204,12 +205,14 @@ def measure(names: list[str], target: Target, size: int, num_keys: int, reps: in
 
 def run(args: argparse.Namespace) -> dict:
     import os
+    import secrets
     import tempfile
 
     from dualpath_dev.s3_relay import S3RelayProcess
     from dualpath_dev.seaweedfs import SeaweedFS
     from dualpath_dev.tls import make_server_tls
     from dualpath_dev.versitygw import VersityGW
+    from nixl_backends.integrity import INTEGRITY_KEY_ENV
 
     sizes = [parse_size(s) for s in args.chunk_sizes]
     total = parse_size(args.total)
@@ -219,6 +222,8 @@ def run(args: argparse.Namespace) -> dict:
         server = (VersityGW if args.server == "versitygw" else SeaweedFS)(workdir / args.server).start()
         stack.callback(server.stop)
         os.environ.update(AWS_ACCESS_KEY_ID=server.access_key, AWS_SECRET_ACCESS_KEY=server.secret_key)
+        # Our adapter's default integrity ("keyed") takes its secret from the environment: one per run.
+        os.environ.setdefault(INTEGRITY_KEY_ENV, secrets.token_hex(16))
         print(f"S3 ({args.server}) on {server.endpoint}", file=sys.stderr)
         target = Target(server, server.endpoint, getattr(server, "ca_bundle", None))
         relay = None
@@ -277,7 +282,7 @@ def table(payload: dict) -> str:
         f"median of {cfg['reps']} repetitions after {cfg['warmup']} warm-up, the adapters' rounds interleaved "
         f"(A B, B A, ...), [slowest-fastest] repetition in brackets, {human(cfg['total_bytes'])} per task, "
         f"MB = 10^6 bytes, every load checked byte for byte. Our adapter's own host-memory work per object "
-        f"(memcpy into a registered slot + XXH3 seal), GB/s: {staging}."
+        f"(memcpy into a registered slot + the keyed BLAKE3 seal, its default), GB/s: {staging}."
     )
     text = markdown_table(headers, rows, caption)
     if set(adapters) >= set(ADAPTERS) and len(adapters) == 2:
