@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from nixl_backends.gc import ChunkObjects, KeyPattern
 from nixl_backends.layout import HASH_HEX_CHARS, chunk_key
 
-__all__ = ["FORMAT", "Family", "FamilyRecords", "KeyListing", "ListedKey", "object_name"]
+__all__ = ["FORMAT", "Family", "FamilyRecords", "KeyListing", "ListedKey", "family_key", "listed_key", "object_name"]
 
 logger = logging.getLogger(__name__)
 
@@ -135,6 +135,24 @@ class ListedKey:
     chunk_hash: bytes
     store_key: str
 
+    @property
+    def seal(self) -> str:
+        """The hash its trailer is sealed with."""
+        return object_name(store_prefix(self.store_key), self.family, self.chunk_hash)[1]
+
+
+def store_prefix(store_key: str) -> str:
+    """``<prefix>`` of ``<prefix>/<namespace>/<hh>/<name>``."""
+    return store_key.rsplit("/", 3)[0]
+
+
+def listed_key(family: Family, store_key: str) -> ListedKey | None:
+    """The key ``store_key`` names in ``family``; None where it is not a name the adapter writes."""
+    chunk_hash = bytes.fromhex(store_key.rsplit("/", 1)[-1])[: family.hash_bytes]
+    if not family.listable or object_name(store_prefix(store_key), family, chunk_hash)[0] != store_key:
+        return None  # a digest name, or padding that is not zeros
+    return ListedKey(family, chunk_hash, store_key)
+
 
 class KeyListing:
     """LMCache's keys back from the store: family records, then each family's objects in key order."""
@@ -185,8 +203,6 @@ class KeyListing:
         if not families:
             return
         for obj in self._objects.selecting(sorted(families)).scan(start_after):
-            family = families[obj.namespace]
-            chunk_hash = bytes.fromhex(obj.key.rsplit("/", 1)[-1])[: family.hash_bytes]
-            if object_name(self._prefix, family, chunk_hash)[0] != obj.key:
-                continue  # not a name this adapter writes (its padding is not zeros)
-            yield ListedKey(family, chunk_hash, obj.key)
+            listed = listed_key(families[obj.namespace], obj.key)
+            if listed is not None:
+                yield listed

@@ -240,7 +240,7 @@ class Simulation:
             max_deadline_s=DE_READ_TIMEOUT_S, split_min_tokens=self.split_read_min_tokens,
         )  # fmt: skip
         offered = hit - plan.head_chunks * self.hw.block_tokens
-        if not plan.offers_tail or max(now, de_node.storage.free_at) + offered / rate > now + plan.deadline_s:
+        if plan.kind == "here" or max(now, de_node.storage.free_at) + offered / rate > now + plan.deadline_s:
             return [("pe", hit)]  # nothing offered, or the DE declines
         if plan.head_chunks == 0:
             placement.read_side = "de"  # the whole read moves

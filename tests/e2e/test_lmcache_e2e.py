@@ -4,8 +4,8 @@
 A prompt is served cold (LMCache stores its chunks in L1 and, through our adapter, in the bucket); the
 server's L1 is cleared and vLLM's own prefix cache reset, so the same prompt's hit can only come from our
 L2; its greedy tokens and logprobs must equal those of an engine without any cache. The negative control
-writes one chunk's payload over another's (resealed under the overwritten chunk's hash, which the checksum
-mode cannot tell apart) and the same comparison must then fail: so the hit really came from the bucket, and
+writes one chunk's payload over another's (resealed as the overwritten object is sealed, which the
+checksum mode cannot tell apart) and the same comparison must then fail: so the hit really came from the bucket, and
 the comparison can fail. The control changes *what* is loaded, not only where: a rotation of the prompt's own
 chunks among their keys would hand attention the same (K, V) pairs, RoPE positions baked into K, in other
 slots, and the uncached tail's attention over the same set is the same sum (up to rounding order).
@@ -25,6 +25,7 @@ import pytest
 pytest.importorskip("lmcache")
 
 from dualpath_dev.processes import ServiceProcess, free_port  # noqa: E402
+from nixl_backends.lmcache_names import Family, family_key, listed_key  # noqa: E402
 from tests.conftest import PLAIN_ENGINE_BATCH_TOKENS, poll, resealed, same  # noqa: E402
 from tests.vllm_engine import Engine  # noqa: E402
 
@@ -93,8 +94,17 @@ def lmcache_stack(tiny_model, seaweedfs, s3_bucket, tmp_path):
 
 
 def _stored(seaweedfs, bucket: str) -> list[str]:
+    """The chunk objects in the bucket (not the adapter's family records)."""
     listing = seaweedfs.client().list_objects_v2(Bucket=bucket, Prefix=f"{PREFIX}/")
-    return sorted(item["Key"] for item in listing.get("Contents", []))
+    records = family_key(PREFIX, "")
+    return sorted(item["Key"] for item in listing.get("Contents", []) if not item["Key"].startswith(records))
+
+
+def _seal(s3, bucket: str, name: str) -> str:
+    """The hash the adapter sealed object ``name`` with (its family's record says how it was named)."""
+    namespace = name.split("/")[1]
+    record = s3.get_object(Bucket=bucket, Key=family_key(PREFIX, namespace))["Body"].read()
+    return listed_key(Family.from_record(record, namespace), name).seal
 
 
 def test_hit_from_our_l2_matches_no_cache_and_a_duplicated_chunk_does_not(plain_engine, seaweedfs, lmcache_stack):
@@ -119,7 +129,7 @@ def test_hit_from_our_l2_matches_no_cache_and_a_duplicated_chunk_does_not(plain_
     s3 = seaweedfs.client()
     source, target = names[0], names[1]
     body = s3.get_object(Bucket=bucket, Key=source)["Body"].read()
-    s3.put_object(Bucket=bucket, Key=target, Body=resealed(body, target.rsplit("/", 1)[1], num_layers=1))
+    s3.put_object(Bucket=bucket, Key=target, Body=resealed(body, _seal(s3, bucket, target), num_layers=1))
     server.clear_l1()
     wrong = engine.generate([PROMPT], MAX_TOKENS)[0]
     assert wrong["num_cached_tokens"] == CHUNKS * LMCACHE_CHUNK  # the forged chunk was served
