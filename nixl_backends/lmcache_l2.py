@@ -402,6 +402,7 @@ class DualPathL2Adapter(L2AdapterInterface):
                     self._counters["adopted_objects"])  # fmt: skip
 
     def _adopt(self, found: list[tuple[ObjectKey, int]]) -> None:
+        """Objects found in the store (by the start-up scan or a lookup) enter the accounting, once each."""
         with self._state:
             adopted = [(key, size) for key, size in found if key not in self._stored]
             for key, size in adopted:
@@ -532,14 +533,10 @@ class DualPathL2Adapter(L2AdapterInterface):
                 for i in hits:
                     bitmap.set(i)
                     self._locks[keys[i]] += 1
-                # Objects another server (or this one before a restart) stored enter the accounting once found:
-                # LMCache's usage and eviction see them, and delete() may evict them.
-                adopted = [i for i in hits if keys[i] not in self._stored]
-                for i in adopted:
-                    self._stored[keys[i]] = sizes[i]
-            self._count(lookup_keys=len(keys), lookup_hits=len(hits), adopted_objects=len(adopted))
-            if adopted:
-                self._notify_keys_stored([keys[i] for i in adopted], [sizes[i] for i in adopted])
+            # Objects another server (or this one before a restart) stored since the start-up scan enter the
+            # accounting once found: LMCache's usage and eviction see them, and delete() may evict them.
+            self._adopt([(keys[i], sizes[i]) for i in hits])
+            self._count(lookup_keys=len(keys), lookup_hits=len(hits))
         except Exception:
             logger.exception("dualpath L2 adapter: lookup task %d failed", task_id)
             bitmap = Bitmap(len(keys))  # the failure is before the locking loop: nothing is locked
