@@ -60,6 +60,11 @@ logger = logging.getLogger(__name__)
 
 PREFIX_RE = re.compile(r"^dpb[0-9a-z]{1,5}$")
 BUCKET = "dualpath-bench"
+# The engines' store.io_timeout_s here. A write past it is abandoned, and its chunks are never stored: the
+# replay, waiting for them before the agent's next turn, then fails the agent. The default (30 s) is below what
+# the AWS SDK under NIXL OBJ spends on one request it retries (10 s without an answer, then again, up to 11
+# times); on a loaded 2-core host a burst of PUTs through the relay once took 31 s (CI, 2026-11-29).
+STORE_IO_TIMEOUT_S = 120.0
 
 
 class ClusterError(BenchUsageError, RuntimeError):
@@ -533,7 +538,8 @@ class EmulatedCluster:
             self.network.teardown()
 
     def store_section(self, endpoint: str) -> dict:
-        return {"backend": "s3", "endpoint": endpoint, "bucket": BUCKET, "addressing_style": "path"}
+        return {"backend": "s3", "endpoint": endpoint, "bucket": BUCKET, "addressing_style": "path",
+                "io_timeout_s": STORE_IO_TIMEOUT_S}
 
     def start_engines(self, spec: EngineSpec) -> None:
         """Start one engine per node (side by side); the first failure stops all and raises."""

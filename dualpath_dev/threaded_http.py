@@ -9,6 +9,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from dualpath_dev.processes import free_port
 
 
+class ServiceHTTPServer(ThreadingHTTPServer):
+    # socketserver listens with a backlog of 5. An S3 client opening its pool's connections at once (NIXL OBJ:
+    # one per thread, 32) overflows it; the kernel drops the SYNs (or the last ACKs) it has no room for, and each
+    # such connection costs its client a 1 s SYN retransmit, or, half open, the SDK's 10 s request timeout before
+    # it retries. Measured through the S3 relay beside 4 CPU hogs, 20 bursts of 32 PUTs from fresh agents: half
+    # took 1.0 s with a backlog of 5, none over 0.23 s with this one. tests/unit/test_threaded_http.py checks it.
+    request_queue_size = 1024
+    daemon_threads = True
+
+
 class ThreadedHTTPService:
     """Serves ``handler()``'s class from :meth:`start` until :meth:`stop` (or the ``with`` block's end).
 
@@ -19,7 +29,7 @@ class ThreadedHTTPService:
     name = "http-service"
 
     def __init__(self, ssl_context: ssl.SSLContext | None = None) -> None:
-        self._server: ThreadingHTTPServer | None = None
+        self._server: ServiceHTTPServer | None = None
         self.ssl_context = ssl_context
 
     def handler(self) -> type[BaseHTTPRequestHandler]:
@@ -32,8 +42,7 @@ class ThreadedHTTPService:
 
     def start(self, host: str = "127.0.0.1", port: int = 0):
         """Serve on ``host:port`` (port 0: a free one)."""
-        self._server = ThreadingHTTPServer((host, port or free_port()), self.handler())
-        self._server.daemon_threads = True
+        self._server = ServiceHTTPServer((host, port or free_port()), self.handler())
         if self.ssl_context is not None:
             self._server.socket = self.ssl_context.wrap_socket(self._server.socket, server_side=True,
                                                                do_handshake_on_connect=False)  # fmt: skip

@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from dualpath_bench import report
+from dualpath_connector.protocol import counter_total_name
 from dualpath_dev.cluster import (
     ClusterConfig,
     ClusterError,
@@ -473,7 +474,11 @@ def test_smoke_1p1d_two_agents(tmp_path, tiny_model, prefix):
     for mode in ("basic", "dualpath"):
         assert "error" not in runs[mode], runs[mode].get("error")
         summary = runs[mode]["summary"]
-        assert summary["agents_done"] == 2 and summary["failed_requests"] == 0
+        # On failure, what each engine skipped saving and each failed turn's error say why.
+        why = {"skipped": {engine: deltas.get(counter_total_name("save_skipped_chunks"))
+                           for engine, deltas in runs[mode]["engine_deltas"].items()},
+               "errors": [r["error"] for r in runs[mode]["records"] if r["error"]]}  # fmt: skip
+        assert summary["agents_done"] == 2 and summary["failed_requests"] == 0, why
         assert summary["hit_tokens"] > 0  # later turns hit the chunks the DE stored
         relayed = runs[mode]["relay"]["requests"]
         assert relayed.get("GET", 0) > 0 and relayed.get("PUT", 0) > 0, relayed  # hits read, chunks saved
