@@ -45,12 +45,20 @@ class VersityGW(S3Server):
         self.tls = make_server_tls(self.data_dir / "tls", [self.host, "localhost"])
         self.ca_bundle = str(self.tls.ca_file)
         self.s3_port = free_port()
+        # Keep-alive as S3 servers answer (without it versitygw closes every connection after one answer, and
+        # each request pays a new TCP and TLS handshake); every request's time and status in access.log.
         args = [versitygw_binary(), "--port", f"{self.host}:{self.s3_port}", "--cert", str(self.tls.cert_file),
-                "--key", str(self.tls.key_file), "--quiet", "posix", str(self.root)]  # fmt: skip
+                "--key", str(self.tls.key_file), "--quiet", "--keep-alive", "--access-log", str(self.access_log),
+                "posix", str(self.root)]  # fmt: skip
         # The root keys through the environment, not the command line other users can read.
         self._launch(args, "versitygw.log", timeout_s,
                      env={"ROOT_ACCESS_KEY_ID": self.access_key, "ROOT_SECRET_ACCESS_KEY": self.secret_key})
         return self
+
+    @property
+    def access_log(self) -> Path:
+        """One line per request: its time, operation, key, status and milliseconds taken."""
+        return self.data_dir / "access.log"
 
     @property
     def root(self) -> Path:
