@@ -339,10 +339,12 @@ class PromptBuilder:
         chat_id = f"chatcmpl-{uuid.uuid4().hex}"
         tokens: dict[int, IncrementalDetokenizer] = {}
 
-        def new_text(index: int, token_ids: list[int]) -> str:
+        def new_text(choice: dict[str, Any]) -> str:
+            index = choice.get("index", 0)
             if index not in tokens:
                 tokens[index] = IncrementalDetokenizer(self._decode)
-            return tokens[index].add(token_ids)
+            # A choice's last event (its finish reason set) sends whatever its detokenizer held back.
+            return tokens[index].add(choice.get("token_ids") or [], last=choice.get("finish_reason") is not None)
 
         async for line in lines:
             if not line.startswith("data:"):
@@ -354,14 +356,14 @@ class PromptBuilder:
             event = json.loads(data)
             if form == "text":
                 for choice in event.get("choices", []):
-                    choice["text"] = new_text(choice.get("index", 0), choice.get("token_ids") or [])
+                    choice["text"] = new_text(choice)
                 yield f"data: {json.dumps(event)}\n\n".encode()
                 continue
             choices = []
             for choice in event.get("choices", []):
                 index = choice.get("index", 0)
                 delta: dict[str, Any] = {} if index in tokens else {"role": "assistant"}
-                delta["content"] = new_text(index, choice.get("token_ids") or [])
+                delta["content"] = new_text(choice)
                 choices.append({"index": index, "delta": delta, "finish_reason": choice.get("finish_reason"),
                                 "logprobs": None})
             chunk = {"id": chat_id, "object": "chat.completion.chunk", "created": event.get("created"),

@@ -32,7 +32,7 @@ def test_disagg_demo_chats_and_uses_both_read_sides(tmp_path, tiny_model):
     chat = re.findall(r"\[turn (\d): (\d+) streamed chunks, (\d+) characters, read side (\w+|\?), (\d+) hit tokens\]",
                       done.stdout)
     assert [int(turn) for turn, *_ in chat] == [1, 2, 3], done.stdout[-5000:]
-    assert all(int(chunks) > 1 and int(characters) > 0 for _, chunks, characters, _, _ in chat)
+    assert all(int(chunks) > 1 and int(characters) > 0 for _, chunks, characters, _, _ in chat), (chat, done.stdout[-3000:])
     assert [int(hit) > 0 for *_, hit in chat] == [False, True, True]
     assert all(side in ("pe", "de") for _, _, _, side, _ in chat)
     assert "random weights" in done.stdout

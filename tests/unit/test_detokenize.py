@@ -38,3 +38,16 @@ def test_a_long_answer_costs_linear_decoding():
     for token in ids:
         detok.add([token])
     assert sum(calls) < 4 * len(ids)
+
+
+def test_the_last_step_sends_what_an_unfinished_character_held_back():
+    # The answer stops inside a character: its first two bytes of three, as a max_tokens cut can leave it.
+    ids = list("ok 世".encode())[:-1]
+    whole = bytes(ids).decode("utf-8", errors="replace")
+    assert whole.endswith("\ufffd")
+    held = IncrementalDetokenizer(byte_decoder([]))
+    pieces = [held.add([token]) for token in ids]
+    assert "".join(pieces) == "ok "  # control: a step not known to be the last holds the bytes back
+    detok = IncrementalDetokenizer(byte_decoder([]))
+    pieces = [detok.add([token], last=i == len(ids) - 1) for i, token in enumerate(ids)]
+    assert "".join(pieces) == whole  # what the unstreamed answer decodes to
