@@ -384,11 +384,13 @@ class S3Chunks:
             logger.warning("could not delete s3://%s/%s: %s", self.bucket, key, code)
 
 
-def open_chunks(store_config: Any, key_prefix: str, namespaces: Sequence[str] | None = None) -> ChunkObjects:
+def open_chunks(store_config: Any, key_prefix: str, namespaces: Sequence[str] | None = None,
+                connections: int = 2) -> ChunkObjects:  # fmt: skip
     """The chunk objects of a parsed store section (:func:`~nixl_backends.registry.parse_store_config`).
 
     ``namespaces`` None: every namespace under ``key_prefix``. S3 credentials
     come from the section or, without keys there, the AWS credential chain.
+    ``connections``: the most S3 requests in flight at once (callers' threads).
     """
     keys = KeyPattern(key_prefix, namespaces)
     from nixl_backends.dualblade import DualBladeStoreConfig
@@ -409,7 +411,7 @@ def open_chunks(store_config: Any, key_prefix: str, namespaces: Sequence[str] | 
         store_config = store_config.s3_config  # the gateway only reads; its bucket holds the chunks
     if not isinstance(store_config, S3StoreConfig):
         raise TypeError(f"not a store config: {type(store_config).__name__}")
-    client = s3_client(store_config, s3_session(store_config), max_pool_connections=2)
+    client = s3_client(store_config, s3_session(store_config), max_pool_connections=connections)
     return S3Chunks(client, store_config.bucket, store_config.endpoint, keys)
 
 

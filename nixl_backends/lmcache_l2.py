@@ -89,7 +89,7 @@ from nixl_backends.configuration import ConfigError, from_dict, refuse_secret
 from nixl_backends.integrity import DEFAULT_INTEGRITY, ChunkIntegrity, IntegrityMode, integrity_key_from_env, integrity_tag
 from nixl_backends.gc import ChunkObjects, GcError, open_chunks
 from nixl_backends.layout import BlockLayout
-from nixl_backends.lmcache_names import Family, FamilyRecords, KeyListing, ListedKey, object_name
+from nixl_backends.lmcache_names import RECORD_WINDOW, Family, FamilyRecords, KeyListing, ListedKey, object_name
 from nixl_backends.lookup import PresentChunks
 from nixl_backends.registry import make_store, parse_store_config
 from nixl_backends.abandoned import retire_slots
@@ -246,7 +246,7 @@ class DualPathL2Adapter(L2AdapterInterface):
         # listing (a dualblade tier alone): then keys are neither listed nor adopted at start.
         objects: ChunkObjects | None = None
         try:
-            objects = open_chunks(self.params.store_config, self._prefix)
+            objects = open_chunks(self.params.store_config, self._prefix, connections=RECORD_WINDOW)
         except GcError as exc:
             logger.info("dualpath L2 adapter: no key listing on this store (%s)", exc)
         self._records = self._key_listing = None
@@ -434,6 +434,8 @@ class DualPathL2Adapter(L2AdapterInterface):
             self._adopter.join()  # it checks _closed between objects
         for lane in (self._store_lane, self._lookup_lane, self._load_lane, self._presence):
             lane.shutdown(wait=True)
+        if self._records is not None:
+            self._records.close()  # after the store lane: no store round writes records any more
         with self._sized_lock:
             for sized in self._sized.values():
                 sized.close()
@@ -481,8 +483,7 @@ class DualPathL2Adapter(L2AdapterInterface):
         pool, size = sized.store_pool, sized.object_bytes
         if self._records is not None:
             # Before the objects: an object is listable (and adopted by a later start) once its family's record is.
-            for family in {family_of(key, size, self._tag) for key in keys}:
-                self._records.ensure(family)
+            self._records.ensure({family_of(key, size, self._tag) for key in keys})
         slots = pool.acquire(len(keys))
         try:
             names = []

@@ -25,7 +25,8 @@ import hashlib
 import json
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from nixl_backends.gc import ChunkObjects, KeyPattern
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 # Part of every namespace: a change of the stored format starts a new (cold) key space.
 FORMAT = "dualpath-kv lmcache-l2 v2"
 _FAMILIES = "families"
+# Family records written at once, and the S3 connections the adapter's small-object client keeps for them.
+RECORD_WINDOW = 16
 # Longest chunk hash that names its object (and so can be listed).
 NAMED_HASH_BYTES = HASH_HEX_CHARS // 2
 # A family record is a few hundred bytes; anything longer is not one.
@@ -105,28 +108,40 @@ def family_key(prefix: str, namespace: str) -> str:
 
 
 class FamilyRecords:
-    """Writes each family's record once (per process) before its first object."""
+    """Writes each family's record once (per process) before its first object.
 
-    def __init__(self, objects: ChunkObjects, prefix: str) -> None:
+    A store round's new families are written concurrently (``window`` at once): keys of many families (a rank,
+    group or salt each) would otherwise cost a store round trip each before any object is written.
+    """
+
+    def __init__(self, objects: ChunkObjects, prefix: str, window: int = RECORD_WINDOW) -> None:
         self._objects = objects
         self._prefix = prefix
         self._written: set[str] = set()
         self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(window, thread_name_prefix="l2-records")
 
-    def ensure(self, family: Family) -> None:
-        """Store ``family``'s record unless this process did; a failure is logged (a later store tries again)."""
-        namespace = family.namespace
+    def ensure(self, families: Iterable[Family]) -> None:
+        """Store the records of ``families`` this process did not; failures are logged (a later store tries
+        again). Returns once every record was written or failed."""
         with self._lock:
-            if namespace in self._written:
-                return
+            new = {f.namespace: f for f in families if f.namespace not in self._written}
+        for namespace, written in zip(new, self._pool.map(self._put, new.values())):
+            if written:
+                with self._lock:
+                    self._written.add(namespace)
+
+    def _put(self, family: Family) -> bool:
         try:
-            self._objects.put(family_key(self._prefix, namespace), family.record())
+            self._objects.put(family_key(self._prefix, family.namespace), family.record())
         except Exception as exc:
             logger.warning("dualpath L2 adapter: storing the record of namespace %s failed (its objects cannot be "
-                           "listed until a later store writes it): %s", namespace, exc)  # fmt: skip
-            return
-        with self._lock:
-            self._written.add(namespace)
+                           "listed until a later store writes it): %s", family.namespace, exc)  # fmt: skip
+            return False
+        return True
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 @dataclass(frozen=True)

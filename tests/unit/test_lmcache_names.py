@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import threading
 
 import pytest
 
@@ -73,8 +74,9 @@ def test_a_listing_gives_every_key_back_in_order_and_resumes_after_a_cursor(tmp_
     other_tag, unlisted = _family(tag="checksum"), _family(hash_bytes=40)
     hashes = {a: [i.to_bytes(8, "big") for i in (300, 5, 70000)], b: [bytes([i]) * 32 for i in (9, 1)],
               other_tag: [b"\x00" * 8], unlisted: [bytes(40)]}  # fmt: skip
+    records.ensure(hashes)
+    records.close()
     for family, chunk_hashes in hashes.items():
-        records.ensure(family)
         for chunk_hash in chunk_hashes:
             _put_object(tmp_path, object_name(PREFIX, family, chunk_hash)[0])
     # Not listed: an object whose padding is not zeros (not a name the adapter writes), a record that lies.
@@ -95,3 +97,53 @@ def test_a_listing_gives_every_key_back_in_order_and_resumes_after_a_cursor(tmp_
     assert listing.families("org/b") == {b.namespace: b}
     with pytest.raises(ValueError, match="malformed cursor"):
         listing.check_cursor("lmcache/../../etc/passwd")
+
+
+class _GatedObjects:
+    """ChunkObjects' put only: each put waits until ``together`` puts are in flight at once (or fails)."""
+
+    def __init__(self, together: int, timeout_s: float = 10.0) -> None:
+        self.barrier = threading.Barrier(together, timeout=timeout_s)
+        self.failing: set[str] = set()
+        self.puts: list[str] = []
+        self.lock = threading.Lock()
+
+    def put(self, key: str, data: bytes) -> None:
+        with self.lock:
+            self.puts.append(key)
+        if self.barrier.parties > 1:
+            self.barrier.wait()  # a sequential writer never gets past the first put: BrokenBarrierError
+        if key in self.failing:
+            raise OSError("refused")
+
+
+def test_a_rounds_new_families_are_recorded_at_once_and_each_once():
+    families = [_family(model_name=f"org/m{i}") for i in range(8)]
+    objects = _GatedObjects(together=len(families))
+    records = FamilyRecords(objects, PREFIX, window=len(families))
+    try:
+        records.ensure(families)
+        assert sorted(objects.puts) == sorted(family_key(PREFIX, f.namespace) for f in families)
+        objects.barrier = threading.Barrier(1)
+        records.ensure(families)  # recorded already: nothing is written again
+        assert len(objects.puts) == len(families)
+    finally:
+        records.close()
+
+
+def test_control_one_at_a_time_the_gate_breaks_and_a_failed_record_is_written_again():
+    families = [_family(model_name=f"org/m{i}") for i in range(2)]
+    objects = _GatedObjects(together=2, timeout_s=0.5)
+    records = FamilyRecords(objects, PREFIX, window=1)  # one at a time: the gate cannot fill
+    try:
+        records.ensure(families)  # the first put times out at the gate, the second finds it broken: both fail
+        assert len(objects.puts) == 2
+        objects.barrier = threading.Barrier(1)
+        objects.failing = {family_key(PREFIX, families[0].namespace)}
+        before = len(objects.puts)
+        records.ensure(families)
+        assert len(objects.puts) - before == 2  # both again: neither was written before
+        records.ensure(families)
+        assert objects.puts[-1] == family_key(PREFIX, families[0].namespace)  # only the one that failed again
+    finally:
+        records.close()
