@@ -245,7 +245,8 @@ class VLLMServer(ServiceProcess):
 
     def metrics_text(self) -> str:
         """The server's /metrics (Prometheus text)."""
-        return urllib.request.urlopen(f"{self.base_url}/metrics", timeout=30).read().decode()
+        # Generous: a suite run once found an engine's /metrics unanswered for 30 s on the loaded 2-core host.
+        return urllib.request.urlopen(f"{self.base_url}/metrics", timeout=90).read().decode()
 
 
 class RouterProcess(ServiceProcess):

@@ -27,12 +27,14 @@ def test_disagg_demo_chats_and_uses_both_read_sides(tmp_path, tiny_model):
         capture_output=True, text=True, timeout=1800, env=env, start_new_session=True,
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-5000:] + done.stderr[-5000:]
-    # The chat: every turn streamed several chunks of non-empty text; from turn 2 on the prompt starts
+    # The chat: every turn streamed non-empty text; from turn 2 on the prompt starts
     # with turn 1's (the chat template keeps earlier messages' tokens), so the store serves hits.
     chat = re.findall(r"\[turn (\d): (\d+) streamed chunks, (\d+) characters, read side (\w+|\?), (\d+) hit tokens\]",
                       done.stdout)
     assert [int(turn) for turn, *_ in chat] == [1, 2, 3], done.stdout[-5000:]
-    assert all(int(chunks) > 1 and int(characters) > 0 for _, chunks, characters, _, _ in chat), (chat, done.stdout[-3000:])
+    # At least one chunk with text: vLLM sends a loaded engine's tokens together in one event.
+    assert all(int(chunks) >= 1 and int(characters) > 0 for _, chunks, characters, _, _ in chat), (
+        chat, done.stdout[-3000:])
     assert [int(hit) > 0 for *_, hit in chat] == [False, True, True]
     assert all(side in ("pe", "de") for _, _, _, side, _ in chat)
     assert "random weights" in done.stdout

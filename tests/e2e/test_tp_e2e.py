@@ -134,10 +134,13 @@ def cluster(baseline, tiny_model, versitygw, tmp_path_factory):
                "extra": {"split_read_min_tokens": SPLIT_READ_MIN_TOKENS, "de_read_timeout_s": DE_DEADLINE_S,
                          "moved_read_min_deadline_s": DE_DEADLINE_S, "pd_lease_s": 2 * DE_DEADLINE_S,
                          "retries_within_recompute": False},
-               # The store's GETs too (io_timeout_s, 30 s by default): in one CI run both PE ranks' first GETs
-               # ended 40 and 50 s after they were sent; abandoned at 30 s, the turn was recomputed. A GET that
-               # failed is sent again however long the recompute would take (retries_within_recompute).
-               "store_options": {"io_timeout_s": DE_DEADLINE_S},
+               # The store's GETs get STORE_IO_TIMEOUT_S (30 s by default): in one CI run both PE ranks' first
+               # GETs ended 40 and 50 s after they were sent; abandoned at 30 s, the turn was recomputed. In two
+               # suite runs a DE rank's GETs went unanswered for 105-112 s (versitygw's access log: each answered
+               # at once when it arrived, the SDK sending them again): below DE_DEADLINE_S, the DE's store gives
+               # up first and says so, a fallback the test tells apart from a late DE. A GET that failed is sent
+               # again however long the recompute would take (retries_within_recompute).
+               "store_options": {"io_timeout_s": STORE_IO_TIMEOUT_S},
                "tensor_parallel_size": TP}  # fmt: skip
     with pd_pair(tiny_model, versitygw, logs, **options) as pair:
         yield pair
@@ -175,6 +178,7 @@ NEVER = {"de_reads_declined", "pull_failed_tokens"}
 GAVE_UP = {"de_read_fallbacks", "load_failed_tokens", *NEVER}
 STORE_REFUSAL = "refused 'read': store read"
 DE_DEADLINE_S = 90.0
+STORE_IO_TIMEOUT_S = 60.0
 
 
 def _store_refusals(pe) -> int:
