@@ -32,9 +32,10 @@ def test_disagg_demo_chats_and_uses_both_read_sides(tmp_path, tiny_model):
     chat = re.findall(r"\[turn (\d): (\d+) streamed chunks, (\d+) characters, read side (\w+|\?), (\d+) hit tokens\]",
                       done.stdout)
     assert [int(turn) for turn, *_ in chat] == [1, 2, 3], done.stdout[-5000:]
-    # At least one chunk with text: vLLM sends a loaded engine's tokens together in one event.
-    assert all(int(chunks) >= 1 and int(characters) > 0 for _, chunks, characters, _, _ in chat), (
-        chat, done.stdout[-3000:])
+    # Every turn has text; a loaded engine may send a whole answer in one event (vLLM joins the tokens its
+    # client has not taken yet), but over the chat the answers arrived in more events than turns.
+    assert all(int(characters) > 0 for _, _, characters, _, _ in chat), (chat, done.stdout[-3000:])
+    assert sum(int(chunks) for _, chunks, _, _, _ in chat) > len(chat), (chat, done.stdout[-3000:])
     assert [int(hit) > 0 for *_, hit in chat] == [False, True, True]
     assert all(side in ("pe", "de") for _, _, _, side, _ in chat)
     assert "random weights" in done.stdout
