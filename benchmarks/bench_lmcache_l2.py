@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import logging
 import sys
 import time
@@ -123,10 +124,10 @@ class AdapterRun:
     """One adapter at one object size: its bucket, buffers and samples; rounds are run by the caller, so the
     adapters' rounds interleave (A B, then B A, ...) and drift on the machine reaches both alike."""
 
-    def __init__(self, name: str, target: Target, size: int, num_keys: int, variant: dict) -> None:
+    def __init__(self, name: str, target: Target, size: int, num_keys: int, variant: dict, kv_ranks: int) -> None:
         from lmcache.cli.commands.bench.l2_adapter_bench import data
 
-        self.server, self.size, self.num_keys = target.server, size, num_keys
+        self.server, self.size, self.num_keys, self.kv_ranks = target.server, size, num_keys, kv_ranks
         # Each variant of our adapter's store section is an adapter of its own in the table.
         self.name = " ".join([name, *(f"{k}={v}" for k, v in variant.items())])
         self.bucket = f"bench-{name.split('-')[0]}-{uuid.uuid4().hex[:8]}"
@@ -145,6 +146,9 @@ class AdapterRun:
         name, size, num_keys, adapter = self.name, self.size, self.num_keys, self.adapter
         # Fresh keys and fresh random bytes every round: every store is a real PUT of new data.
         keys = data.make_object_keys(num_keys, model_name=f"{self.bucket}/bench", key_offset=r * num_keys)
+        if self.kv_ranks:
+            # LMCache's generator gives every key a rank of its own; a deployment's keys share its few ranks.
+            keys = [dataclasses.replace(key, kv_rank=i % self.kv_ranks) for i, key in enumerate(keys)]
         self.stored_buf.copy_(torch.randint(0, 256, (num_keys * size,), dtype=torch.uint8))
         self.loaded_buf.zero_()
         results = {
@@ -189,10 +193,10 @@ class AdapterRun:
 
 
 def measure(names: list[str], target: Target, size: int, num_keys: int, reps: int, warmup: int,
-            variants: list[dict]) -> list[dict]:
+            variants: list[dict], kv_ranks: int = 0) -> list[dict]:
     """Every adapter at one size (ours once per store-section variant), rounds interleaved: A B C, C B A, ...
     (warm-up rounds first, discarded)."""
-    runs = [AdapterRun(name, target, size, num_keys, variant) for name in names
+    runs = [AdapterRun(name, target, size, num_keys, variant, kv_ranks) for name in names
             for variant in (variants if name == "dualpath-s3" else [{}])]  # fmt: skip
     try:
         for r in range(warmup + reps):
@@ -243,7 +247,8 @@ def run(args: argparse.Namespace) -> dict:
                 staging[size] = staging_rate(size, total)
                 print(f"{', '.join(args.adapters)} interleaved: {num_keys} x {human(size)}, store round trip "
                       f"{rtt_ms:g} ms, {args.reps} repetitions ...", file=sys.stderr)  # fmt: skip
-                measured = measure(args.adapters, target, size, num_keys, args.reps, args.warmup, args.variants)
+                measured = measure(args.adapters, target, size, num_keys, args.reps, args.warmup, args.variants,
+                                   args.kv_ranks)  # fmt: skip
                 results += [dict(r, store_rtt_ms=rtt_ms) for r in measured]
         requests = relay.requests() if relay is not None else None
     return {"config": vars(args) | {"chunk_bytes": sizes, "total_bytes": total, "tls": target.ca_file is not None},
@@ -281,6 +286,7 @@ def table(payload: dict) -> str:
         f"with the client, driven by LMCache's `lmcache bench l2` runners: one task of all keys per operation, "
         f"median of {cfg['reps']} repetitions after {cfg['warmup']} warm-up, the adapters' rounds interleaved "
         f"(A B, B A, ...), [slowest-fastest] repetition in brackets, {human(cfg['total_bytes'])} per task, "
+        + (f"keys over {cfg['kv_ranks']} KV rank(s), " if cfg.get("kv_ranks") else "a KV rank per key, ") +
         f"MB = 10^6 bytes, every load checked byte for byte. Our adapter's own host-memory work per object "
         f"(memcpy into a registered slot + the keyed BLAKE3 seal, its default), GB/s: {staging}."
     )
@@ -340,6 +346,9 @@ def main() -> None:
                         help="the S3 server (versitygw: over TLS, its CA per run)")
     parser.add_argument("--store-rtt-ms", type=float, nargs="+", default=[0.0],
                         help="store round trips to measure at, one after another (an S3 relay delays each request)")
+    parser.add_argument("--kv-ranks", type=int, default=0,
+                        help="spread each task's keys over this many KV ranks (a deployment's: its workers); "
+                             "0: a rank per key, as LMCache's bench key generator makes them")
     parser.add_argument("--output", default="lmcache_l2.json", help="file name under benchmarks/results/")
     parser.add_argument("--quick", action="store_true", help="smoke run: 2 sizes, 8 MiB, 2 repetitions")
     args = parser.parse_args()
@@ -349,6 +358,8 @@ def main() -> None:
             args.output = "lmcache_l2-quick.json"
     if args.reps < 1:
         parser.error("--reps must be at least 1")
+    if args.kv_ranks < 0:
+        parser.error(f"--kv-ranks must be at least 0, got {args.kv_ranks}")
     exit_on_sigterm()
     import nixl._api  # noqa: F401  (sets up NIXL's logging, which prints INFO lines to stdout)
 

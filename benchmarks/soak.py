@@ -10,10 +10,12 @@ once the context passes ``--max-context`` the agent starts a new session.
 
 With ``--check-every N`` every N-th turn of each agent is asked again under a fresh ``cache_salt``: no stored or
 cached KV can serve it, so it is computed from scratch, and it is the reference (:func:`compare_answer`): the
-answer's tokens must equal it with logprobs within ``NEAR_TIE``; a first differing token where the reference's
-top two lie within ``NEAR_TIE`` is counted apart (a bfloat16 tie either computation may break); anything
-else is a wrong answer. Once per run a control compares an answer with the reference of a prompt whose first
-token differs: it must be called wrong.
+answer's tokens must equal it with logprobs within ``NEAR_TIE``; a first differing token where both ranked the
+same two candidates on top within ``NEAR_TIE`` is counted apart (a bfloat16 tie either computation may break);
+anything else is a wrong answer. Once per run a control compares an answer with the reference of the prompt
+with all but its newest tokens changed (another prefix's KV under them): it must be called wrong.
+Before the first sample, ``--warmup-lengths`` requests of distinct prompt lengths fill vLLM CPU's oneDNN
+primitive caches (:func:`warm_up`).
 With ``--hostile`` the neighbours of ``hostile.py`` misbehave beside the agents for the whole run.
 
 Every ``--sample-every`` seconds, for the PE, the DE and the router, the RSS
@@ -206,7 +208,8 @@ def agent(index: int, router: RouterProcess, model: str, args: argparse.Namespac
             try:
                 check_answer(router, body, answer, args.request_timeout, tally)
                 if index == 0 and turn == args.check_every:  # once per run: the comparison can fail
-                    check_answer(router, body, answer, args.request_timeout, tally, control=True)
+                    check_answer(router, body, answer, args.request_timeout, tally, control=True,
+                                 new_tokens=args.tokens_per_turn)  # fmt: skip
             except Exception as exc:
                 if stop.is_set():
                     return
@@ -214,35 +217,69 @@ def agent(index: int, router: RouterProcess, model: str, args: argparse.Namespac
         context = context + output + [rng.randrange(VOCAB) for _ in range(args.tokens_per_turn)]
 
 
-def compare_answer(output: list[int], output_logprobs: list[float], reference: dict) -> str:
-    """``"same"``, ``"near tie"`` or ``"wrong"``: an answer against a from-scratch reference's choice.
+def warmup_lengths(count: int, longest: int) -> list[int]:
+    """``count`` distinct prompt lengths spread from 16 to ``longest`` tokens."""
+    if count == 1:
+        return [longest]
+    return sorted({16 + round(i * (longest - 16) / (count - 1)) for i in range(count)})
+
+
+def warm_up(router: RouterProcess, model: str, count: int, longest: int, timeout_s: float) -> None:
+    """One request per prompt length of :func:`warmup_lengths`, one at a time, before the first sample.
+
+    Why: vLLM's CPU build runs every linear layer through a oneDNN matmul primitive made for the number of tokens
+    in the step, kept in a cache per layer (32 token counts) and in oneDNN's own (1,024 primitives, about 0.5 MiB
+    each for the tiny model). Until those caches are full every new token count grows the engine's RSS; heaptrack
+    on a hostile soak's PE worker found all but 2.4 of its 53 MiB of unfreed memory over 11 minutes there.
+    Filling them first leaves the RSS slope to what the stack itself keeps.
+    """
+    rng = random.Random("warm-up")
+    for length in warmup_lengths(count, longest):
+        body = {"model": model, "prompt": [rng.randrange(VOCAB) for _ in range(length)], "max_tokens": 1,
+                "temperature": 0.0}  # fmt: skip
+        router.complete(body, timeout_s=timeout_s)
+
+
+def compare_answer(answer: dict, reference: dict) -> str:
+    """``"same"``, ``"near tie"`` or ``"wrong"``: an answer's choice against a from-scratch reference's.
 
     Where the tokens agree, their logprobs must agree within ``NEAR_TIE`` (a wrong KV moves whole
-    distributions); at the first token that differs, the reference's top two must lie within ``NEAR_TIE``.
+    distributions). At the first token that differs, both must have ranked the same two candidates on top, each
+    candidate's logprob within ``NEAR_TIE`` in the two, and the two candidates within ``NEAR_TIE`` of each other:
+    one tie that the two computations broke differently, not merely a flat distribution.
     """
-    expected, expected_logprobs = reference["token_ids"], reference["logprobs"]["token_logprobs"]
+    output, expected = answer["token_ids"], reference["token_ids"]
     differs = next((i for i, (a, b) in enumerate(zip(output, expected)) if a != b), min(len(output), len(expected)))
-    drift = max((abs(a - b) for a, b in zip(output_logprobs[:differs], expected_logprobs[:differs])), default=0.0)
-    if drift > NEAR_TIE:
+    pairs = zip(answer["logprobs"]["token_logprobs"][:differs], reference["logprobs"]["token_logprobs"][:differs])
+    if max((abs(a - b) for a, b in pairs), default=0.0) > NEAR_TIE:
         return "wrong"
     if differs == len(output) == len(expected):
         return "same"
-    if differs >= len(expected):
+    if differs >= min(len(output), len(expected)):
         return "wrong"
-    top = sorted((reference["logprobs"]["top_logprobs"][differs] or {}).values(), reverse=True)
-    return "near tie" if len(top) >= 2 and top[0] - top[1] <= NEAR_TIE else "wrong"
+    ours = answer["logprobs"]["top_logprobs"][differs] or {}
+    theirs = reference["logprobs"]["top_logprobs"][differs] or {}
+    if len(theirs) < 2 or set(ours) != set(theirs):
+        return "wrong"
+    top = sorted(theirs.values(), reverse=True)
+    if top[0] - top[1] > NEAR_TIE or any(abs(ours[token] - theirs[token]) > NEAR_TIE for token in theirs):
+        return "wrong"
+    return "near tie"
 
 
 def check_answer(router: RouterProcess, body: dict, answer: dict, timeout_s: float, tally: Tally,
-                 control: bool = False) -> None:  # fmt: skip
-    """Ask ``body`` again under a fresh cache salt (computed from scratch) and compare. ``control``: ask for a
-    prompt whose first token differs instead, which the comparison must call wrong (it can fail)."""
+                 control: bool = False, new_tokens: int = 0) -> None:  # fmt: skip
+    """Ask ``body`` again under a fresh cache salt (computed from scratch) and compare. ``control``: ask for the
+    prompt with everything but its last ``new_tokens`` replaced (what a wrong KV hit would have served: another
+    prefix's KV under this turn's new tokens) instead, which the comparison must call wrong (it can fail)."""
     asked = {**body, "cache_salt": uuid.uuid4().hex}
     if control:
-        asked["prompt"] = [(body["prompt"][0] + 1) % VOCAB, *body["prompt"][1:]]
+        prompt = body["prompt"]
+        kept = min(new_tokens, len(prompt) - 1)
+        asked["prompt"] = [(token + 1) % VOCAB for token in prompt[: len(prompt) - kept]] + prompt[len(prompt) - kept :]
     reference, _, _ = router.complete(asked, timeout_s=timeout_s)
     choice = answer["choices"][0]
-    verdict = compare_answer(choice["token_ids"], choice["logprobs"]["token_logprobs"], reference["choices"][0])
+    verdict = compare_answer(choice, reference["choices"][0])
     with tally.lock:
         if control:
             tally.controls[verdict] += 1
@@ -285,6 +322,9 @@ def run(args: argparse.Namespace) -> dict:
         router.start(args.start_timeout)
         print(f"dualpath-router on {router.url}; log: {router.log_path}", file=sys.stderr)
         procs = {"pe": engines["pe"].proc, "de": engines["de"].proc, "router": router.proc}
+        if args.warmup_lengths:
+            print(f"warming up: {args.warmup_lengths} prompts of distinct lengths", file=sys.stderr)
+            warm_up(router, str(model), args.warmup_lengths, args.max_context, args.request_timeout)
         # Registered last, so it runs first on the way out: agents stop before the stack does, and a
         # request cut off by the shutdown is not counted as a failure.
         stack.callback(stop.set)
@@ -520,9 +560,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--check-every", type=int, default=0,
                         help="every N-th turn of an agent is compared with a from-scratch reference (0: none)")
     parser.add_argument("--hostile", action="store_true", help="run the hostile neighbours of hostile.py beside")
+    parser.add_argument("--warmup-lengths", type=int, default=96,
+                        help="requests of distinct prompt lengths before the first sample, filling vLLM CPU's "
+                             "oneDNN caches (0: none)")
     parser.add_argument("--workdir", type=Path, default=REPO_ROOT / ".cache", help="model and logs go here")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="soak.json, soak.md, soak.png go here")
     args = parser.parse_args(argv)
+    if args.warmup_lengths < 0:
+        parser.error(f"--warmup-lengths must be at least 0, got {args.warmup_lengths}")
     for name in ("agents", "first_prompt_tokens", "tokens_per_turn", "output_tokens"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")

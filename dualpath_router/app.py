@@ -117,17 +117,44 @@ class EngineFailed(Exception):
 
     ``may_have_run``: the request may have reached the engine and started there (a DE may have pulled the
     hand-off's blocks); False only where nothing was sent or the engine refused it at its door.
+    ``connection_broke``: the connection was closed or reset before any answer, which a kept-alive connection
+    does when the engine closes it (its keep-alive timeout) just as the request goes out; the same engine may
+    answer on a new connection, so it gets one more attempt per request before it counts as failed.
     """
 
-    def __init__(self, message: str, *, may_have_run: bool = True) -> None:
+    def __init__(self, message: str, *, may_have_run: bool = True, connection_broke: bool = False) -> None:
         super().__init__(message)
         self.may_have_run = may_have_run
+        self.connection_broke = connection_broke
 
     @classmethod
     def sending(cls, exc: httpx.HTTPError) -> EngineFailed:
         """``exc`` raised by sending a request: one that failed while connecting sent nothing."""
         unsent = isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
-        return cls(f"{type(exc).__name__}: {exc}", may_have_run=not unsent)
+        broke = isinstance(exc, (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError))
+        return cls(f"{type(exc).__name__}: {exc}", may_have_run=not unsent, connection_broke=broke)
+
+
+class EngineFailures:
+    """One request's failed attempts per role: an engine is ruled out once it failed, or once its connection
+    broke before an answer a second time (:attr:`EngineFailed.connection_broke`)."""
+
+    def __init__(self) -> None:
+        self.reasons: dict[str, str] = {}  # engine name: why it is ruled out
+        self._broken: set[str] = set()  # engines whose connection broke once, still candidates
+
+    def add(self, engine: str, exc: EngineFailed) -> None:
+        if exc.connection_broke and engine not in self._broken:
+            self._broken.add(engine)
+        else:
+            self.reasons[engine] = str(exc)
+
+    @property
+    def ruled_out(self) -> set[str]:
+        return set(self.reasons)
+
+    def __str__(self) -> str:
+        return "; ".join(f"{name}: {why}" for name, why in self.reasons.items())
 
 
 class HandoffSpent(Exception):
@@ -286,8 +313,8 @@ class Router:
 
     async def _prefill_and_decode(self, routed: RoutedRequest, hit_tokens: int) -> Response:
         """Prefill, then decode; prefill again for the next DE while a failed DE spent the hand-off."""
-        # Across the request's prefills: each DE fails at most once, which bounds the prefills too.
-        decode_failures: dict[str, str] = {}
+        # Across the request's prefills: each DE fails at most twice, which bounds the prefills too.
+        decode_failures = EngineFailures()
         rebooked: Placement | None = None
         while True:
             placement, handoff, failure = await self._prefill(routed, hit_tokens, rebooked)
@@ -308,11 +335,11 @@ class Router:
         booked, or ``(None, None, response)`` when the request is answered here
         (queue timeout, every PE failed, a PE's 4xx) with nothing booked.
         """
-        failures: dict[str, str] = {}
+        failures = EngineFailures()
         while True:
             try:
                 placement = await self.dispatcher.start_prefill(
-                    len(routed.token_ids), hit_tokens, set(failures), previous.decode if previous else None
+                    len(routed.token_ids), hit_tokens, failures.ruled_out, previous.decode if previous else None
                 )
             except BaseException:
                 self._release_decode(previous)
@@ -320,16 +347,15 @@ class Router:
             if placement is None:
                 self._release_decode(previous)
                 self.metrics.rejected.labels("prefill_failed").inc()
-                reasons = "; ".join(f"{name}: {why}" for name, why in failures.items())
                 return None, None, error_response(
-                    503, f"all prefill engines failed: {reasons}", err_type="ServiceUnavailableError"
+                    503, f"all prefill engines failed: {failures}", err_type="ServiceUnavailableError"
                 )
             previous = placement  # keeps its DE across PE attempts
             try:
                 response = await self._post_prefill(routed, placement)
             except EngineFailed as exc:
                 self.dispatcher.finish_prefill(placement, completed=False, engine_failed=True)
-                failures[placement.prefill.name] = str(exc)
+                failures.add(placement.prefill.name, exc)
                 logger.warning("request %s: prefill engine %s failed before answering: %s", routed.request_id,
                                placement.prefill.name, exc)  # fmt: skip
                 self.metrics.retries.labels("prefill").inc()
@@ -376,10 +402,10 @@ class Router:
         return response
 
     async def _decode(self, routed: RoutedRequest, placement: Placement, handoff: PrefillHandoff | None,
-                      failures: dict[str, str]) -> Response:  # fmt: skip
+                      failures: EngineFailures) -> Response:  # fmt: skip
         """Decode on a DE, moving to another DE while attempts fail before any byte reached the client.
 
-        ``failures`` (DE name: why) spans the request's prefills. Releases the DE booking exactly once: here,
+        ``failures`` spans the request's prefills. Releases the DE booking exactly once: here,
         or when a stream ends; or raises :class:`HandoffSpent` (the hold released) with ``placement`` booked
         on the next DE, for the caller's prefill.
         """
@@ -395,16 +421,15 @@ class Router:
                     upstream = await self._open_decode(placement, body, routed.request_id, read_all=not routed.stream)
                     break
                 except EngineFailed as exc:
-                    failures[placement.decode.name] = str(exc)
+                    failures.add(placement.decode.name, exc)
                     logger.warning("request %s: decode engine %s failed before answering: %s", routed.request_id,
                                    placement.decode.name, exc)  # fmt: skip
                     self.metrics.retries.labels("decode").inc()
-                    booked = self.dispatcher.replace_decode(placement, set(failures))
+                    booked = self.dispatcher.replace_decode(placement, failures.ruled_out)
                     if not booked:
                         unpulled = "decode_failed"
                         self.metrics.rejected.labels("decode_failed").inc()
-                        reasons = "; ".join(f"{name}: {why}" for name, why in failures.items())
-                        return error_response(503, f"all decode engines failed: {reasons}",
+                        return error_response(503, f"all decode engines failed: {failures}",
                                               err_type="ServiceUnavailableError")
                     if exc.may_have_run and handoff is not None:
                         booked, unpulled = False, "decode_failed"  # the booking passes to the new prefill

@@ -57,7 +57,7 @@ class StandInEngine:
     """A vLLM-like OpenAI server: records bodies, answers prefill or decode, fails on demand.
 
     ``mode``: ``ok``; ``http500`` (5xx before any byte); ``close`` (drops the
-    connection without answering); ``http400`` (refuses the request);
+    connection without answering); ``close_once`` (drops it once, then ``ok``); ``http400`` (refuses the request);
     ``hold`` (a PE answers, a DE streams past its first event, only after ``release``).
     Like vLLM started with an API key, it answers 401 to a POST without
     ``Authorization: Bearer <api_key>`` (and records nothing of it).
@@ -124,7 +124,8 @@ class StandInEngine:
                 engine.received.append(body)
                 engine.request_ids.append(self.headers.get("X-Request-Id"))
                 engine.paths.append(self.path)
-                if engine.mode == "close":
+                if engine.mode in ("close", "close_once"):
+                    engine.mode = "ok" if engine.mode == "close_once" else "close"
                     self.close_connection = True
                     self.connection.shutdown(socket.SHUT_RDWR)
                     return
@@ -445,6 +446,35 @@ def test_decode_after_a_de_dropped_the_connection_prefills_again(engines, start_
     assert router_gauge(router, 'dualpath_router_released_holds_total{reason="decode_failed"}') == 2.0
     for engine, role in (("pe0", "prefill"), ("de-bad", "decode"), ("de-good", "decode")):
         wait_for_gauge(router, engine_tokens(engine, role), 0.0)  # a stream's booking ends just after its last byte
+
+
+def test_a_connection_broken_before_the_answer_gets_the_same_engine_once_more(engines, start_router):
+    """The one PE and the one DE each drop a request's connection once (as an engine closing a kept-alive
+    connection just as the request goes out does): both are asked again instead of the request failing."""
+    pe, de = engines("pe0", "prefill", side_channel=True), engines("de0", "decode")
+    router = start_router(router_config([pe], [de]), cluster_key=True)
+    pe.mode = "close_once"
+    response = complete(router, prompt=PROMPT, max_tokens=3)
+    assert response.status_code == 200, response.text
+    assert len(pe.received) == 2 and len(de.received) == 1
+    assert router_gauge(router, 'dualpath_router_retries_total{role="prefill"}') == 1.0
+
+    de.mode = "close_once"
+    response = complete(router, prompt=PROMPT, max_tokens=3)
+    assert response.status_code == 200, response.text
+    assert response.json()["served_by"] == "de0"
+    # The dropped request may have pulled the first hand-off: the second attempt gets a new one.
+    spent, fresh = pe.sent_kv_transfer_params[-2:]
+    assert [body["kv_transfer_params"] for body in de.received[-2:]] == [spent, fresh] and fresh != spent
+    assert pe.released_holds == [ReleaseHold(spent["remote_request_id"], spent["hold_token"])]
+    assert router_gauge(router, "dualpath_router_reprefills_total") == 1.0
+
+    # Control: an engine that drops every connection is asked twice per request, then the request fails.
+    de.mode = "close"
+    received = len(de.received)
+    response = complete(router, prompt=PROMPT, max_tokens=3)
+    assert response.status_code == 503 and "all decode engines failed: de0" in response.text
+    assert len(de.received) == received + 2
 
 
 def test_decode_refused_at_connect_keeps_the_handoff(engines, start_router):
