@@ -10,8 +10,8 @@ once the context passes ``--max-context`` the agent starts a new session.
 
 With ``--check-every N`` every N-th turn of each agent is asked again under a fresh ``cache_salt``: no stored or
 cached KV can serve it, so it is computed from scratch, and it is the reference (:func:`compare_answer`): the
-answer's tokens must equal it with logprobs within ``NEAR_TIE``; a first differing token where both ranked the
-same two candidates on top within ``NEAR_TIE`` is counted apart (a bfloat16 tie either computation may break);
+answer's tokens must equal it with logprobs within ``NEAR_TIE``; a first differing token where both tokens lie
+within ``NEAR_TIE`` of each other in both computations, and of themselves across them, is counted apart (a bfloat16 tie either computation may break);
 anything else is a wrong answer. Once per run a control compares an answer with the reference of the prompt
 with all but its newest tokens changed (another prefix's KV under them): it must be called wrong.
 Before the first sample, ``--warmup-lengths`` requests of distinct prompt lengths fill vLLM CPU's oneDNN
@@ -72,10 +72,18 @@ MEASURED = ("pe", "de", "router")
 KEPT_ERRORS = 5  # error messages kept verbatim in the JSON; the rest are only counted by kind
 # The engines compute in bfloat16: a logit below 32 moves in steps of at most 1/8, and the same prompt computed in
 # another chunking (a from-scratch reference against a prefix loaded or cached) can move one by a step. Logprobs
-# within this are the same answer; top two within it at the first differing token are a tie either may break.
+# within this are the same answer; candidates within it at the first differing token are a tie either may break.
 NEAR_TIE = 0.13
+# Top logprobs asked per token: enough to see every candidate of a tie among more than two.
+TOP_LOGPROBS = 5
 # The pass marks of a soak: RSS growth per minute in the second half, on every service.
 RSS_SLOPE_LIMIT_MIB_MIN = 0.5
+# vLLM CPU's own growth, kept out of the engines' slopes (see warm_up): oneDNN keeps few primitives beyond vLLM's
+# per-shape caches, and glibc returns a freed primitive's pages (mmapped from 128 KiB up) instead of keeping them
+# in its heap. Measured on a plain vLLM engine (no connector; results/soak-hostile/vllm-cpu-rss-by-prompt-length.md):
+# with these, +44 MiB over the first 32 distinct prompt lengths and +4 over the next 128; without, +872 MiB over 640
+# lengths, still 0.65 MiB per new length from the 352nd on.
+BOUNDED_VLLM_CPU_CACHES = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "16", "MALLOC_MMAP_THRESHOLD_": "131072"}
 
 
 # --- what a process tree holds -------------------------------------------------------------------
@@ -191,7 +199,7 @@ def agent(index: int, router: RouterProcess, model: str, args: argparse.Namespac
             context = [rng.randrange(VOCAB) for _ in range(args.first_prompt_tokens)]
             tally.new_session()
         body = {"model": model, "prompt": context, "max_tokens": args.output_tokens, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True, "logprobs": 2}  # fmt: skip
+                "ignore_eos": True, "return_token_ids": True, "logprobs": TOP_LOGPROBS}  # fmt: skip
         try:
             answer, headers, _ = router.complete(body, timeout_s=args.request_timeout)
             output = answer["choices"][0]["token_ids"]
@@ -228,10 +236,12 @@ def warm_up(router: RouterProcess, model: str, count: int, longest: int, timeout
     """One request per prompt length of :func:`warmup_lengths`, one at a time, before the first sample.
 
     Why: vLLM's CPU build runs every linear layer through a oneDNN matmul primitive made for the number of tokens
-    in the step, kept in a cache per layer (32 token counts) and in oneDNN's own (1,024 primitives, about 0.5 MiB
-    each for the tiny model). Until those caches are full every new token count grows the engine's RSS; heaptrack
-    on a hostile soak's PE worker found all but 2.4 of its 53 MiB of unfreed memory over 11 minutes there.
-    Filling them first leaves the RSS slope to what the stack itself keeps.
+    in the step, kept in a cache per weight shape (32 token counts each) and in oneDNN's own (1,024 primitives by
+    default, about 0.5 MiB each for the tiny model). Every token count not seen before grows the engine's RSS until
+    those are full (heaptrack on a hostile soak's PE worker found all but 2.4 of its 53 MiB never freed over 11
+    minutes there), and glibc's heap keeps some of what an evicted primitive frees. With
+    ``BOUNDED_VLLM_CPU_CACHES`` the caches fill within 32 token counts: filled here first, the RSS slope is left
+    to what the stack itself keeps.
     """
     rng = random.Random("warm-up")
     for length in warmup_lengths(count, longest):
@@ -240,31 +250,33 @@ def warm_up(router: RouterProcess, model: str, count: int, longest: int, timeout
         router.complete(body, timeout_s=timeout_s)
 
 
-def compare_answer(answer: dict, reference: dict) -> str:
-    """``"same"``, ``"near tie"`` or ``"wrong"``: an answer's choice against a from-scratch reference's.
+def compare_answer(answer: dict, reference: dict) -> tuple[str, str]:
+    """(``"same"``, ``"near tie"`` or ``"wrong"``, why): an answer's choice against a from-scratch reference's.
 
     Where the tokens agree, their logprobs must agree within ``NEAR_TIE`` (a wrong KV moves whole
-    distributions). At the first token that differs, both must have ranked the same two candidates on top, each
-    candidate's logprob within ``NEAR_TIE`` in the two, and the two candidates within ``NEAR_TIE`` of each other:
-    one tie that the two computations broke differently, not merely a flat distribution.
+    distributions). At the first token that differs, each side's token must be among the other's top
+    ``TOP_LOGPROBS``, both tokens' logprobs within ``NEAR_TIE`` in the two, and within ``NEAR_TIE`` of each other
+    in each: one tie (of two or more candidates) that the two computations broke differently.
     """
     output, expected = answer["token_ids"], reference["token_ids"]
     differs = next((i for i, (a, b) in enumerate(zip(output, expected)) if a != b), min(len(output), len(expected)))
     pairs = zip(answer["logprobs"]["token_logprobs"][:differs], reference["logprobs"]["token_logprobs"][:differs])
-    if max((abs(a - b) for a, b in pairs), default=0.0) > NEAR_TIE:
-        return "wrong"
+    drift = max((abs(a - b) for a, b in pairs), default=0.0)
+    if drift > NEAR_TIE:
+        return "wrong", f"a chosen token's logprob moved {drift:.3f} before position {differs}"
     if differs == len(output) == len(expected):
-        return "same"
+        return "same", ""
     if differs >= min(len(output), len(expected)):
-        return "wrong"
-    ours = answer["logprobs"]["top_logprobs"][differs] or {}
-    theirs = reference["logprobs"]["top_logprobs"][differs] or {}
-    if len(theirs) < 2 or set(ours) != set(theirs):
-        return "wrong"
-    top = sorted(theirs.values(), reverse=True)
-    if top[0] - top[1] > NEAR_TIE or any(abs(ours[token] - theirs[token]) > NEAR_TIE for token in theirs):
-        return "wrong"
-    return "near tie"
+        return "wrong", f"{len(output)} tokens where the reference has {len(expected)}"
+    ours, theirs = answer["logprobs"]["top_logprobs"][differs] or {}, reference["logprobs"]["top_logprobs"][differs] or {}
+    pair = (answer["logprobs"]["tokens"][differs], reference["logprobs"]["tokens"][differs])
+    why = f"at position {differs}: {pair[0]!r} where the reference has {pair[1]!r}; tops {ours} and {theirs}"
+    if not all(token in ours and token in theirs for token in pair):
+        return "wrong", why
+    moved = max(abs(ours[token] - theirs[token]) for token in pair)
+    if moved > NEAR_TIE or abs(ours[pair[0]] - ours[pair[1]]) > NEAR_TIE or abs(theirs[pair[0]] - theirs[pair[1]]) > NEAR_TIE:
+        return "wrong", why
+    return "near tie", why
 
 
 def check_answer(router: RouterProcess, body: dict, answer: dict, timeout_s: float, tally: Tally,
@@ -279,7 +291,7 @@ def check_answer(router: RouterProcess, body: dict, answer: dict, timeout_s: flo
         asked["prompt"] = [(token + 1) % VOCAB for token in prompt[: len(prompt) - kept]] + prompt[len(prompt) - kept :]
     reference, _, _ = router.complete(asked, timeout_s=timeout_s)
     choice = answer["choices"][0]
-    verdict = compare_answer(choice, reference["choices"][0])
+    verdict, why = compare_answer(choice, reference["choices"][0])
     with tally.lock:
         if control:
             tally.controls[verdict] += 1
@@ -287,8 +299,7 @@ def check_answer(router: RouterProcess, body: dict, answer: dict, timeout_s: flo
         tally.checked += 1
         tally.near_ties += verdict == "near tie"
         if verdict == "wrong":
-            tally.wrong.append(f"{choice['token_ids'][:8]}... where the reference has "
-                               f"{reference['choices'][0]['token_ids'][:8]}...")
+            tally.wrong.append(why)
 
 
 # --- the run -------------------------------------------------------------------------------------
@@ -314,6 +325,8 @@ def run(args: argparse.Namespace) -> dict:
             for name in ("pe", "de")
         }  # fmt: skip
         for name, server in engines.items():
+            if not args.vllm_default_caches:
+                server.env.update(BOUNDED_VLLM_CPU_CACHES)
             stack.callback(server.stop)
             print(f"starting the {name.upper()} on {server.base_url}; log: {server.log_path}", file=sys.stderr)
             server.start(args.start_timeout)
@@ -497,8 +510,8 @@ def table(payload: dict) -> str:
         text += f"\n\nErrors by kind: {payload['error_kinds']}; first: {payload['first_errors']}"
     text += (f"\n\nAnswers per agent: {payload['served_per_agent']}. Checked against a from-scratch reference: "
              f"{payload['answers_checked']}; wrong: {payload['wrong_answers']}; differing at a near tie "
-             f"(top two logprobs within {NEAR_TIE}): {payload['near_ties']}. Control (the reference of a prompt "
-             f"whose first token differs): {payload['control_verdicts']}.")
+             f"(both tokens within {NEAR_TIE} of each other in both): {payload['near_ties']}. Control (the "
+             f"reference of the prompt with all but its newest tokens changed): {payload['control_verdicts']}.")
     if payload["first_wrong_answers"]:
         text += f" First wrong answers: {payload['first_wrong_answers']}"
     if payload["hostile"]:
@@ -560,9 +573,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--check-every", type=int, default=0,
                         help="every N-th turn of an agent is compared with a from-scratch reference (0: none)")
     parser.add_argument("--hostile", action="store_true", help="run the hostile neighbours of hostile.py beside")
-    parser.add_argument("--warmup-lengths", type=int, default=96,
+    parser.add_argument("--warmup-lengths", type=int, default=64,
                         help="requests of distinct prompt lengths before the first sample, filling vLLM CPU's "
                              "oneDNN caches (0: none)")
+    parser.add_argument("--vllm-default-caches", action="store_true",
+                        help="leave the engines' oneDNN primitive cache and glibc's mmap threshold at their defaults "
+                             "(their growth then counts in the engines' slopes)")
     parser.add_argument("--workdir", type=Path, default=REPO_ROOT / ".cache", help="model and logs go here")
     parser.add_argument("--out-dir", type=Path, default=RESULTS_DIR, help="soak.json, soak.md, soak.png go here")
     args = parser.parse_args(argv)

@@ -10,44 +10,52 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 import soak  # noqa: E402
 
 
-def _choice(tokens: list[int], chosen: list[float], tops: list[dict[str, float]]) -> dict:
-    return {"token_ids": tokens, "logprobs": {"token_logprobs": chosen, "top_logprobs": tops}}
+def _choice(tokens: list[str], chosen: list[float], tops: list[dict[str, float]]) -> dict:
+    ids = [ord(token) for token in tokens]
+    return {"token_ids": ids, "logprobs": {"tokens": tokens, "token_logprobs": chosen, "top_logprobs": tops}}
 
 
-REFERENCE = _choice([5, 7, 9], [-1.0, -2.0, -3.0], [{"a": -1.0, "b": -3.0}, {"c": -2.0, "d": -2.05}, {"e": -3.0, "f": -4.0}])
+TOPS = [{"a": -1.0, "b": -3.0}, {"c": -2.0, "d": -2.05, "g": -2.1}, {"e": -3.0, "f": -4.0}]
+REFERENCE = _choice(["a", "c", "e"], [-1.0, -2.0, -3.0], TOPS)
+
+
+def verdict(answer: dict) -> str:
+    return soak.compare_answer(answer, REFERENCE)[0]
 
 
 def test_the_same_answer_within_one_bfloat16_step_is_the_same():
-    answer = _choice([5, 7, 9], [-1.06, -2.0, -2.94], REFERENCE["logprobs"]["top_logprobs"])
-    assert soak.compare_answer(answer, REFERENCE) == "same"
+    assert verdict(_choice(["a", "c", "e"], [-1.06, -2.0, -2.94], TOPS)) == "same"
 
 
 def test_a_tie_broken_the_other_way_is_a_near_tie():
-    # Position 1: the same two candidates on top in both, within a step of each other, the other one chosen.
-    answer = _choice([5, 8, 1], [-1.0, -2.0, -0.5], [{"a": -1.0, "b": -3.0}, {"c": -2.04, "d": -2.0}, {"x": -0.5}])
-    assert soak.compare_answer(answer, REFERENCE) == "near tie"
+    # Position 1: both computations have c and d within a step of each other; this one chose d.
+    answer = _choice(["a", "d", "x"], [-1.0, -2.0, -0.5], [TOPS[0], {"c": -2.04, "d": -2.0, "g": -2.1}, {"x": -0.5}])
+    assert verdict(answer) == "near tie"
 
 
-def test_a_flat_distribution_with_other_candidates_is_wrong():
-    # The reference's top two lie within the tie margin, but the answer ranked another token second: its
-    # distribution moved (the old check, which looked at the reference's top two only, called this a tie).
-    answer = _choice([5, 8, 1], [-1.0, -2.0, -0.5], [{"a": -1.0, "b": -3.0}, {"c": -2.04, "z": -2.0}, {"x": -0.5}])
-    assert soak.compare_answer(answer, REFERENCE) == "wrong"
+def test_a_tie_of_three_broken_to_the_third_is_a_near_tie():
+    # The reference ranked c, d, g within a step; this one chose g (its second is not the reference's second).
+    answer = _choice(["a", "g", "x"], [-1.0, -2.0, -0.5], [TOPS[0], {"g": -2.0, "c": -2.03, "h": -2.05}, {"x": -0.5}])
+    assert verdict(answer) == "near tie"
+
+
+def test_a_token_the_reference_did_not_rank_is_wrong():
+    answer = _choice(["a", "z", "x"], [-1.0, -2.0, -0.5], [TOPS[0], {"z": -2.0, "c": -2.04}, {"x": -0.5}])
+    assert verdict(answer) == "wrong"
 
 
 def test_the_same_candidates_with_moved_logprobs_are_wrong():
-    answer = _choice([5, 8, 1], [-1.0, -1.5, -0.5], [{"a": -1.0, "b": -3.0}, {"c": -2.0, "d": -1.5}, {"x": -0.5}])
-    assert soak.compare_answer(answer, REFERENCE) == "wrong"
+    # d and c tie in the reference, but this computation puts d 0.5 above c: its distribution moved.
+    answer = _choice(["a", "d", "x"], [-1.0, -1.5, -0.5], [TOPS[0], {"d": -1.5, "c": -2.0}, {"x": -0.5}])
+    assert verdict(answer) == "wrong"
 
 
 def test_a_drift_before_the_first_difference_is_wrong():
-    answer = _choice([5, 7, 9], [-1.3, -2.0, -3.0], REFERENCE["logprobs"]["top_logprobs"])
-    assert soak.compare_answer(answer, REFERENCE) == "wrong"
+    assert verdict(_choice(["a", "c", "e"], [-1.3, -2.0, -3.0], TOPS)) == "wrong"
 
 
 def test_a_shorter_answer_is_wrong():
-    answer = _choice([5, 7], [-1.0, -2.0], REFERENCE["logprobs"]["top_logprobs"][:2])
-    assert soak.compare_answer(answer, REFERENCE) == "wrong"
+    assert verdict(_choice(["a", "c"], [-1.0, -2.0], TOPS[:2])) == "wrong"
 
 
 def test_warmup_lengths_are_distinct_and_span_the_contexts():
