@@ -199,7 +199,10 @@ def agent(index: int, router: RouterProcess, model: str, args: argparse.Namespac
             context = [rng.randrange(VOCAB) for _ in range(args.first_prompt_tokens)]
             tally.new_session()
         body = {"model": model, "prompt": context, "max_tokens": args.output_tokens, "temperature": 0.0,
-                "ignore_eos": True, "return_token_ids": True, "logprobs": TOP_LOGPROBS}  # fmt: skip
+                "ignore_eos": True, "return_token_ids": True, "logprobs": TOP_LOGPROBS,
+                # Top logprobs keyed by token id: many ids decode to the same text ('' most of all), which a dict
+                # keyed by text collapses to one of them.
+                "return_tokens_as_token_ids": True}  # fmt: skip
         try:
             answer, headers, _ = router.complete(body, timeout_s=args.request_timeout)
             output = answer["choices"][0]["token_ids"]
