@@ -138,7 +138,8 @@ def cluster(baseline, tiny_model, versitygw, tmp_path_factory):
                # GETs ended 40 and 50 s after they were sent; abandoned at 30 s, the turn was recomputed. In two
                # suite runs a DE rank's GETs went unanswered for 105-112 s (in the second, versitygw's access log
                # shows each answered at once when it arrived, the SDK sending them again): below DE_DEADLINE_S, the DE's store gives
-               # up first and says so, a fallback the test tells apart from a late DE. A GET that failed is sent
+               # up first and says so, a fallback the test tells apart from a late DE (or, where the DE's read began
+               # late, gives up after the PE's deadline: the DE's log says so). A GET that failed is sent
                # again however long the recompute would take (retries_within_recompute).
                "store_options": {"io_timeout_s": STORE_IO_TIMEOUT_S},
                "tensor_parallel_size": TP}  # fmt: skip
@@ -177,6 +178,7 @@ PROMPT_ARRIVED = {"pulled_tokens", "kept_tokens"}
 NEVER = {"de_reads_declined", "pull_failed_tokens"}
 GAVE_UP = {"de_read_fallbacks", "load_failed_tokens", *NEVER}
 STORE_REFUSAL = "refused 'read': store read"
+DE_STORE_ABANDON = "a read for a peer: store transfer abandoned"
 DE_DEADLINE_S = 90.0
 STORE_IO_TIMEOUT_S = 60.0
 
@@ -184,6 +186,11 @@ STORE_IO_TIMEOUT_S = 60.0
 def _store_refusals(pe) -> int:
     """DE reads the PE fell back from because the DE's own store read failed (its log line per fallback)."""
     return pe.log_path.read_text(errors="replace").count(STORE_REFUSAL)
+
+
+def _de_store_abandons(de) -> int:
+    """DE reads for the PE that the DE's store gave up (the DE's log line per rank), answered in time or not."""
+    return de.log_path.read_text(errors="replace").count(DE_STORE_ABANDON)
 
 
 def _turn_counters_grew(turn: str, names: set[str]) -> bool:
@@ -201,7 +208,7 @@ def test_pd_pair_at_tp2_hands_off_reads_on_either_side_and_splits(cluster, basel
     read_by_de = []  # the turns whose hit the DE read (not excused by a store failure)
     for turn, expected in zip(TURNS, baseline["session"]):
         before = {name: e.metric_total(counter_total_name(name)) for e, name in counters}
-        store_refusals = _store_refusals(pe)
+        store_refusals, de_abandons = _store_refusals(pe), _de_store_abandons(de)
         if turn == "forged":
             _forge_rank_1_shard(de, versitygw, expected["prompt"])
         proxy = NixlStyleProxy(pe, de, tmp_path / f"proxy-{turn}.log", *flags[turn]).start(timeout_s=120)
@@ -222,8 +229,15 @@ def test_pd_pair_at_tp2_hands_off_reads_on_either_side_and_splits(cluster, basel
             # A DE read may fall back only where the DE's store failed it (its S3 GET hung past the store's
             # io_timeout_s: seen on an idle machine too), never for being late or declined.
             fallbacks = pe.metric_total(counter_total_name("de_read_fallbacks")) - before["de_read_fallbacks"]
-            assert fallbacks == _store_refusals(pe) - store_refusals, (
-                f"turn {turn!r}: {fallbacks} DE reads fell back, not all for the DE's store; PE: {pe.warning_lines()}")
+            assert fallbacks >= _store_refusals(pe) - store_refusals
+            if fallbacks:
+                # The DE's store failed them: in time (the PE names each refusal), or after the PE's deadline (a
+                # DE read that began late on the loaded machine, the suite at 5579def: the DE's log names each,
+                # within the store's io_timeout_s of the read's start).
+                poll(lambda: max(_store_refusals(pe) - store_refusals, _de_store_abandons(de) - de_abandons),
+                     lambda failed: failed >= fallbacks, STORE_IO_TIMEOUT_S + 30,
+                     f"turn {turn!r}: DE store failures behind {fallbacks} DE read fallbacks; PE: "
+                     f"{pe.warning_lines()}\nDE: {de.warning_lines()}")  # fmt: skip
             # The PE's own store read can hang the same way (its load fails and the PE recomputes: counted).
             store_failed = bool(fallbacks) or "load_failed_tokens" in grown
             if not store_failed:
