@@ -202,7 +202,8 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
                 section = {**config["kv_connector_extra_config"]["store"], "endpoint": store_endpoint, **(store or {})}
                 if through_gateway:
                     if gateway is None:
-                        gateway = _start_gateway(s3, section["bucket"], args.workdir)
+                        gateway = _start_gateway(s3, section["bucket"], args.workdir,
+                                                 getattr(args, "gateway_min_read_bytes", None))
                         gateway_endpoint = relayed(gateway.url)
                     section = {"backend": "s3agg", "gateway": gateway_endpoint, "s3": section}
                 kwargs = {**kwargs, "extra": {**kwargs.get("extra", {}), "store": section}}
@@ -222,8 +223,11 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
             s3.stop()
 
 
-def _start_gateway(s3, bucket: str, workdir: Path):
-    """s3agg-gateway in front of ``bucket``; clients sign with the S3 keys (the engines' AWS variables)."""
+def _start_gateway(s3, bucket: str, workdir: Path, min_read_bytes: int | None = None):
+    """s3agg-gateway in front of ``bucket``; clients sign with the S3 keys (the engines' AWS variables).
+
+    ``min_read_bytes``: the gateway's smallest ranged GET (None: its default).
+    """
     from botocore.exceptions import ClientError
 
     from dualpath_dev.gateway import GatewayProcess, gateway_config
@@ -231,8 +235,9 @@ def _start_gateway(s3, bucket: str, workdir: Path):
     with contextlib.suppress(ClientError):  # the engines create it too; whoever is first
         s3.client().create_bucket(Bucket=bucket)
     # theta 1 MiB: a hit of more than a few chunks is delivered layer by layer.
+    reads = {} if min_read_bytes is None else {"min_read_bytes": min_read_bytes}
     config = gateway_config(s3, bucket, s3.access_key, s3.secret_key, theta_bytes=1 << 20, io_threads=8,
-                            log_level="WARNING")
+                            log_level="WARNING", **reads)
     gateway = GatewayProcess(config, workdir).start()
     print(f"s3agg-gateway on {gateway.url}; log: {gateway.log_path}", file=sys.stderr)
     return gateway

@@ -311,6 +311,9 @@ def main() -> None:
                              "32k hit's 900 chunks from SeaweedFS slower than that)")
     add_store_rtt_arg(parser)
     add_server_args(parser)
+    parser.add_argument("--gateway-min-read-bytes", type=int, default=None,
+                        help="the s3agg gateway's smallest ranged GET (default: the gateway's, 4 MiB; 0: one layer per "
+                             "GET, so layer 0 lands before the other layers are read)")
     parser.add_argument("--output", default="injection", help="base name under benchmarks/results/ (.json, .png)")
     args = parser.parse_args()
     if args.reps < 1:
