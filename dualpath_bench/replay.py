@@ -43,6 +43,12 @@ logger = logging.getLogger(__name__)
 
 MODES = ("offline", "online")
 
+# Idle connections to the router are dropped this soon, before its server closes them (dualpath-router and
+# uvicorn's default: 5 s; httpx's default expiry is also 5 s): a turn sent on a connection the server is closing
+# fails with ReadError and nothing here resends it (a dualpath-bench run lost a turn so, the router logging nothing
+# for it: the race inferred, not caught).
+KEEPALIVE_EXPIRY_S = 2.0
+
 
 class ReplayError(BenchUsageError, ValueError):
     """A replay setting that cannot work; the message names the setting."""
@@ -167,7 +173,8 @@ async def _replay(agents: list[Agent], config: ReplayConfig, watcher: StoreWatch
 
     result = ReplayResult(config=asdict(config))
     bar = tqdm(total=sum(len(a.turns) for a in agents), unit="turn", desc=config.mode, disable=not config.progress)
-    limits = httpx.Limits(max_connections=len(agents) + 4, max_keepalive_connections=len(agents) + 4)
+    limits = httpx.Limits(max_connections=len(agents) + 4, max_keepalive_connections=len(agents) + 4,
+                          keepalive_expiry=KEEPALIVE_EXPIRY_S)
     timeout = httpx.Timeout(config.request_timeout_s, connect=30.0)
     started = time.perf_counter()
     async with httpx.AsyncClient(base_url=config.router_url, limits=limits, timeout=timeout) as client:

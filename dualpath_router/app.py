@@ -46,6 +46,10 @@ from dualpath_router.prompts import REQUEST_ID_HEADER, BadRequest, PromptBuilder
 
 logger = logging.getLogger(__name__)
 
+# How long the router's HTTP server keeps an idle client connection open. A client that keeps connections alive
+# must drop them sooner (dualpath_bench.replay's KEEPALIVE_EXPIRY_S): one sent as the server closes it fails.
+IDLE_KEEP_ALIVE_S = 5
+
 
 def error_response(status: int, message: str, *, err_type: str, param: str | None = None,
                    headers: dict[str, str] | None = None) -> JSONResponse:
@@ -587,7 +591,8 @@ def main(argv: list[str] | None = None) -> None:
     # header waits in h11's buffer, which this caps).
     uvicorn.run(router.build_app(), host=config.host, port=config.port, log_level=args.log_level,
                 http=head_timeout_protocol(config.head_timeout_s, config.max_connections),
-                limit_concurrency=config.max_connections, timeout_keep_alive=5, h11_max_incomplete_event_size=64 << 10)
+                limit_concurrency=config.max_connections, timeout_keep_alive=IDLE_KEEP_ALIVE_S,
+                h11_max_incomplete_event_size=64 << 10)
 
 
 if __name__ == "__main__":
