@@ -10,10 +10,11 @@ once the context passes ``--max-context`` the agent starts a new session.
 
 With ``--check-every N`` every N-th turn of each agent is asked again under a fresh ``cache_salt``: no stored or
 cached KV can serve it, so it is computed from scratch, and it is the reference (:func:`compare_answer`): the
-answer's tokens must equal it with logprobs within ``NEAR_TIE``; a first differing token where both tokens lie
-within ``NEAR_TIE`` of each other in both computations, and of themselves across them, is counted apart (a
-bfloat16 tie either computation may break); anything else is a wrong answer. Once per run a control compares an answer with the reference of the prompt
-with all but its newest tokens changed (another prefix's KV under them): it must be called wrong.
+answer's tokens must equal it with logprobs within ``NEAR_TIE``; a first differing token where each side's token
+is in the other's top ``TOP_LOGPROBS`` and both lie within ``NEAR_TIE`` of each other in both computations, and of
+themselves across them, is counted apart (a bfloat16 tie either computation may break); anything else is a wrong
+answer. Once per run a control compares an answer with the reference of the prompt with all but its newest tokens
+changed (another prefix's KV under them): it must be called wrong.
 Before the first sample, ``--warmup-lengths`` requests of distinct prompt lengths fill vLLM CPU's oneDNN
 primitive caches (:func:`warm_up`).
 With ``--hostile`` the neighbours of ``hostile.py`` misbehave beside the agents for the whole run.

@@ -183,14 +183,11 @@ DE_DEADLINE_S = 90.0
 STORE_IO_TIMEOUT_S = 60.0
 
 
-def _store_refusals(pe) -> int:
-    """DE reads the PE fell back from because the DE's own store read failed (its log line per fallback)."""
-    return pe.log_path.read_text(errors="replace").count(STORE_REFUSAL)
-
-
-def _de_store_abandons(de) -> int:
-    """DE reads for the PE that the DE's store gave up (the DE's log line per rank), answered in time or not."""
-    return de.log_path.read_text(errors="replace").count(DE_STORE_ABANDON)
+def _log_lines(engine, line: str) -> int:
+    """How often ``line`` is in the engine's log: STORE_REFUSAL in the PE's (one per DE read it fell back from
+    because the DE's own store read failed), DE_STORE_ABANDON in the DE's (one per rank's read for the PE that its
+    store gave up, answered in time or not)."""
+    return engine.log_path.read_text(errors="replace").count(line)
 
 
 def _turn_counters_grew(turn: str, names: set[str]) -> bool:
@@ -208,7 +205,7 @@ def test_pd_pair_at_tp2_hands_off_reads_on_either_side_and_splits(cluster, basel
     read_by_de = []  # the turns whose hit the DE read (not excused by a store failure)
     for turn, expected in zip(TURNS, baseline["session"]):
         before = {name: e.metric_total(counter_total_name(name)) for e, name in counters}
-        store_refusals, de_abandons = _store_refusals(pe), _de_store_abandons(de)
+        store_refusals, de_abandons = _log_lines(pe, STORE_REFUSAL), _log_lines(de, DE_STORE_ABANDON)
         if turn == "forged":
             _forge_rank_1_shard(de, versitygw, expected["prompt"])
         proxy = NixlStyleProxy(pe, de, tmp_path / f"proxy-{turn}.log", *flags[turn]).start(timeout_s=120)
@@ -229,12 +226,13 @@ def test_pd_pair_at_tp2_hands_off_reads_on_either_side_and_splits(cluster, basel
             # A DE read may fall back only where the DE's store failed it (its S3 GET hung past the store's
             # io_timeout_s: seen on an idle machine too), never for being late or declined.
             fallbacks = pe.metric_total(counter_total_name("de_read_fallbacks")) - before["de_read_fallbacks"]
-            assert fallbacks >= _store_refusals(pe) - store_refusals
+            assert fallbacks >= _log_lines(pe, STORE_REFUSAL) - store_refusals
             if fallbacks:
                 # The DE's store failed them: in time (the PE names each refusal), or after the PE's deadline (a
                 # DE read that began late on the loaded machine, the suite at 5579def: the DE's log names each,
                 # within the store's io_timeout_s of the read's start).
-                poll(lambda: max(_store_refusals(pe) - store_refusals, _de_store_abandons(de) - de_abandons),
+                poll(lambda: max(_log_lines(pe, STORE_REFUSAL) - store_refusals,
+                                 _log_lines(de, DE_STORE_ABANDON) - de_abandons),
                      lambda failed: failed >= fallbacks, STORE_IO_TIMEOUT_S + 30,
                      f"turn {turn!r}: DE store failures behind {fallbacks} DE read fallbacks; PE: "
                      f"{pe.warning_lines()}\nDE: {de.warning_lines()}")  # fmt: skip
