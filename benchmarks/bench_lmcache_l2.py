@@ -24,9 +24,11 @@ refuses to do without (``make bench-lmcache-l2-tls-rtt`` runs it under ``unshare
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import logging
+import os
 import sys
 import time
 import uuid
@@ -92,7 +94,6 @@ SYSTEM_CA_BUNDLE = "/etc/ssl/certs/ca-certificates.crt"
 
 def trust_in_this_mount_namespace(ca_file: str) -> None:
     """Make ``ca_file`` the system CA bundle for this process only: bind-mounted, in a private mount namespace."""
-    import os
     import subprocess
 
     # The process that started this one (make, a shell) runs in the machine's mount namespace.
@@ -120,14 +121,36 @@ def staging_rate(size: int, total: int) -> float:
     return count * size / (time.perf_counter() - start) / 1e9
 
 
+class CpuMeter:
+    """CPU seconds used so far by the processes a run's figures depend on: this one (the adapter under test, its
+    threads), the relay (when there is one) and the S3 server. All share the machine's cores, so a throughput
+    that stops growing is read against where the CPU went."""
+
+    def __init__(self, server: Any, relay: Any = None) -> None:
+        self.server, self.relay = server, relay
+        self._tick = os.sysconf("SC_CLK_TCK")
+
+    def read(self) -> dict[str, float]:
+        seconds = {"client": time.process_time()}
+        if self.relay is not None:
+            seconds["relay"] = float(self.relay.stats()["cpu_s"])
+        with open(f"/proc/{self.server.proc.pid}/stat") as stat:
+            # utime and stime (fields 14, 15), counted after the command name, which may hold spaces.
+            fields = stat.read().rpartition(")")[2].split()
+        seconds["server"] = (int(fields[11]) + int(fields[12])) / self._tick
+        return seconds
+
+
 class AdapterRun:
     """One adapter at one object size: its bucket, buffers and samples; rounds are run by the caller, so the
     adapters' rounds interleave (A B, then B A, ...) and drift on the machine reaches both alike."""
 
-    def __init__(self, name: str, target: Target, size: int, num_keys: int, variant: dict, kv_ranks: int) -> None:
+    def __init__(self, name: str, target: Target, size: int, num_keys: int, variant: dict, kv_ranks: int,
+                 meter: CpuMeter) -> None:  # fmt: skip
         from lmcache.cli.commands.bench.l2_adapter_bench import data
 
         self.server, self.size, self.num_keys, self.kv_ranks = target.server, size, num_keys, kv_ranks
+        self.meter = meter
         # Each variant of our adapter's store section is an adapter of its own in the table.
         self.name = " ".join([name, *(f"{k}={v}" for k, v in variant.items())])
         self.bucket = f"bench-{name.split('-')[0]}-{uuid.uuid4().hex[:8]}"
@@ -137,6 +160,8 @@ class AdapterRun:
         self.loaded_buf = data.make_aligned_tensor(num_keys * size, 4096)
         self.loaded = data.make_memory_objects(self.loaded_buf, num_keys, size, 0)
         self.samples: dict[str, list[float]] = {op: [] for op in OPS}
+        # CPU seconds per process, summed over the counted rounds' stores and loads.
+        self.cpu_s: dict[str, collections.Counter[str]] = {op: collections.Counter() for op in ("store", "load")}
 
     def round(self, r: int, counted: bool) -> None:
         import torch
@@ -151,11 +176,18 @@ class AdapterRun:
             keys = [dataclasses.replace(key, kv_rank=i % self.kv_ranks) for i, key in enumerate(keys)]
         self.stored_buf.copy_(torch.randint(0, 256, (num_keys * size,), dtype=torch.uint8))
         self.loaded_buf.zero_()
-        results = {
-            "store": runner.bench_store(adapter, 1, num_keys, size, 1, lambda _: [keys], lambda _: [self.stored], quiet),
-            "lookup": runner.bench_lookup(adapter, 1, num_keys, 1, lambda _: [keys], quiet),
-            "load": runner.bench_load(adapter, 1, num_keys, size, 1, lambda _: [keys], lambda _: [self.loaded], quiet),
-        }
+        results, used = {}, {}
+        for op, bench in (
+            ("store", lambda: runner.bench_store(adapter, 1, num_keys, size, 1, lambda _: [keys],
+                                                 lambda _: [self.stored], quiet)),
+            ("lookup", lambda: runner.bench_lookup(adapter, 1, num_keys, 1, lambda _: [keys], quiet)),
+            ("load", lambda: runner.bench_load(adapter, 1, num_keys, size, 1, lambda _: [keys],
+                                               lambda _: [self.loaded], quiet)),
+        ):  # fmt: skip
+            before = self.meter.read()
+            results[op] = bench()
+            after = self.meter.read()
+            used[op] = {who: after[who] - before[who] for who in before}
         adapter.submit_unlock(keys)  # the lookup locked them
         for op, result in results.items():
             if result.timed_out_rounds or result.success_counts != [num_keys]:
@@ -165,6 +197,8 @@ class AdapterRun:
         if counted:
             for op, result in results.items():
                 self.samples[op].append(result.round_durations[0])
+            for op, counter in self.cpu_s.items():
+                counter.update(used[op])
 
     def finish(self) -> dict:
         try:
@@ -186,6 +220,8 @@ class AdapterRun:
             # Spread: the rates of the slowest and the fastest repetition.
             out[f"{op}_chunks_per_s_range"] = [self.num_keys / max(self.samples[op]), self.num_keys / min(self.samples[op])]
             if op != "lookup":
+                moved_mb = self.num_keys * self.size * len(self.samples[op]) / MB
+                out[f"{op}_cpu_ms_per_MB"] = {who: 1000 * cpu / moved_mb for who, cpu in self.cpu_s[op].items()}
                 out[f"{op}_MBps"] = self.num_keys * self.size / seconds / MB
                 out[f"{op}_MBps_range"] = [self.num_keys * self.size / max(self.samples[op]) / MB,
                                            self.num_keys * self.size / min(self.samples[op]) / MB]
@@ -193,10 +229,10 @@ class AdapterRun:
 
 
 def measure(names: list[str], target: Target, size: int, num_keys: int, reps: int, warmup: int,
-            variants: list[dict], kv_ranks: int = 0) -> list[dict]:
+            variants: list[dict], meter: CpuMeter, kv_ranks: int = 0) -> list[dict]:
     """Every adapter at one size (ours once per store-section variant), rounds interleaved: A B C, C B A, ...
     (warm-up rounds first, discarded)."""
-    runs = [AdapterRun(name, target, size, num_keys, variant, kv_ranks) for name in names
+    runs = [AdapterRun(name, target, size, num_keys, variant, kv_ranks, meter) for name in names
             for variant in (variants if name == "dualpath-s3" else [{}])]  # fmt: skip
     try:
         for r in range(warmup + reps):
@@ -208,7 +244,6 @@ def measure(names: list[str], target: Target, size: int, num_keys: int, reps: in
 
 
 def run(args: argparse.Namespace) -> dict:
-    import os
     import secrets
     import tempfile
 
@@ -248,7 +283,7 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"{', '.join(args.adapters)} interleaved: {num_keys} x {human(size)}, store round trip "
                       f"{rtt_ms:g} ms, {args.reps} repetitions ...", file=sys.stderr)  # fmt: skip
                 measured = measure(args.adapters, target, size, num_keys, args.reps, args.warmup, args.variants,
-                                   args.kv_ranks)  # fmt: skip
+                                   CpuMeter(server, relay), args.kv_ranks)  # fmt: skip
                 results += [dict(r, store_rtt_ms=rtt_ms) for r in measured]
         requests = relay.requests() if relay is not None else None
     return {"config": vars(args) | {"chunk_bytes": sizes, "total_bytes": total, "tls": target.ca_file is not None},
@@ -297,7 +332,23 @@ def table(payload: dict) -> str:
             for op in ("store", "load")] for rtt in rtts for size in cfg["chunk_bytes"]]  # fmt: skip
         text += "\n\n" + markdown_table(["store RTT ms", "chunk", "store: ours / LMCache's", "load: ours / LMCache's"],
                                           ratio_rows, "Ours over LMCache's s3 adapter, medians of the same run.")
+    if all("store_cpu_ms_per_MB" in r for r in payload["results"]):
+        text += "\n\n" + cpu_table(payload, adapters, rtts)
     return text
+
+
+def cpu_table(payload: dict, adapters: list[str], rtts: list[float]) -> str:
+    """CPU milliseconds per MB moved, by process: what each adapter costs the machine whatever its rate."""
+    by_key = {(r["adapter"], r["chunk_bytes"], r.get("store_rtt_ms", 0.0)): r for r in payload["results"]}
+    who = list(dict.fromkeys(w for r in payload["results"] for w in r["store_cpu_ms_per_MB"]))
+    rows = [[f"{rtt:g}", human(size), name,
+             *(f"{by_key[(name, size, rtt)][f'{op}_cpu_ms_per_MB'][w]:.2f}" for op in ("store", "load") for w in who)]
+            for rtt in rtts for size in payload["config"]["chunk_bytes"] for name in adapters]  # fmt: skip
+    return markdown_table(
+        ["store RTT ms", "chunk", "adapter", *(f"{op}: {w} CPU ms/MB" for op in ("store", "load") for w in who)], rows,
+        "CPU per MB moved, summed over the counted repetitions' tasks: client = this process (the adapter under "
+        "test and its threads; the other adapter idle), relay = the S3 relay's process, server = the S3 server's "
+        "process; all on the same cores.")  # fmt: skip
 
 
 def chart(payload: dict, path: Path) -> Path | None:

@@ -78,7 +78,7 @@ def add_obj_backend(agent, config: S3StoreConfig, session: boto3.session.Session
         "use_virtual_addressing": "true" if config.addressing_style == "virtual" else "false",
         "num_threads": str(config.io_threads),
         # The plugin's names for the SDK's WHEN_REQUIRED / WHEN_SUPPORTED.
-        "req_checksum": config.request_checksum_calculation.removeprefix("when_"),
+        "req_checksum": config.request_checksum.removeprefix("when_"),
         "resp_checksum": config.response_checksum_validation.removeprefix("when_"),
     }
     if config.access_key is not None:

@@ -61,10 +61,21 @@ class S3StoreConfig:
     io_retry_cap_s: float = 1.0
     # The AWS SDK's own CRC checksums on the payload requests (botocore's names and values): "when_supported"
     # computes one for every PUT and checks one on every GET; "when_required" only where an operation demands
-    # it. Every object carries our integrity trailer, checked before any byte is used, so the default skips
-    # the SDK's (lmcache_l2-checksums.json: loads 1.3x, stores 1.1x at 2 and 8 MiB objects).
-    request_checksum_calculation: Literal["when_supported", "when_required"] = "when_required"
+    # it. Every object carries our integrity trailer, checked before any byte is used, so GETs skip the SDK's
+    # (lmcache_l2-checksums.json: loads 1.3x at 2 and 8 MiB objects). A PUT's body is covered either way: NIXL
+    # OBJ's SDK signs it with its SHA-256 (when_required), or, over https only, sends it unsigned with a CRC64
+    # trailer (when_supported), which costs the client and the server less CPU than the SHA-256
+    # (lmcache_l2-tls-checksums.json). Unset (None): when_supported over https, when_required over http, where
+    # the SDK signs the body anyway (:attr:`request_checksum`).
+    request_checksum_calculation: Literal["when_supported", "when_required"] | None = None
     response_checksum_validation: Literal["when_supported", "when_required"] = "when_required"
+
+    @property
+    def request_checksum(self) -> str:
+        """``request_checksum_calculation`` as NIXL OBJ's SDK gets it: the configured value, else by the scheme."""
+        if self.request_checksum_calculation is not None:
+            return self.request_checksum_calculation
+        return "when_required" if (self.endpoint or "").startswith("http://") else "when_supported"
 
     def validate(self) -> None:
         if not 3 <= len(self.bucket) <= 63:
@@ -82,9 +93,11 @@ class S3StoreConfig:
         if not 0 <= self.io_retry_base_s <= self.io_retry_cap_s <= 60:
             raise ConfigError("store.io_retry_base_s and store.io_retry_cap_s must satisfy 0 <= base <= cap <= 60 "
                               f"(seconds), got {self.io_retry_base_s} and {self.io_retry_cap_s}")
-        for name in ("request_checksum_calculation", "response_checksum_validation"):
-            if getattr(self, name) not in ("when_supported", "when_required"):
-                raise ConfigError(f"store.{name} must be when_supported or when_required, got {getattr(self, name)!r}")
+        # request_checksum_calculation may also be left unset (chosen by the endpoint's scheme).
+        for name, value in (("request_checksum_calculation", self.request_checksum),
+                            ("response_checksum_validation", self.response_checksum_validation)):  # fmt: skip
+            if value not in ("when_supported", "when_required"):
+                raise ConfigError(f"store.{name} must be when_supported or when_required, got {value!r}")
 
 
 class UntrustedServer(ConfigError):

@@ -205,8 +205,9 @@ def nixl_obj_writes(gateway, seed: int, **section) -> tuple[list[bool], list[str
 
 
 # The AWS C++ SDK's default: a CRC64 trailer on every PUT, sent as an aws-chunked body the signature does not
-# cover (STREAMING-UNSIGNED-PAYLOAD-TRAILER); the s3 store's default ("when_required") signs the body instead.
+# cover (STREAMING-UNSIGNED-PAYLOAD-TRAILER), the s3 store's default over https; "when_required" signs the body.
 UNSIGNED_BODY = {"request_checksum_calculation": "when_supported"}
+SIGNED_BODY = {"request_checksum_calculation": "when_required"}
 
 
 def test_a_put_the_signature_does_not_cover_is_refused_unless_allowed_over_tls(gateway, root, tmp_path):
@@ -217,7 +218,7 @@ def test_a_put_the_signature_does_not_cover_is_refused_unless_allowed_over_tls(g
         written, keys, _ = nixl_obj_writes(process, 11, **UNSIGNED_BODY)
         assert written == [False, False] and not any((root / key).exists() for key in keys)
         assert "PUT here needs x-amz-content-sha256: the body's SHA-256" in process.log_text()
-        written, keys, objects = nixl_obj_writes(process, 12)
+        written, keys, objects = nixl_obj_writes(process, 12, **SIGNED_BODY)
         assert written == [True, True] and (root / keys[0]).read_bytes() == objects[0].tobytes()
     finally:
         process.stop()

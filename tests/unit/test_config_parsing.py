@@ -258,6 +258,29 @@ def test_the_sdk_checksum_settings_reach_nixl_obj(monkeypatch, value):
     assert (created["req_checksum"], created["resp_checksum"]) == (value.removeprefix("when_"),) * 2
 
 
+@pytest.mark.parametrize("endpoint,sent", [
+    ("http://127.0.0.1:8333", "required"),  # the SDK signs the body over http whatever: no CRC on top
+    ("https://s3.example.internal", "supported"),  # unsigned body with a CRC64 trailer instead of its SHA-256
+    (None, "supported"),  # AWS S3 itself, over https
+])
+def test_put_checksums_follow_the_endpoints_scheme_unless_set(monkeypatch, endpoint, sent):
+    config = parse_store_config(_s3(endpoint=endpoint))
+    assert _obj_params(monkeypatch, config)["req_checksum"] == sent
+    pinned = parse_store_config(_s3(endpoint=endpoint, request_checksum_calculation="when_required"))
+    assert _obj_params(monkeypatch, pinned)["req_checksum"] == "required"
+
+
+@pytest.mark.parametrize("s3_endpoint,sent", [
+    ("https://gw.internal:9100", "when_required"),  # PUTs through the gateway: it refuses unsigned bodies
+    ("https://gw.internal:9100/", "when_required"),
+    ("https://s3.internal", "when_supported"),  # PUTs to the bucket's own store
+])
+def test_an_s3agg_store_signs_put_bodies_it_sends_through_its_gateway(s3_endpoint, sent):
+    config = parse_store_config({"backend": "s3agg", "gateway": "https://gw.internal:9100",
+                                 "s3": {"bucket": "my-bucket", "endpoint": s3_endpoint}})  # fmt: skip
+    assert config.s3_config.request_checksum == sent
+
+
 def _obj_params(monkeypatch, config) -> dict:
     """What add_obj_backend hands NIXL OBJ for ``config``, the AWS chain holding temporary credentials."""
     from nixl_backends import obj_backend
