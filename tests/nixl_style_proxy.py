@@ -44,6 +44,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 TIMEOUT_S = 600.0
+ENGINE_KEEPALIVE_EXPIRY_S = 2.0
 
 
 # Sampling fields a one-token prefill must not carry: vLLM refuses a min_tokens above max_tokens.
@@ -65,7 +66,9 @@ def rehosted(params: dict | None, url: str) -> dict | None:
 
 
 def app(prefills: list[str], decodes: list[str], extra_params: dict, mode: str = "pull") -> Starlette:
-    client = httpx.AsyncClient(timeout=TIMEOUT_S)
+    # The engines' uvicorn closes an idle connection at 5 s (VLLM_HTTP_TIMEOUT_KEEP_ALIVE), httpx keeps one 5 s
+    # by default: a request sent on a connection as the engine closes it fails unanswered. Drop them first.
+    client = httpx.AsyncClient(timeout=TIMEOUT_S, limits=httpx.Limits(keepalive_expiry=ENGINE_KEEPALIVE_EXPIRY_S))
     next_prefill, next_decode = itertools.cycle(prefills), itertools.cycle(decodes)
     # multiturn: conversation id -> its decode engine's last kv_transfer_params (taken once, as there).
     conversations: dict[str, dict] = {}
