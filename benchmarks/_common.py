@@ -154,7 +154,7 @@ def start_side_by_side(servers: list, timeout_s: float) -> None:
 
 @contextlib.contextmanager
 def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None = None,
-               relays: list | None = None):  # fmt: skip
+               relays: list | None = None, gateways: list | None = None):  # fmt: skip
     """SeaweedFS and vLLM servers with the connector on it, all healthy; stopped on exit.
 
     ``servers`` maps a label to ``VLLMServer`` keyword arguments (``extra``,
@@ -167,7 +167,7 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
     ``relays``: given a list, the engines reach the store (and the gateway) through
     :class:`~dualpath_dev.s3_relay.S3Relay` instances, appended to it, whose ``delay_s`` the caller sets:
     a store and a gateway across a network; the gateway reaches the store directly, as it would run
-    beside it.
+    beside it. ``gateways``: given a list, the gateway started here is appended to it (its /metrics).
     """
     from dualpath_dev.engines import CONFIGS, VLLMServer
     from dualpath_dev.s3_relay import S3Relay
@@ -204,6 +204,8 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
                     if gateway is None:
                         gateway = _start_gateway(s3, section["bucket"], args.workdir,
                                                  getattr(args, "gateway_min_read_bytes", None))
+                        if gateways is not None:
+                            gateways.append(gateway)
                         gateway_endpoint = relayed(gateway.url)
                     section = {"backend": "s3agg", "gateway": gateway_endpoint, "s3": section}
                 kwargs = {**kwargs, "extra": {**kwargs.get("extra", {}), "store": section}}

@@ -39,6 +39,7 @@ import argparse
 import random
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -62,7 +63,7 @@ from _common import (  # noqa: E402
     vllm_stack,
 )
 
-from dualpath_connector.protocol import metric_totals  # noqa: E402
+from dualpath_connector.protocol import metric_samples, metric_totals  # noqa: E402
 from dualpath_dev.engines import VLLMServer, cached_tokens  # noqa: E402
 
 S3AGG = "s3agg-layerwise"  # layerwise, the hit arriving layer by layer through s3agg-gateway (ObjectCache)
@@ -81,13 +82,27 @@ DELTAS = {
 }
 
 
+# The gateway's time per phase of a request (its /metrics, by phase), summed over the requests of a sample.
+GATEWAY_PHASES = ("storage_read", "delivery", "total")
+
+
 def delta(before: dict[str, float], after: dict[str, float], name: str) -> float | None:
     return after[name] - before.get(name, 0.0) if name in after else None
 
 
+def gateway_phases(gateway) -> dict[str, float]:
+    """Seconds the gateway spent so far in each phase of its requests, summed over them."""
+    with urllib.request.urlopen(f"{gateway.url}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {labels["phase"]: value for name, labels, value in metric_samples(text)
+            if name == "s3agg_request_phase_seconds_sum"}  # fmt: skip
+
+
 class Bench:
-    def __init__(self, servers: dict[str, VLLMServer], chunk_tokens: int, args: argparse.Namespace) -> None:
+    def __init__(self, servers: dict[str, VLLMServer], chunk_tokens: int, args: argparse.Namespace,
+                 gateway=None) -> None:  # fmt: skip
         self.servers = servers
+        self.gateway = gateway
         self.chunk_tokens = chunk_tokens
         self.args = args
         self.rng = random.Random(args.seed)
@@ -109,17 +124,22 @@ class Bench:
         ``stored_before``: tokens of ``prompt`` whose chunks are in the store already.
         """
         server = self.servers[mode]
+        gateway = self.gateway if mode == S3AGG else None
         before = metric_totals(server.metrics_text())
+        phases_before = gateway_phases(gateway) if gateway else {}
         ttft, _, usage = server.complete(prompt, 1, self.args.request_timeout)
         save = self.waiters[mode].wait(self.chunks(len(prompt)) - self.chunks(stored_before))
         watched = [DELTAS["loads"], DELTAS["layer_steps"]] if mode in LAYERWISE else [DELTAS["loads"]]
         after = self.settled(server, before, watched if stored_before and mode in MODES else [])
+        # The gateway's request ended with its last WRITE, before the engine's timings settled above.
+        phases = gateway_phases(gateway) if gateway else {}
         return {
             "server": mode,
             "ttft_s": ttft,
             "cached_tokens": cached_tokens(usage),
             "prompt_tokens": len(prompt),
             **{key: delta(before, after, name) for key, name in DELTAS.items()},
+            **{f"gateway_{phase}_s": delta(phases_before, phases, phase) for phase in GATEWAY_PHASES},
             "save": save,
         }
 
@@ -190,6 +210,10 @@ def summarize(length: int, stored: int, samples: dict[str, list[dict]]) -> dict:
         "layer_wait_ms_median": {mode: median([s["layer_wait_s"] for s in stalls[mode]]) * 1000
                                  if stalls[mode] else None for mode in LAYERWISE},
         "layer_hidden_fraction": hidden,
+        # What the gateway itself took for s3agg's hits: reading the objects from the store, and in all.
+        "gateway_ms_median": {phase: median([s[f"gateway_{phase}_s"] for s in full[S3AGG]]) * 1000
+                              for phase in GATEWAY_PHASES if all(s.get(f"gateway_{phase}_s") is not None
+                                                                 for s in full[S3AGG])},
         "full_hits": {mode: f"{len(full[mode])}/{len(samples[mode])}" for mode in SERVERS},
         "samples": samples,
     }
@@ -203,8 +227,10 @@ def run(args: argparse.Namespace) -> dict:
     stack[S3AGG] = {"extra": {"load_mode": "layerwise"}, "s3agg": True}
     stack[LOCAL] = {"vllm_args": ["--enable-prefix-caching"]}
     relays: list | None = [] if args.store_rtt_ms else None
-    with vllm_stack(args, "bench-injection", stack, {"io_timeout_s": args.store_io_timeout}, relays) as servers:
-        bench = Bench(servers, chunk_tokens(servers["bulk"]), args)
+    gateways: list = []
+    with vllm_stack(args, "bench-injection", stack, {"io_timeout_s": args.store_io_timeout}, relays,
+                    gateways) as servers:  # fmt: skip
+        bench = Bench(servers, chunk_tokens(servers["bulk"]), args, gateways[0])
 
         if args.warmup:
             # First requests pay one-time costs (kernels, NIXL OBJ connections): one repetition, discarded.
@@ -250,6 +276,8 @@ def table(payload: dict) -> str:
             *("n/a" if r["layer_hidden_fraction"][mode] is None else f"{r['layer_hidden_fraction'][mode]:.0%}"
               for mode in LAYERWISE),
             ", ".join(r["full_hits"][mode] for mode in (LOCAL, *MODES)),
+            *(ms(None if phase not in r.get("gateway_ms_median", {}) else r["gateway_ms_median"][phase] / 1000)
+              for phase in GATEWAY_PHASES),
         ]
         for r in payload["results"]
     ]
@@ -271,7 +299,9 @@ def table(payload: dict) -> str:
         f"bulk mode). layerwise wait: the forward's time in wait_for_layer_load per request "
         f"(dualpath_kv:layer_wait_seconds); hidden: 1 - sum(wait) / sum(layerwise load time) "
         f"(dualpath_kv:layer_load_seconds), n/a where the connector does not export them. full hits: samples that "
-        f"got the whole hit, the only ones in the medians (a failed load is recomputed)."
+        f"got the whole hit, the only ones in the medians (a failed load is recomputed). gateway storage_read / "
+        f"delivery / total ms: what s3agg-gateway itself took per {S3AGG} hit (its s3agg_request_phase_seconds): "
+        f"reading the chunk objects from the store, writing the layers to the engine, the request in all."
     )
     if rtt:
         caption += (f" Store RTT: every request from an engine to S3 (and to the gateway) waited this long in a relay "
@@ -281,7 +311,8 @@ def table(payload: dict) -> str:
     headers = [*(["store RTT ms"] if rtt else []), "prompt tokens", "stored tokens", "recompute TTFT ms", "all-local TTFT ms",
                *(f"{mode} TTFT ms" for mode in MODES), *(f"{mode} / all-local" for mode in MODES),
                *(f"{mode} load ms" for mode in MODES), *(f"{mode} wait ms" for mode in LAYERWISE),
-               *(f"{mode} hidden" for mode in LAYERWISE), f"full hits ({', '.join((LOCAL, *MODES))})"]
+               *(f"{mode} hidden" for mode in LAYERWISE), f"full hits ({', '.join((LOCAL, *MODES))})",
+               *(f"gateway {phase} ms" for phase in GATEWAY_PHASES)]
     return markdown_table(headers, rows, caption)
 
 
