@@ -28,7 +28,9 @@ as deltas over each request: ``dualpath_kv:layer_wait_seconds`` (time the forwar
 in ``wait_for_layer_load``, per step summed over layers) and ``dualpath_kv:layer_load_seconds``
 (per step, the time its layerwise loads took on their own, first copy to last); the table
 gives layerwise's median wait per request and the hidden fraction 1 - sum(wait) / sum(load),
-"n/a" where the connector does not export them. Medians go to a
+"n/a" where the connector does not export them. Around each s3agg hit the gateway's own
+/metrics give its time per phase (``s3agg_request_phase_seconds``: reading the objects from
+the store, delivering the layers, the request in all). Medians go to a
 markdown table and ``benchmarks/results/injection.json`` (and ``injection.png`` when
 matplotlib is importable).
 """

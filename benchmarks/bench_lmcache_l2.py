@@ -4,6 +4,8 @@ Both adapters are driven by LMCache's own ``lmcache bench l2`` runners (``bench_
 ``bench_load``: one producer submits a task of N keys, waits on the adapter's eventfd) on the same
 SeaweedFS, for each object (chunk) size; every repetition stores fresh keys, looks them up, loads them into
 zeroed buffers and checks the bytes against what was stored (no figure is ever reported for wrong data).
+Around every store and load it also counts CPU seconds per MB moved by process (this one with the adapter under
+test, the relay, the S3 server): on a few shared cores a rate swings by more than CPU per MB does.
 
 Why our own harness around LMCache's runners and not the ``lmcache bench l2`` command: the built-in s3
 adapter only speaks virtual-hosted addressing (``s3_endpoint`` is the Host header, ``<bucket>.<host>``),
