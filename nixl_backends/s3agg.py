@@ -188,11 +188,21 @@ class S3AggStoreConfig:
         s3 = dict(self.s3)
         if s3.pop("backend", "s3") != "s3":
             raise ConfigError(f"store.s3.backend must be 's3', got {self.s3.get('backend')!r}")
-        if s3.get("request_checksum_calculation") is None and urlsplit(str(s3.get("endpoint")))[:2] == parts[:2]:
+        if s3.get("request_checksum_calculation") is None and _origin(str(s3.get("endpoint"))) == _origin(self.gateway):
             # PUTs through the gateway itself (the endpoint of a POSIX-backed one): by default it refuses a body
             # the signature does not cover (its allow_unsigned_payload), so the SDK signs the body.
             s3["request_checksum_calculation"] = "when_required"
         self.s3_config = from_dict(S3StoreConfig, s3, "store.s3.")
+
+
+def _origin(url: str) -> tuple[str, str | None, int | None]:
+    """Scheme, host (lower case) and port (the scheme's default if none) of ``url``: where its requests go."""
+    parts = urlsplit(url)
+    try:
+        port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    except ValueError:  # a port that is no number: validated elsewhere, matches nothing here
+        port = None
+    return parts.scheme, parts.hostname, port
 
 
 @dataclass

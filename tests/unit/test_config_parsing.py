@@ -273,12 +273,18 @@ def test_put_checksums_follow_the_endpoints_scheme_unless_set(monkeypatch, endpo
 @pytest.mark.parametrize("s3_endpoint,sent", [
     ("https://gw.internal:9100", "when_required"),  # PUTs through the gateway: it refuses unsigned bodies
     ("https://gw.internal:9100/", "when_required"),
+    ("https://GW.internal:9100", "when_required"),
+    ("http://gw.internal:9100", "when_required"),  # http: signed whatever
+    ("https://gw.internal", "when_supported"),  # port 443: another endpoint on that host
     ("https://s3.internal", "when_supported"),  # PUTs to the bucket's own store
 ])
 def test_an_s3agg_store_signs_put_bodies_it_sends_through_its_gateway(s3_endpoint, sent):
     config = parse_store_config({"backend": "s3agg", "gateway": "https://gw.internal:9100",
                                  "s3": {"bucket": "my-bucket", "endpoint": s3_endpoint}})  # fmt: skip
     assert config.s3_config.request_checksum == sent
+    default_port = parse_store_config({"backend": "s3agg", "gateway": "https://gw.internal",
+                                       "s3": {"bucket": "my-bucket", "endpoint": "https://gw.internal:443"}})
+    assert default_port.s3_config.request_checksum == "when_required"
 
 
 def _obj_params(monkeypatch, config) -> dict:
