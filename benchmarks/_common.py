@@ -154,7 +154,7 @@ def start_side_by_side(servers: list, timeout_s: float) -> None:
 
 @contextlib.contextmanager
 def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None = None,
-               relays: list | None = None, gateways: list | None = None):  # fmt: skip
+               relays: list | None = None, services: dict | None = None):  # fmt: skip
     """SeaweedFS and vLLM servers with the connector on it, all healthy; stopped on exit.
 
     ``servers`` maps a label to ``VLLMServer`` keyword arguments (``extra``,
@@ -167,7 +167,8 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
     ``relays``: given a list, the engines reach the store (and the gateway) through
     :class:`~dualpath_dev.s3_relay.S3Relay` instances, appended to it, whose ``delay_s`` the caller sets:
     a store and a gateway across a network; the gateway reaches the store directly, as it would run
-    beside it. ``gateways``: given a list, the gateway started here is appended to it (its /metrics).
+    beside it. ``services``: given a dict, the S3 server and the gateway started here are put in it under
+    ``"s3"`` and ``"gateway"`` (their /metrics, their processes).
     """
     from dualpath_dev.engines import CONFIGS, VLLMServer
     from dualpath_dev.s3_relay import S3Relay
@@ -192,6 +193,8 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
     try:
         s3 = SeaweedFS().start()
         print(f"S3 (SeaweedFS) on {s3.endpoint}", file=sys.stderr)
+        if services is not None:
+            services["s3"] = s3
         store_endpoint = relayed(s3.endpoint)
         gateway_endpoint = None
         for label, kwargs in servers.items():
@@ -204,8 +207,8 @@ def vllm_stack(args, log_stem: str, servers: dict[str, dict], store: dict | None
                     if gateway is None:
                         gateway = _start_gateway(s3, section["bucket"], args.workdir,
                                                  getattr(args, "gateway_min_read_bytes", None))
-                        if gateways is not None:
-                            gateways.append(gateway)
+                        if services is not None:
+                            services["gateway"] = gateway
                         gateway_endpoint = relayed(gateway.url)
                     section = {"backend": "s3agg", "gateway": gateway_endpoint, "s3": section}
                 kwargs = {**kwargs, "extra": {**kwargs.get("extra", {}), "store": section}}

@@ -38,11 +38,15 @@ matplotlib is importable).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import random
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
@@ -100,11 +104,32 @@ def gateway_phases(gateway) -> dict[str, float]:
             if name == "s3agg_request_phase_seconds_sum"}  # fmt: skip
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) used so far by process ``pid`` and its live descendants (this process: itself
+    only, as the services are its children)."""
+    try:
+        root = psutil.Process(pid)
+        tree = [root] if pid == os.getpid() else [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for process in tree:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = process.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 class Bench:
     def __init__(self, servers: dict[str, VLLMServer], chunk_tokens: int, args: argparse.Namespace,
-                 gateway=None) -> None:  # fmt: skip
+                 services: dict) -> None:  # fmt: skip
         self.servers = servers
-        self.gateway = gateway
+        self.gateway = services["gateway"]
+        # Whose CPU a request's time went to: every engine (its process tree), SeaweedFS, the gateway, and this
+        # process (the script and the relays, which run on its threads).
+        self.cpu_pids = {**{mode: server.proc.pid for mode, server in servers.items()},
+                         "seaweedfs": services["s3"].proc.pid, "gateway": self.gateway.proc.pid,
+                         "bench+relays": os.getpid()}  # fmt: skip
         self.chunk_tokens = chunk_tokens
         self.args = args
         self.rng = random.Random(args.seed)
@@ -129,7 +154,9 @@ class Bench:
         gateway = self.gateway if mode == S3AGG else None
         before = metric_totals(server.metrics_text())
         phases_before = gateway_phases(gateway) if gateway else {}
+        cpu_before = {name: tree_cpu_s(pid) for name, pid in self.cpu_pids.items()}
         ttft, _, usage = server.complete(prompt, 1, self.args.request_timeout)
+        cpu = {name: tree_cpu_s(pid) - cpu_before[name] for name, pid in self.cpu_pids.items()}
         save = self.waiters[mode].wait(self.chunks(len(prompt)) - self.chunks(stored_before))
         watched = [DELTAS["loads"], DELTAS["layer_steps"]] if mode in LAYERWISE else [DELTAS["loads"]]
         after = self.settled(server, before, watched if stored_before and mode in MODES else [])
@@ -142,6 +169,8 @@ class Bench:
             "prompt_tokens": len(prompt),
             **{key: delta(before, after, name) for key, name in DELTAS.items()},
             **{f"gateway_{phase}_s": delta(phases_before, phases, phase) for phase in GATEWAY_PHASES},
+            # CPU seconds each process (tree) used from sending the request to its first token.
+            "cpu_s": cpu,
             "save": save,
         }
 
@@ -217,6 +246,9 @@ def summarize(length: int, stored: int, samples: dict[str, list[dict]]) -> dict:
                               for phase in GATEWAY_PHASES if all(s.get(f"gateway_{phase}_s") is not None
                                                                  for s in full[S3AGG])},
         "full_hits": {mode: f"{len(full[mode])}/{len(samples[mode])}" for mode in SERVERS},
+        # Per server: the median CPU seconds each process took while that server's requests waited for a token.
+        "cpu_s_median": {mode: {name: median([s["cpu_s"][name] for s in full[mode]]) for name in full[mode][0]["cpu_s"]}
+                         for mode in SERVERS if full[mode] and all("cpu_s" in s for s in full[mode])},
         "samples": samples,
     }
 
@@ -229,10 +261,10 @@ def run(args: argparse.Namespace) -> dict:
     stack[S3AGG] = {"extra": {"load_mode": "layerwise"}, "s3agg": True}
     stack[LOCAL] = {"vllm_args": ["--enable-prefix-caching"]}
     relays: list | None = [] if args.store_rtt_ms else None
-    gateways: list = []
+    services: dict = {}
     with vllm_stack(args, "bench-injection", stack, {"io_timeout_s": args.store_io_timeout}, relays,
-                    gateways) as servers:  # fmt: skip
-        bench = Bench(servers, chunk_tokens(servers["bulk"]), args, gateways[0])
+                    services) as servers:  # fmt: skip
+        bench = Bench(servers, chunk_tokens(servers["bulk"]), args, services)
 
         if args.warmup:
             # First requests pay one-time costs (kernels, NIXL OBJ connections): one repetition, discarded.
@@ -315,7 +347,24 @@ def table(payload: dict) -> str:
                *(f"{mode} load ms" for mode in MODES), *(f"{mode} wait ms" for mode in LAYERWISE),
                *(f"{mode} hidden" for mode in LAYERWISE), f"full hits ({', '.join((LOCAL, *MODES))})",
                *(f"gateway {phase} ms" for phase in GATEWAY_PHASES)]
-    return markdown_table(headers, rows, caption)
+    return markdown_table(headers, rows, caption) + cpu_table(payload)
+
+
+def cpu_table(payload: dict) -> str:
+    """Where the CPU went while each server's requests waited for their token (medians), when measured."""
+    rows = [[*([f"{r['store_rtt_ms']:g}"] if payload["config"].get("store_rtt_ms") else []), r["prompt_tokens"], mode,
+             f"{r['ttft_ms_median'][mode]:.0f}", *(f"{seconds:.2f}" for seconds in cpu.values())]
+            for r in payload["results"] for mode, cpu in r.get("cpu_s_median", {}).items()]  # fmt: skip
+    if not rows:
+        return ""
+    names = list(next(iter(next(r for r in payload["results"] if r.get("cpu_s_median"))["cpu_s_median"].values())))
+    headers = [*(["store RTT ms"] if payload["config"].get("store_rtt_ms") else []), "prompt tokens", "request on",
+               "TTFT ms", *(f"{name} CPU s" for name in names)]
+    caption = ("CPU seconds each process took from a request's send to its first token (medians over the full "
+               "hits), by the server the request went to: every engine is its process tree (API server, engine "
+               "core, worker), bench+relays is this script with the relays on its threads. Two cores give at most "
+               "2 s of CPU per second.")
+    return "\n\n" + markdown_table(headers, rows, caption)
 
 
 def chart(payload: dict, path: Path) -> Path | None:
