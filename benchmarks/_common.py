@@ -17,6 +17,25 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
 
 
+def tree_cpu_s(pid: int, descendants: bool = True) -> float:
+    """CPU seconds (user + system) of a process and (``descendants``) its live descendants so far; 0 for what is
+    gone. A benchmark counting its own process passes ``descendants=False``: the services it started are its
+    children."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)] if descendants else [root]
+    except psutil.NoSuchProcess:
+        return 0.0
+    total = 0.0
+    for proc in procs:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            times = proc.cpu_times()
+            total += times.user + times.system
+    return total
+
+
 def median(values: Sequence[float]) -> float:
     return statistics.median(values) if values else float("nan")
 

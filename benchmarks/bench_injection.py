@@ -38,15 +38,12 @@ matplotlib is importable).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import random
 import sys
 import time
 import urllib.request
 from pathlib import Path
-
-import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
@@ -66,6 +63,7 @@ from _common import (  # noqa: E402
     set_store_rtt,
     size_label,
     store_traffic,
+    tree_cpu_s,
     vllm_stack,
 )
 
@@ -104,22 +102,6 @@ def gateway_phases(gateway) -> dict[str, float]:
             if name == "s3agg_request_phase_seconds_sum"}  # fmt: skip
 
 
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) used so far by process ``pid`` and its live descendants (this process: itself
-    only, as the services are its children)."""
-    try:
-        root = psutil.Process(pid)
-        tree = [root] if pid == os.getpid() else [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    total = 0.0
-    for process in tree:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            times = process.cpu_times()
-            total += times.user + times.system
-    return total
-
-
 class Bench:
     def __init__(self, servers: dict[str, VLLMServer], chunk_tokens: int, args: argparse.Namespace,
                  services: dict) -> None:  # fmt: skip
@@ -145,6 +127,10 @@ class Bench:
         """The stored part of an L-token prompt: ``--hit-fraction`` of it, rounded down to whole chunks."""
         return self.chunks(int(length * self.args.hit_fraction)) * self.chunk_tokens
 
+    def cpu_seconds(self) -> dict[str, float]:
+        # The script's own process without its children: the services are those.
+        return {name: tree_cpu_s(pid, descendants=pid != os.getpid()) for name, pid in self.cpu_pids.items()}
+
     def send(self, mode: str, prompt: list[int], stored_before: int) -> dict:
         """One timed request on ``mode``'s server; then waits for the saves it caused and its load's timings.
 
@@ -154,9 +140,9 @@ class Bench:
         gateway = self.gateway if mode == S3AGG else None
         before = metric_totals(server.metrics_text())
         phases_before = gateway_phases(gateway) if gateway else {}
-        cpu_before = {name: tree_cpu_s(pid) for name, pid in self.cpu_pids.items()}
+        cpu_before = self.cpu_seconds()
         ttft, _, usage = server.complete(prompt, 1, self.args.request_timeout)
-        cpu = {name: tree_cpu_s(pid) - cpu_before[name] for name, pid in self.cpu_pids.items()}
+        cpu = {name: seconds - cpu_before[name] for name, seconds in self.cpu_seconds().items()}
         save = self.waiters[mode].wait(self.chunks(len(prompt)) - self.chunks(stored_before))
         watched = [DELTAS["loads"], DELTAS["layer_steps"]] if mode in LAYERWISE else [DELTAS["loads"]]
         after = self.settled(server, before, watched if stored_before and mode in MODES else [])

@@ -43,7 +43,15 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # dualpath_dev: the checkout's dev scaffolding
-from _common import bar_chart, environment, exit_on_sigterm, markdown_table, median, run_and_report  # noqa: E402
+from _common import (  # noqa: E402
+    bar_chart,
+    environment,
+    exit_on_sigterm,
+    markdown_table,
+    median,
+    run_and_report,
+    tree_cpu_s,
+)
 
 from dualpath_connector.cli import parse_size  # noqa: E402
 
@@ -130,16 +138,13 @@ class CpuMeter:
 
     def __init__(self, server: Any, relay: Any = None) -> None:
         self.server, self.relay = server, relay
-        self._tick = os.sysconf("SC_CLK_TCK")
 
     def read(self) -> dict[str, float]:
-        seconds = {"client": time.process_time()}
+        # This process without its children (the server and the relay are those).
+        seconds = {"client": tree_cpu_s(os.getpid(), descendants=False)}
         if self.relay is not None:
             seconds["relay"] = float(self.relay.stats()["cpu_s"])
-        with open(f"/proc/{self.server.proc.pid}/stat") as stat:
-            # utime and stime (fields 14, 15), counted after the command name, which may hold spaces.
-            fields = stat.read().rpartition(")")[2].split()
-        seconds["server"] = (int(fields[11]) + int(fields[12])) / self._tick
+        seconds["server"] = tree_cpu_s(self.server.proc.pid)
         return seconds
 
 

@@ -55,6 +55,7 @@ from _common import (  # noqa: E402
     run_and_report,
     save_figure,
     start_side_by_side,
+    tree_cpu_s,
 )
 
 from dualpath_dev.s3_relay import S3RelayProcess  # noqa: E402
@@ -152,23 +153,6 @@ def percentile(values: list[float], q: float) -> float:
     low = int(pos)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
-
-
-def tree_cpu_s(pid: int) -> float:
-    """CPU seconds (user + system) of a process and its children so far; 0 for what is gone."""
-    import psutil
-
-    total = 0.0
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return 0.0
-    for proc in procs:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            times = proc.cpu_times()
-            total += times.user + times.system
-    return total
 
 
 # --- the benchmark -------------------------------------------------------------------------------------------------
